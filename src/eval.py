@@ -1,0 +1,58 @@
+"""Test a checkpoint: python src/eval.py ckpt_path=<path/to/file.ckpt> [key=value ...]
+
+The model config comes from the checkpoint (the weights define the architecture), and so does the
+data config unless you choose one (data=... or data.<key>=...).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # `python src/eval.py` works without `pip install -e .`
+
+from hpctrain import cluster, console, outputs  # noqa: E402
+from hpctrain.config_checks import check_config  # noqa: E402
+from hpctrain.errors import reported_as_one_sentence  # noqa: E402
+from hpctrain.resolvers import register_resolvers  # noqa: E402
+
+register_resolvers(ROOT)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
+def main(cfg: DictConfig) -> dict[str, float]:
+    with reported_as_one_sentence():
+        check_config(cfg)
+        checkpoint = outputs.existing_checkpoint(cfg.get("ckpt_path"))
+        cluster.preflight(cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator)
+        run_dir = HydraConfig.get().runtime.output_dir
+
+        from hpctrain import build, launch
+        from hpctrain.evaluation import config_from_checkpoint
+
+        cfg = config_from_checkpoint(cfg, checkpoint, HydraConfig.get().overrides.task)
+        console.apply_extras(cfg)
+        build.seed_everything(cfg.seed)
+        datamodule = build.datamodule(cfg)
+        datamodule.check_available()
+        model = build.model(cfg)
+        trainer = build.trainer(cfg, run_dir)
+        if cluster.is_rank_zero():
+            outputs.write_run_record(cfg, run_dir, list(HydraConfig.get().overrides.task), ROOT)
+        try:
+            trainer.test(model, datamodule, ckpt_path=str(checkpoint), weights_only=True)
+        finally:
+            launch.end_distributed_job(trainer)
+
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        console.report(run_dir, metrics, None)
+        return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""How this process was launched, and whether that agrees with the trainer config.
+
+Launchers, in the order they are recognised:
+  torchrun     -- torchrun / torch.distributed.run started every process (RANK, LOCAL_WORLD_SIZE, ...)
+  slurm        -- an `srun` step of a SLURM job started every process (SLURM_STEP_ID, SLURM_PROCID, ...)
+  slurm-batch  -- python runs in the sbatch script (or salloc shell) itself, outside any srun step
+  child        -- a process that Lightning's local launcher started for local rank > 0
+  local        -- a plain `python src/train.py`; Lightning starts the other local ranks itself
+
+This is the only module that reads cluster environment variables. It imports neither torch nor
+Lightning, so `preflight` answers in milliseconds, before any heavy import or process group: a
+mismatch is one sentence and an exit, never a hang in "Initializing distributed".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from hpctrain.errors import UserError
+
+TORCHRUN, SLURM, SLURM_BATCH, CHILD, LOCAL = "torchrun", "slurm", "slurm-batch", "child", "local"
+GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def launcher(env: Mapping[str, str] | None = None) -> str:
+    """Who started this process (see the module docstring)."""
+    env = _env(env)
+    if all(key in env for key in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")):
+        return TORCHRUN
+    if "SLURM_JOB_ID" in env:
+        return SLURM if "SLURM_STEP_ID" in env else SLURM_BATCH
+    if env.get("LOCAL_RANK", "0") != "0":
+        return CHILD
+    return LOCAL
+
+
+def is_rank_zero(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is global rank 0, decided from the environment alone (before torch)."""
+    env = _env(env)
+    kind = launcher(env)
+    if kind == TORCHRUN:
+        return env["RANK"] == "0"
+    if kind == SLURM:
+        return env.get("SLURM_PROCID", "0") == "0"
+    return env.get("LOCAL_RANK", "0") == "0" and env.get("NODE_RANK", "0") == "0"
+
+
+def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The id `scontrol requeue` takes: `<array job>_<task>` for array jobs, else the job id."""
+    env = _env(env)
+    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID")
+
+
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How many times SLURM has requeued and restarted this job (0 on the first attempt)."""
+    return int(_env(env).get("SLURM_RESTART_COUNT", "0") or 0)
+
+
+def run_id(env: Mapping[str, str] | None = None, now: float | None = None) -> str:
+    """A name for the run dir that every rank computes alike and a requeued job computes again.
+
+    Under SLURM it is the job id (plus the step for a second srun in one job), so a requeued job
+    finds its checkpoint; under torchrun the rendezvous id; otherwise a timestamp.
+    """
+    env = _env(env)
+    kind = launcher(env)
+    if kind == TORCHRUN:
+        return f"torchrun-{env.get('TORCHELASTIC_RUN_ID', 'none')}"
+    if kind in (SLURM, SLURM_BATCH):
+        step = env.get("SLURM_STEP_ID", "0")
+        suffix = "" if step in ("0", "batch") or kind == SLURM_BATCH else f".{step}"
+        return f"slurm-{slurm_job_id(env)}{suffix}"
+    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
+
+
+def _int_or_none(value: object) -> int | None:
+    try:
+        return int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+
+
+def _visible_gpus(env: Mapping[str, str]) -> int | None:
+    """GPUs this process may use, from CUDA_VISIBLE_DEVICES; None when it cannot tell without torch."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    if not Path("/dev/nvidia0").exists() and not Path("/dev/nvidiactl").exists():
+        return 0
+    return None
+
+
+def preflight(
+    num_nodes: object,
+    devices: object,
+    accelerator: object,
+    requeue_enabled: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Check that the launcher will start exactly the processes the trainer config expects.
+
+    Raises UserError with one sentence naming both values and the fix.
+    """
+    env = _env(env)
+    kind = launcher(env)
+    nodes, per_node = _int_or_none(num_nodes), _int_or_none(devices)
+    accelerator = str(accelerator).lower()
+    if kind == CHILD:
+        return
+    if kind == TORCHRUN:
+        _check_torchrun(env, nodes, per_node)
+    elif kind == SLURM:
+        _check_slurm_step(env, nodes, per_node)
+        if requeue_enabled and shutil.which("scontrol") is None:
+            raise UserError(
+                "scontrol is not on PATH inside the job, so it cannot requeue itself when its time runs out; "
+                "make scontrol available (e.g. bind-mount it into the container) or pass requeue.enabled=false."
+            )
+    elif kind == SLURM_BATCH:
+        _check_slurm_batch(env, nodes, per_node)
+    elif nodes is not None and nodes > 1 and not ("MASTER_ADDR" in env and "NODE_RANK" in env):
+        raise UserError(
+            f"trainer.num_nodes={nodes} needs a launcher that starts processes on every node, but this is a "
+            "plain python process on one machine; submit with `sbatch --nodes="
+            f"{nodes} slurm/train.sbatch` (or use torchrun --nnodes={nodes}), or pass trainer.num_nodes=1."
+        )
+    if accelerator in GPU_ACCELERATORS and per_node is not None:
+        _check_gpus(env, per_node, kind)
+
+
+def _check_torchrun(env: Mapping[str, str], nodes: int | None, per_node: int | None) -> None:
+    local_world = int(env["LOCAL_WORLD_SIZE"])
+    groups = _int_or_none(env.get("GROUP_WORLD_SIZE"))
+    if per_node is not None and per_node != local_world:
+        raise UserError(
+            f"trainer.devices={per_node} but torchrun starts {local_world} processes per node "
+            f"(--nproc-per-node={local_world}); pass trainer.devices={local_world} or run torchrun "
+            f"with --nproc-per-node={per_node}."
+        )
+    if nodes is not None and groups is not None and nodes != groups:
+        raise UserError(
+            f"trainer.num_nodes={nodes} but torchrun runs on {groups} node(s) (--nnodes={groups}); "
+            f"pass trainer.num_nodes={groups} or run torchrun with --nnodes={nodes}."
+        )
+
+
+def _check_slurm_batch(env: Mapping[str, str], nodes: int | None, per_node: int | None) -> None:
+    tasks = _int_or_none(env.get("SLURM_NTASKS")) or 1
+    wanted = (nodes or 1) * (per_node or 1)
+    if tasks > 1 or wanted > 1:
+        raise UserError(
+            "python runs in the sbatch script itself, not in an srun step, so DDP would wait forever for "
+            f"the other {max(tasks, wanted) - 1} process(es); launch it as `srun python src/train.py ...` "
+            "(slurm/train.sbatch does), or from salloc as `srun python src/train.py ...`."
+        )
+
+
+def _check_slurm_step(env: Mapping[str, str], nodes: int | None, per_node: int | None) -> None:
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+    slurm_nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or 1)
+    tasks_per_node = _int_or_none(env.get("SLURM_NTASKS_PER_NODE"))
+    if tasks_per_node is None:
+        if tasks == 1 and (nodes or 1) * (per_node or 1) == 1:
+            return
+        raise UserError(
+            f"the SLURM job has {tasks} task(s) but no --ntasks-per-node, so Slurm may place them unevenly "
+            f"and trainer.devices cannot match every node; submit with --ntasks-per-node={per_node or 1} "
+            "(one task per device) instead of --ntasks."
+        )
+    if nodes is not None and nodes != slurm_nodes:
+        raise UserError(
+            f"trainer.num_nodes={nodes} but the SLURM job has {slurm_nodes} node(s) (--nodes={slurm_nodes}); "
+            f"submit with --nodes={nodes} or pass trainer.num_nodes={slurm_nodes}."
+        )
+    if per_node is not None and per_node != tasks_per_node:
+        raise UserError(
+            f"trainer.devices={per_node} but SLURM gives {tasks_per_node} task(s) per node "
+            f"(--ntasks-per-node={tasks_per_node}); submit with --ntasks-per-node={per_node} "
+            f"or pass trainer.devices={tasks_per_node}."
+        )
+    if tasks != slurm_nodes * tasks_per_node:
+        raise UserError(
+            f"the SLURM step has {tasks} task(s) but --nodes={slurm_nodes} x --ntasks-per-node={tasks_per_node} "
+            f"is {slurm_nodes * tasks_per_node}; drop --ntasks and keep --nodes with --ntasks-per-node."
+        )
+
+
+def _check_gpus(env: Mapping[str, str], per_node: int, kind: str) -> None:
+    visible = _visible_gpus(env)
+    if visible is None or visible >= per_node:
+        return
+    if visible == 0:
+        raise UserError(
+            f"trainer.accelerator=gpu with trainer.devices={per_node} but this process sees no GPU "
+            f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}); request GPUs "
+            f"(e.g. --gres=gpu:{per_node}) or train on CPU with trainer=ddp_cpu."
+        )
+    hint = (
+        "every task must see all GPUs of its node: use --gres=gpu:N without --gpus-per-task or --gpu-bind"
+        if kind == SLURM
+        else f"make {per_node} GPUs visible or pass trainer.devices={visible}"
+    )
+    raise UserError(
+        f"trainer.devices={per_node} but this process sees only {visible} GPU(s) "
+        f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}); {hint}."
+    )
+
+
+def lightning_cluster_environment(env: Mapping[str, str] | None = None):
+    """The Lightning cluster environment for this launcher, chosen here rather than auto-detected.
+
+    SLURM gets `auto_requeue=False`: requeue on the time-limit signal is `hpctrain.requeue`'s job
+    (Lightning's own handler saves a checkpoint inside the signal handler and deadlocks multi-node DDP).
+    A bare sbatch script or salloc shell is treated as a plain local run.
+    """
+    from lightning_fabric.plugins.environments import (
+        LightningEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    kind = launcher(env)
+    if kind == TORCHRUN:
+        return TorchElasticEnvironment()
+    if kind == SLURM:
+        return SLURMEnvironment(auto_requeue=False)
+    return LightningEnvironment()
+
+
+def requeue_job(env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Ask SLURM to requeue this job; it restarts later with SLURM_RESTART_COUNT incremented."""
+    job = slurm_job_id(env)
+    if job is None:
+        raise RuntimeError("requeue_job called outside a SLURM job")
+    return subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, check=False)

@@ -1,0 +1,74 @@
+"""What a run prints for its user: the config tree at the start, where the outputs went at the end."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from hpctrain import cluster
+
+log = logging.getLogger("hpctrain")
+
+FIRST = ("data", "model", "trainer", "callbacks", "logger", "paths")
+
+
+def apply_extras(cfg: DictConfig) -> None:
+    quiet_lightning()
+    extras = cfg.get("extras") or {}
+    if extras.get("ignore_warnings"):
+        warnings.filterwarnings("ignore")
+    if extras.get("print_config") and cluster.is_rank_zero():
+        print_config(cfg)
+
+
+def print_config(cfg: DictConfig) -> None:
+    from rich import print as rich_print
+    from rich.syntax import Syntax
+    from rich.tree import Tree
+
+    tree = Tree("config", guide_style="dim")
+    keys = [k for k in FIRST if k in cfg] + [k for k in cfg if k not in FIRST]
+    for key in keys:
+        branch = tree.add(str(key), style="bold")
+        value = cfg[key]
+        text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else str(value)
+        branch.add(Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
+    rich_print(tree)
+
+
+def report(run_dir: str, metrics: Mapping[str, Any], checkpoint: str | None) -> None:
+    """One summary at the end of a run, on rank 0."""
+    if not cluster.is_rank_zero():
+        return
+    shown = "  ".join(
+        f"{k} {float(v):.4f}" for k, v in sorted(metrics.items()) if k.startswith(("test/", "val/"))
+    )
+    log.info("finished: %s", shown or "no metrics")
+    if checkpoint:
+        log.info("best checkpoint: %s", checkpoint)
+    log.info("run dir: %s", run_dir)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_lightning() -> None:
+    """Drop Lightning's advertising and the notices that do not apply here.
+
+    The srun hint is covered by `hpctrain.cluster.preflight`, which fails instead of hinting.
+    """
+    logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(
+        _DropMessages(("💡 Tip", "Trainer already configured with model summary"))
+    )
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")

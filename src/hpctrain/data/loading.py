@@ -1,0 +1,148 @@
+"""Batches from in-memory tensors: sharded across ranks, resumable mid-epoch, no per-sample work.
+
+`ShardedBatchSampler` yields one index tensor per batch and `TensorDataset.__getitem__` takes that
+whole tensor, so a batch costs one fancy-index instead of `batch_size` Python calls and a collate.
+The sampler shards by the process group itself (like torch's DistributedSampler, which it extends so
+that Lightning leaves it in place), which keeps datamodules free of rank code:
+
+- training shards are padded to equal length, so every rank runs the same number of steps;
+- evaluation shards are not padded, so every validation/test sample is counted exactly once
+  (torchmetrics then sums the counts across ranks).
+
+`ResumableDataLoader` records how many batches of the current epoch it has handed out. Lightning
+(>= 2.2) saves that position in every checkpoint and restores it, and the sampler is a pure function
+of (seed, epoch, rank), so a run resumed mid-epoch sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class TensorDataset(Dataset):
+    """Images and labels held as tensors; indexing with a tensor of indices returns a whole batch."""
+
+    def __init__(self, images: Tensor, labels: Tensor) -> None:
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images = images
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: Tensor | int) -> tuple[Tensor, Tensor]:
+        return self.images[index], self.labels[index]
+
+
+def _process_group() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class ShardedBatchSampler(DistributedSampler):
+    """Yields this rank's batches of indices for one epoch; call `set_epoch` before each epoch."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool,
+        seed: int = 0,
+        drop_last: bool = False,
+        pad: bool | None = None,
+    ) -> None:
+        world_size, rank = _process_group()
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+        self.batch_size = batch_size
+        self.drop_last_batch = drop_last
+        self.pad = shuffle if pad is None else pad
+        self._skip_batches = 0
+        size = len(dataset)  # type: ignore[arg-type]
+        if self.pad:
+            self.shard_size = math.ceil(size / world_size)
+        else:
+            self.shard_size = len(range(rank, size, world_size))
+
+    def skip_next(self, batches: int) -> None:
+        """Start the next iteration `batches` batches into the epoch (used on resume)."""
+        self._skip_batches = batches
+
+    def __len__(self) -> int:
+        if self.drop_last_batch:
+            return self.shard_size // self.batch_size
+        return math.ceil(self.shard_size / self.batch_size)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        size = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(size, generator=generator)
+        else:
+            order = torch.arange(size)
+        if self.pad and self.shard_size * self.num_replicas > size:
+            extra = self.shard_size * self.num_replicas - size
+            order = torch.cat([order, order[:extra].repeat(math.ceil(extra / size))[:extra]])
+        shard = order[self.rank :: self.num_replicas]
+        skip, self._skip_batches = self._skip_batches, 0
+        for batch in range(skip, len(self)):
+            yield shard[batch * self.batch_size : (batch + 1) * self.batch_size]
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a `ShardedBatchSampler` whose position in the epoch survives a checkpoint."""
+
+    sampler: ShardedBatchSampler
+
+    def __init__(self, dataset: Dataset, sampler: ShardedBatchSampler, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size=None, sampler=sampler, **kwargs)
+        self._yielded = 0
+        self._resume: dict[str, int] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        start = 0
+        if self._resume is not None and self._resume["epoch"] == self.sampler.epoch:
+            start = min(self._resume["batches"], len(self))
+        self._resume = None
+        self.sampler.skip_next(start)
+        self._yielded = start
+        for batch in super().__iter__():
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "batches": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = {"epoch": int(state["epoch"]), "batches": int(state["batches"])}
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    drop_last: bool = False,
+) -> ResumableDataLoader:
+    """The loader every datamodule of this template returns (train: shuffle=True, eval: False)."""
+    sampler = ShardedBatchSampler(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return ResumableDataLoader(
+        dataset,
+        sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        # Its own generator: creating an iterator must not draw from the global RNG, or a run resumed
+        # mid-epoch would draw different dropout masks than the uninterrupted run.
+        generator=torch.Generator().manual_seed(seed),
+    )

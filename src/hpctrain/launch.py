@@ -1,0 +1,109 @@
+"""Starting the other local ranks of a DDP run from a Hydra job, for sweeps as well as single runs.
+
+When no external launcher (srun, torchrun) started the processes, Lightning's DDP re-runs the script
+for local ranks 1..N-1 with the parent's `sys.argv`. Under Hydra that is wrong twice: in a multirun
+(`-m`) every child replays the whole sweep, and children write to `hydra.run.dir` instead of the
+job's sweep subdir. `HydraDDPStrategy` starts them with exactly this job's overrides and output dir.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+# Hydra flags that are not overrides but choose the config; children need them too.
+_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+# Hydra overrides a child must not inherit: it runs one job in the parent job's dir.
+_PARENT_ONLY = (
+    "hydra.run",
+    "hydra.sweep",
+    "hydra.mode",
+    "hydra.output_subdir",
+    "hydra.job.num",
+    "hydra.job.id",
+    "hydra/launcher",
+    "hydra/sweeper",
+    "hydra.launcher",
+    "hydra.sweeper",
+)
+# Set in os.environ by Lightning's launcher; the next job of a sweep must start without them.
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def _config_flags(argv: list[str]) -> list[str]:
+    flags = []
+    for i, arg in enumerate(argv):
+        if arg in _CONFIG_FLAGS and i + 1 < len(argv):
+            flags += [arg, argv[i + 1]]
+        elif arg.startswith(tuple(f"{flag}=" for flag in _CONFIG_FLAGS)):
+            flags.append(arg)
+    return flags
+
+
+def child_command() -> tuple[list[str], str]:
+    """The command line and cwd that rerun this Hydra job (and only it) in its output dir."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
+
+    hydra_cfg = HydraConfig.get()
+    if getattr(__main__, "__spec__", None) is not None:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    else:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    command += _config_flags(sys.argv[1:])
+    command += list(hydra_cfg.overrides.task)
+    command += [o for o in hydra_cfg.overrides.hydra if not o.lstrip("+~").startswith(_PARENT_ONLY)]
+    output_dir = hydra_cfg.runtime.output_dir.replace("\\", "\\\\").replace('"', '\\"')
+    command += [f'hydra.run.dir="{output_dir}"', "hydra.output_subdir=null"]
+    return command, get_original_cwd()
+
+
+class HydraJobLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, with the child command from `child_command`."""
+
+    def _call_children_scripts(self) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            super()._call_children_scripts()
+            return
+        self._check_can_spawn_children()
+        self.procs = []
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
+        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        command, cwd = child_command()
+        for local_rank in range(1, self.num_processes):
+            env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+
+
+class HydraDDPStrategy(DDPStrategy):
+    """Lightning's DDP ("ddp", not "ddp_spawn") with a Hydra-aware launcher for local ranks."""
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:
+            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+
+def end_distributed_job(trainer) -> None:
+    """Close this job's process group and reap its local ranks, so a sweep's next job starts fresh."""
+    import torch.distributed as dist
+
+    launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
+    if isinstance(launcher, HydraJobLauncher) and launcher.procs:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        for proc in launcher.procs:
+            proc.wait(timeout=120)
+        for key in _LAUNCH_ENV:
+            os.environ.pop(key, None)

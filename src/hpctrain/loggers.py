@@ -1,0 +1,83 @@
+"""Experiment loggers that a requeued or resumed run continues instead of replacing.
+
+The run dir is the run's identity (under SLURM it is keyed by the job id), so every logger writes
+into it with a fixed name and version: a restarted job appends to the same metrics.csv, the same
+TensorBoard directory, the same MLflow run and the same W&B run.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+
+# logger config name -> (module to import, extra that installs it)
+OPTIONAL_PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+    "wandb": ("wandb", "wandb"),
+}
+
+
+def stable_run_key(run_dir: str | os.PathLike[str]) -> str:
+    """A short id derived from the run dir: the same for a requeued job, different for every other run."""
+    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer deletes an existing metrics.csv; this one keeps it and appends."""
+
+    def _check_log_dir_exists(self) -> None:
+        if os.path.isfile(self.metrics_file_path):
+            with open(self.metrics_file_path, newline="") as file:
+                self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+
+
+class ResumableCSVLogger(CSVLogger):
+    """Writes metrics.csv (and hparams.yaml) directly in `save_dir`, appending on resume."""
+
+    def __init__(self, save_dir: str, flush_logs_every_n_steps: int = 100) -> None:
+        super().__init__(
+            save_dir=save_dir, name="", version="", flush_logs_every_n_steps=flush_logs_every_n_steps
+        )
+
+    @property
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, **kwargs: Any):
+    """An MLFlowLogger whose run is found again by a tag holding the run dir's key."""
+    import mlflow
+    from pytorch_lightning.loggers import MLFlowLogger
+
+    key = stable_run_key(run_dir)
+    client = mlflow.tracking.MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(experiment_name)
+    run_id = None
+    if experiment is not None:
+        runs = client.search_runs(
+            [experiment.experiment_id], filter_string=f"tags.run_key = '{key}'", max_results=1
+        )
+        run_id = runs[0].info.run_id if runs else None
+    tags = {"run_key": key, "run_dir": str(run_dir), **kwargs.pop("tags", {})}
+    return MLFlowLogger(
+        experiment_name=experiment_name, tracking_uri=tracking_uri, run_id=run_id, tags=tags, **kwargs
+    )
+
+
+def wandb_logger(save_dir: str, run_dir: str, **kwargs: Any):
+    """A WandbLogger whose id is derived from the run dir, so a requeued job resumes the same run."""
+    from pytorch_lightning.loggers import WandbLogger
+
+    kwargs.setdefault("id", stable_run_key(run_dir))
+    kwargs.setdefault("resume", "allow")
+    return WandbLogger(save_dir=save_dir, **kwargs)

@@ -1,0 +1,140 @@
+"""Progress and throughput: a live rich bar on a terminal, plain periodic log lines in a file.
+
+SLURM output files are not terminals; a bar redrawn with carriage returns fills them with noise, so
+`progress_bar(mode="auto")` picks `LogProgress` whenever stdout is not a TTY.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from pytorch_lightning import Callback, LightningModule, Trainer
+from pytorch_lightning.callbacks import ProgressBar, RichProgressBar
+from pytorch_lightning.utilities.data import extract_batch_size
+from torch import Tensor
+
+log = logging.getLogger("hpctrain")
+
+
+def batch_size_of(batch: Any) -> int:
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor):
+        return batch[0].shape[0]
+    return extract_batch_size(batch)
+
+
+class ThroughputLog(Callback):
+    """Logs `train/samples_per_s` once per epoch: the samples all ranks trained on per second.
+
+    Time spent in validation is excluded; no device sync is added (the epoch end already waits).
+    """
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.seconds = 0.0
+        self._started: float | None = None
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.samples, self.seconds, self._started = 0, 0.0, time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.samples += batch_size_of(batch)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.training:
+            self._started = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+        if self.seconds > 0:
+            # Summed over ranks at the epoch end, where every rank already synchronises.
+            pl_module.log(
+                "train/samples_per_s",
+                self.samples / self.seconds,
+                on_epoch=True,
+                sync_dist=True,
+                reduce_fx="sum",
+            )
+
+    def _pause(self) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+
+class LogProgress(ProgressBar):
+    """One log line every `every_n_s` seconds during training and one after each validation, on rank 0."""
+
+    def __init__(self, every_n_s: float = 30.0) -> None:
+        super().__init__()
+        self.every_n_s = every_n_s
+        self._enabled = True
+        self._last = 0.0
+        self._window_samples = 0
+        self._window_start = 0.0
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last = self._window_start = time.monotonic()
+        self._window_samples = 0
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._window_samples += batch_size_of(batch)
+        now = time.monotonic()
+        last_batch = batch_idx + 1 >= self.total_train_batches
+        if not (self._enabled and trainer.is_global_zero) or (
+            now - self._last < self.every_n_s and not last_batch
+        ):
+            return
+        rate = self._window_samples * trainer.world_size / max(now - self._window_start, 1e-9)
+        total = self.total_train_batches
+        share = f" ({100 * (batch_idx + 1) / total:.0f}%)" if isinstance(total, int) and total else ""
+        log.info(
+            "epoch %d/%s  step %d/%s%s  %s  %.0f samples/s",
+            trainer.current_epoch,
+            trainer.max_epochs if trainer.max_epochs not in (None, -1) else "-",
+            batch_idx + 1,
+            total,
+            share,
+            self._format(trainer, pl_module, "train/"),
+            rate,
+        )
+        self._last = self._window_start = now
+        self._window_samples = 0
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._enabled and trainer.is_global_zero and not trainer.sanity_checking:
+            log.info(
+                "epoch %d validation  %s", trainer.current_epoch, self._format(trainer, pl_module, "val/")
+            )
+
+    def _format(self, trainer: Trainer, pl_module: LightningModule, prefix: str) -> str:
+        metrics = self.get_metrics(trainer, pl_module)
+        return "  ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in metrics.items()
+            if k.startswith(prefix)
+        )
+
+
+def progress_bar(mode: str = "auto", refresh_rate: int = 5, log_every_n_s: float = 30.0) -> ProgressBar:
+    """`rich`, `log`, or `auto`: rich on a terminal, log lines otherwise."""
+    if mode not in ("auto", "rich", "log"):
+        raise ValueError(f"progress mode {mode!r} is not one of auto, rich, log")
+    if mode == "rich" or (mode == "auto" and sys.stdout.isatty()):
+        return RichProgressBar(refresh_rate=refresh_rate, leave=True)
+    return LogProgress(every_n_s=log_every_n_s)

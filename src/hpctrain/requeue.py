@@ -1,0 +1,125 @@
+"""Preemption: checkpoint at a step boundary that every rank agrees on, then requeue and exit.
+
+Lightning's own SLURM auto-requeue saves the checkpoint inside the signal handler. Python runs a
+handler between bytecodes, so one rank enters `save_checkpoint` (a barrier) in the middle of its
+backward pass while another sits in the training loop's broadcast: the collectives do not match and
+a multi-node job hangs until its time limit, with nothing saved. Here the handler only records the
+signal; every `check_every_n_steps` training batches all ranks combine their flags in one tiny
+all-reduce and, if any rank was signalled, all of them:
+
+1. save one checkpoint together (weights, optimizer, loop counters, dataloader position and every
+   rank's RNG states) to <run dir>/checkpoints/requeue.ckpt, written to a temporary file and renamed;
+2. flush the loggers;
+3. leave `trainer.fit` through `TrainingInterrupted`; on the requeue signal global rank 0 then runs
+   `scontrol requeue <job>` and every rank exits with status 0.
+
+SLURM restarts the job with the same job id, hence the same run dir, where `checkpoint_to_resume`
+finds requeue.ckpt. SIGTERM (scancel, preemption) gets steps 1-3 without the requeue: if the
+cluster requeues preempted jobs itself, the restart resumes from that checkpoint too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pytorch_lightning import Callback, LightningModule, Trainer
+
+from hpctrain import cluster
+
+log = logging.getLogger("hpctrain")
+
+NO_SIGNAL, TERMINATE, REQUEUE = 0, 1, 2
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on a signal after saving `checkpoint`; `requeue` asks SLURM to restart the job."""
+
+    def __init__(self, signal_name: str, checkpoint: Path, requeue: bool) -> None:
+        super().__init__(f"{signal_name}: saved {checkpoint}" + (", requeueing" if requeue else ""))
+        self.signal_name = signal_name
+        self.checkpoint = checkpoint
+        self.requeue = requeue
+
+
+class CheckpointOnSignal(Callback):
+    def __init__(
+        self,
+        checkpoint_path: str | Path,
+        requeue_signal: str | None = "SIGUSR1",
+        check_every_n_steps: int = 1,
+    ) -> None:
+        self.checkpoint_path = Path(checkpoint_path)
+        self.requeue_signal = signal.Signals[requeue_signal] if requeue_signal else None
+        self.check_every_n_steps = max(1, int(check_every_n_steps))
+        self.received = NO_SIGNAL
+        self._batches = 0
+        self._group: Any = None
+
+    def _record(self, signum: int, frame: Any) -> None:
+        code = REQUEUE if signum == self.requeue_signal else TERMINATE
+        self.received = max(self.received, code)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Early, so a time-limit signal during startup is recorded rather than killing the process.
+        if self.requeue_signal is not None:
+            signal.signal(self.requeue_signal, self._record)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning installed its own SIGTERM handler (which broadcasts from inside the handler); replace
+        # it for the duration of fit. Lightning restores the previous handlers when fit ends.
+        signal.signal(signal.SIGTERM, self._record)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            # The flag travels over gloo on the CPU: no device sync is added to a GPU training step.
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batches += 1
+        # Never stop on an epoch's last batch: its validation has not run yet, and a checkpoint taken
+        # there would resume into the next epoch without it. The next step boundary comes soon.
+        if self._batches % self.check_every_n_steps or batch_idx + 1 >= trainer.num_training_batches:
+            return
+        agreed = self._agree(trainer)
+        if agreed == NO_SIGNAL:
+            return
+        requeue = agreed == REQUEUE and cluster.slurm_job_id() is not None
+        name = self.requeue_signal.name if agreed == REQUEUE and self.requeue_signal else "SIGTERM"
+        self._save(trainer)
+        raise TrainingInterrupted(name, self.checkpoint_path, requeue)
+
+    def _agree(self, trainer: Trainer) -> int:
+        if self._group is None:
+            return self.received
+        flag = torch.tensor([self.received], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag.item())
+
+    def _save(self, trainer: Trainer) -> None:
+        tmp = self.checkpoint_path.with_name(f".{self.checkpoint_path.name}.tmp")
+        trainer.save_checkpoint(tmp)  # every rank takes part; rank 0 writes; ends with a barrier
+        if trainer.is_global_zero:
+            os.replace(tmp, self.checkpoint_path)
+            for logger in trainer.loggers:
+                logger.save()
+            log.info("signal received: saved %s at step %d", self.checkpoint_path, trainer.global_step)
+        trainer.strategy.barrier("checkpoint_on_signal")
+
+
+def finish(interrupted: TrainingInterrupted) -> None:
+    """After fit has unwound: global rank 0 asks SLURM to requeue the job; every rank then just exits."""
+    if not (interrupted.requeue and cluster.is_rank_zero()):
+        return
+    result = cluster.requeue_job()
+    if result.returncode == 0:
+        log.info("requeued SLURM job %s; it resumes from %s", cluster.slurm_job_id(), interrupted.checkpoint)
+    else:
+        log.error(
+            "scontrol requeue %s failed: %s", cluster.slurm_job_id(), (result.stderr or result.stdout).strip()
+        )

@@ -1,0 +1,33 @@
+"""OmegaConf resolvers the configs use to pick paths that every rank agrees on.
+
+  ${project_root:}               the directory that holds conf/ and src/
+  ${run_id:}                     slurm-<job id>, torchrun-<rdzv id> or a timestamp (hpctrain.cluster.run_id)
+  ${rank_zero_only:<value>}      <value> on global rank 0, null on the other ranks
+  ${rank_zero_file:<path>}       <path> on global rank 0, os.devnull on the other ranks
+
+They must be registered before `@hydra.main` composes the config, so the entry points call
+`register_resolvers` at import time; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from hpctrain import cluster
+
+
+def register_resolvers(project_root: Path) -> None:
+    root = str(Path(project_root).resolve())
+    resolvers = {
+        "project_root": lambda: root,
+        # Cached for the whole process: outside SLURM the id is a timestamp and must not tick over.
+        "run_id": functools.cache(cluster.run_id),
+        "rank_zero_only": lambda value: value if cluster.is_rank_zero() else None,
+        "rank_zero_file": lambda path: path if cluster.is_rank_zero() else os.devnull,
+    }
+    for name, resolver in resolvers.items():
+        OmegaConf.register_new_resolver(name, resolver, replace=True)
