@@ -43,15 +43,14 @@ def main(cfg: DictConfig) -> dict[str, float]:
         model = build.model(cfg)
         trainer = build.trainer(cfg, run_dir)
         if cluster.is_rank_zero():
-            outputs.write_run_record(cfg, run_dir, list(HydraConfig.get().overrides.task), ROOT)
+            outputs.write_run_record(
+                cfg, run_dir, list(HydraConfig.get().overrides.task), ROOT, trainer.world_size
+            )
         try:
             trainer.test(model, datamodule, ckpt_path=str(checkpoint), weights_only=True)
+            return console.report(run_dir, trainer, None)
         finally:
             launch.end_distributed_job(trainer)
-
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        console.report(run_dir, metrics, None)
-        return metrics
 
 
 if __name__ == "__main__":

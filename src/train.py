@@ -47,7 +47,9 @@ def main(cfg: DictConfig) -> float | None:
         model = build.model(cfg)
         trainer = build.trainer(cfg, run_dir)
         if cluster.is_rank_zero():
-            outputs.write_run_record(cfg, run_dir, list(HydraConfig.get().overrides.task), ROOT)
+            outputs.write_run_record(
+                cfg, run_dir, list(HydraConfig.get().overrides.task), ROOT, trainer.world_size
+            )
             build.log_hyperparameters(trainer, cfg)
 
         try:
@@ -59,16 +61,15 @@ def main(cfg: DictConfig) -> float | None:
             best = build.best_checkpoint(trainer)
             if cfg.test:
                 trainer.test(model, datamodule, ckpt_path=best, weights_only=True)
+
+            # 4. Report where everything went.
+            metrics = console.report(run_dir, trainer, best)
+            return metrics.get(cfg.get("optimized_metric") or "")
         except TrainingInterrupted as interrupted:
             finish(interrupted)  # rank 0 requeues the SLURM job; every rank exits 0
             return None
         finally:
             launch.end_distributed_job(trainer)
-
-        # 4. Report where everything went.
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        console.report(run_dir, metrics, best)
-        return metrics.get(cfg.get("optimized_metric") or "")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -40,17 +39,21 @@ def print_config(cfg: DictConfig) -> None:
     rich_print(tree)
 
 
-def report(run_dir: str, metrics: Mapping[str, Any], checkpoint: str | None) -> None:
-    """One summary at the end of a run, on rank 0."""
+def report(run_dir: str, trainer: Any, checkpoint: str | None) -> dict[str, float]:
+    """Log a summary of the run (on rank 0) and return its scalar metrics."""
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if not cluster.is_rank_zero():
-        return
-    shown = "  ".join(
-        f"{k} {float(v):.4f}" for k, v in sorted(metrics.items()) if k.startswith(("test/", "val/"))
-    )
+        return metrics
+    import torch.distributed as dist
+
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+    log.info("processes: %d (process group backend: %s)", trainer.world_size, backend)
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k.startswith(("test/", "val/")))
     log.info("finished: %s", shown or "no metrics")
     if checkpoint:
         log.info("best checkpoint: %s", checkpoint)
     log.info("run dir: %s", run_dir)
+    return metrics
 
 
 class _DropMessages(logging.Filter):

@@ -69,6 +69,7 @@ def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, **kwarg
         )
         run_id = runs[0].info.run_id if runs else None
     tags = {"run_key": key, "run_dir": str(run_dir), **kwargs.pop("tags", {})}
+    kwargs.setdefault("run_name", Path(run_dir).name)
     return MLFlowLogger(
         experiment_name=experiment_name, tracking_uri=tracking_uri, run_id=run_id, tags=tags, **kwargs
     )

@@ -111,7 +111,7 @@ def _versions() -> dict[str, str]:
 
 
 def write_run_record(
-    cfg: DictConfig, run_dir: str | Path, overrides: list[str], project_root: str | Path
+    cfg: DictConfig, run_dir: str | Path, overrides: list[str], project_root: str | Path, world_size: int
 ) -> None:
     """Write config.yaml (once) and add this attempt to run.yaml. Call on global rank 0 only."""
     run_dir = Path(run_dir)
@@ -135,6 +135,7 @@ def write_run_record(
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": platform.node(),
             "launcher": cluster.launcher(),
+            "world_size": world_size,
             "slurm_job_id": cluster.slurm_job_id(),
             "slurm_restart_count": cluster.restart_count(),
         }

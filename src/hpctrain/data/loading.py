@@ -59,8 +59,13 @@ class ShardedBatchSampler(DistributedSampler):
         seed: int = 0,
         drop_last: bool = False,
         pad: bool | None = None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
     ) -> None:
-        world_size, rank = _process_group()
+        """`num_replicas` and `rank` default to the process group's (1 and 0 without one)."""
+        group_size, group_rank = _process_group()
+        world_size = group_size if num_replicas is None else num_replicas
+        rank = group_rank if rank is None else rank
         super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
         self.batch_size = batch_size
         self.drop_last_batch = drop_last

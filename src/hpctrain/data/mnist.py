@@ -101,7 +101,8 @@ class MNISTDataModule(ImageDataModule):
                 for train in (True, False):
                     self.dataset_class(str(self.data_dir), train=train, download=True)
         except Exception as err:
-            raise DataUnavailable(f"downloading {self.name} into {self.raw_dir} failed ({err}); {self.fix}.") from err
+            reason = " ".join(str(err).split())[:300]
+            raise DataUnavailable(f"downloading {self.name} into {self.raw_dir} failed ({reason}); {self.fix}.") from err
 
     def _read(self) -> tuple[TensorDataset, TensorDataset]:
         if self._loaded is None:
@@ -110,9 +111,10 @@ class MNISTDataModule(ImageDataModule):
                 try:
                     dataset = self.dataset_class(str(self.data_dir), train=train, download=False)
                 except Exception as err:
+                    reason = " ".join(str(err).split())[:300]
                     raise DataUnavailable(
                         f"{self.name} in {self.raw_dir} is missing, corrupt or truncated ({type(err).__name__}: "
-                        f"{err}); delete the directory and {self.fix}."
+                        f"{reason}); delete the directory and {self.fix}."
                     ) from err
                 parts.append(TensorDataset(dataset.data.unsqueeze(1), dataset.targets.long()))
             self._loaded = (parts[0], parts[1])
@@ -120,6 +122,11 @@ class MNISTDataModule(ImageDataModule):
 
     def load(self) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
         train_and_val, test = self._read()
+        if not 0 < self.val_size < len(train_and_val):
+            raise DataUnavailable(
+                f"data.val_size={self.val_size} must be between 0 and the {len(train_and_val)} training images "
+                f"in {self.raw_dir}; pass e.g. data.val_size={len(train_and_val) // 10}."
+            )
         train, val = split(train_and_val, self.val_size)
         return train, val, test
 

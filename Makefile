@@ -1,0 +1,30 @@
+# make train: create .venv if needed, install, train the quickstart experiment (CPU, < 1 minute)
+# make test:  the whole test suite, including DDP and the real two-node SLURM tests (needs slurm-wlm, root)
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+
+.PHONY: install train test lint benchmark clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet -e '.[dev,loggers]'
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(PYTHON) src/train.py experiment=quickstart
+
+test: install
+	$(PYTHON) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+benchmark: install
+	$(PYTHON) scripts/benchmark.py
+
+clean:
+	rm -rf logs .pytest_cache .ruff_cache

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import write_mnist_raw
+from tests.local_slurm import ClusterUnavailable, LocalSlurmCluster, missing_binaries
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data dir holding MNIST and FashionMNIST in torchvision's raw format (real digits, small)."""
+    data_dir = tmp_path_factory.mktemp("data")
+    write_mnist_raw(data_dir, "MNIST")
+    write_mnist_raw(data_dir, "FashionMNIST")
+    return data_dir
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A real two-node Slurm cluster (slurmctld + slurmd node1, node2) for the whole session.
+
+    Skipped where Slurm is not installed, except under CI=true, where a missing cluster is an error.
+    """
+    missing = missing_binaries()
+    reason = (
+        f"Slurm not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge"
+        if missing
+        else None
+    )
+    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"))
+    if reason is None:
+        try:
+            cluster.start()
+        except ClusterUnavailable as err:
+            reason = f"cannot start the local Slurm cluster: {err}"
+    if reason is not None:
+        if IN_CI:
+            pytest.fail(f"CI=true requires the Slurm tests to run, but {reason}", pytrace=False)
+        pytest.skip(reason)
+    yield cluster
+    cluster.stop()

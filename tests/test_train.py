@@ -1,0 +1,156 @@
+"""`python src/train.py` and `python src/eval.py` as a user runs them: real processes, real outputs."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    PYTHON,
+    ROOT,
+    assert_ok,
+    last_value,
+    local_env,
+    read_metrics,
+    run_dirs,
+    run_entry,
+    train,
+)
+
+pytestmark = pytest.mark.slow
+
+DIGITS = ("data=digits", "trainer=cpu", "logger=csv")
+
+
+def _imported_modules(*args: str) -> set[str]:
+    result = subprocess.run(
+        [PYTHON, "-X", "importtime", str(ROOT / "src" / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        env=local_env(),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {
+        line.rsplit("|", 1)[-1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+
+
+def test_help_lists_the_config_groups_without_importing_torch():
+    modules = _imported_modules("--help")
+    assert not {"torch", "pytorch_lightning", "torchvision"} & modules
+    out = subprocess.run(
+        [PYTHON, "src/train.py", "--help"], capture_output=True, text=True, cwd=ROOT, env=local_env()
+    ).stdout
+    for line in (
+        "data: digits, fashion_mnist, mnist, random",
+        "experiment: mnist_cnn, quickstart",
+        "trainer: cpu, ddp, ddp_cpu",
+    ):
+        assert line in out
+
+
+def test_cfg_job_composes_without_importing_torch():
+    assert not {"torch", "pytorch_lightning"} & _imported_modules("--cfg", "job", "experiment=quickstart")
+
+
+def _one_sentence_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stdout[-3000:]
+    return errors[0]
+
+
+def test_unknown_override_key_fails_naming_the_key(tmp_path: Path):
+    result = train(tmp_path, "trainer.max_epoch=3")
+    assert result.returncode != 0 and "Traceback" not in result.stdout
+    assert "Could not override 'trainer.max_epoch'" in result.stdout
+    assert not (tmp_path / "train").exists()  # nothing was started
+
+
+def test_wrong_type_is_one_sentence(tmp_path: Path):
+    message = _one_sentence_error(train(tmp_path, *DIGITS, "trainer.max_epochs=ten"))
+    assert "trainer.max_epochs='ten' is not an integer" in message
+    message = _one_sentence_error(train(tmp_path, *DIGITS, "data.batch_size=0"))
+    assert "data.batch_size=0 is not a positive integer" in message
+
+
+def test_missing_dataset_on_an_offline_node_is_one_sentence(tmp_path: Path):
+    empty = tmp_path / "empty"
+    message = _one_sentence_error(
+        train(tmp_path, "data=mnist", f"paths.data_dir={empty}", "data.download=false")
+    )
+    assert (
+        f"MNIST is not in {empty}/MNIST/raw" in message
+        and "python scripts/prepare_data.py data=mnist" in message
+    )
+
+
+def test_missing_dataset_without_internet_fails_at_once(tmp_path: Path):
+    try:
+        socket.create_connection(("ossci-datasets.s3.amazonaws.com", 443), timeout=3).close()
+        pytest.skip("this machine can download MNIST")
+    except OSError:
+        pass
+    message = _one_sentence_error(train(tmp_path, "data=mnist", f"paths.data_dir={tmp_path / 'empty'}"))
+    assert "cannot reach its download mirrors" in message
+
+
+def test_missing_checkpoint_is_one_sentence(tmp_path: Path):
+    message = _one_sentence_error(train(tmp_path, *DIGITS, f"ckpt_path={tmp_path}/nope.ckpt"))
+    assert f"ckpt_path={tmp_path}/nope.ckpt does not exist" in message
+    message = _one_sentence_error(
+        run_entry("eval.py", f"paths.log_dir={tmp_path}", f"ckpt_path={tmp_path}/nope.ckpt")
+    )
+    assert "does not exist" in message
+
+
+def test_quickstart_reaches_90_percent_test_accuracy(tmp_path: Path):
+    assert_ok(train(tmp_path, "experiment=quickstart"))
+    (run,) = run_dirs(tmp_path)
+    assert last_value(read_metrics(run), "test/acc") >= 0.90
+    for name in ("config.yaml", "run.yaml", "metrics.csv", ".hydra/overrides.yaml", "checkpoints/last.ckpt"):
+        assert (run / name).is_file(), name
+    record = (run / "run.yaml").read_text()
+    assert "pytorch-lightning:" in record and "commit:" in record and "experiment=quickstart" in record
+
+
+def test_same_command_gives_the_same_metrics(tmp_path: Path):
+    for attempt in ("a", "b"):
+        assert_ok(train(tmp_path / attempt, *DIGITS, "trainer.max_epochs=2"))
+    a, b = (read_metrics(run_dirs(tmp_path / x)[0]) for x in ("a", "b"))
+    for rows in (a, b):
+        for row in rows:
+            row.pop("train/samples_per_s", None)  # wall-clock speed, the one thing allowed to differ
+    assert a == b and len(a) > 3
+
+
+def test_train_then_eval_the_checkpoint(tmp_path: Path):
+    assert_ok(train(tmp_path, *DIGITS, "trainer.max_epochs=3"))
+    (run,) = run_dirs(tmp_path)
+    trained_acc = last_value(read_metrics(run), "test/acc")
+    best = next((run / "checkpoints").glob("epoch_*.ckpt"))
+    # eval rebuilds model and data from the checkpoint: no model=/data= needed
+    result = run_entry(
+        "eval.py", f"paths.log_dir={tmp_path}", f"ckpt_path={best}", "extras.print_config=false"
+    )
+    assert_ok(result)
+    (eval_run,) = run_dirs(tmp_path, task="eval")
+    assert last_value(read_metrics(eval_run), "test/acc") == pytest.approx(trained_acc, abs=1e-6)
+
+
+def test_resume_from_last_checkpoint(tmp_path: Path):
+    assert_ok(train(tmp_path, *DIGITS, "trainer.max_epochs=2"))
+    result = train(tmp_path, *DIGITS, "trainer.max_epochs=4", "ckpt_path=last")
+    assert_ok(result)
+    first, second = run_dirs(tmp_path)
+    assert f"resuming from {first}/checkpoints/last.ckpt" in result.stdout
+    epochs = {int(row["epoch"]) for row in read_metrics(second) if row.get("train/acc")}
+    assert epochs == {2, 3}  # continued where the first run stopped
