@@ -92,7 +92,9 @@ def ensure_node_names_resolve() -> None:
 class LocalSlurmCluster:
     """slurmctld and one slurmd per node name, all state and logs under `root`."""
 
-    def __init__(self, root: Path, cpus_per_node: int = 2, memory_mb: int = 8000) -> None:
+    def __init__(self, root: Path, cpus_per_node: int = 16, memory_mb: int = 8000) -> None:
+        """`cpus_per_node` may exceed the machine's cores (SlurmdParameters=config_overrides), so the
+        sbatch templates' GPU-cluster-sized --cpus-per-task fit on a laptop-sized test machine."""
         self.root = Path(root).resolve()
         self.cpus_per_node = cpus_per_node
         self.memory_mb = memory_mb
@@ -127,6 +129,45 @@ class LocalSlurmCluster:
         while time.monotonic() < deadline and any(_alive(p) for p in self.root.glob("*.pid")):
             time.sleep(0.2)
 
+    def run(self, *command: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """Run a client command (sbatch, scancel, scontrol, ...) against this cluster."""
+        return subprocess.run(command, env=self.env, cwd=cwd, capture_output=True, text=True, check=False)
+
+    def sbatch(self, *args: str, cwd: Path) -> str:
+        """Submit and return the job id."""
+        result = self.run("sbatch", "--parsable", *args, cwd=cwd)
+        if result.returncode != 0:
+            raise RuntimeError(f"sbatch {' '.join(args)} failed: {result.stderr.strip()}")
+        return result.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...)."""
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+    def wait(
+        self,
+        job_id: str,
+        timeout_s: float,
+        until: tuple[str, ...] = (
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+        ),
+    ) -> dict[str, str]:
+        """Poll until the job reaches one of `until`; cancel it and raise after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in until:
+                return info
+            time.sleep(0.5)
+        self.run("scancel", job_id)
+        raise TimeoutError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout_s:.0f} s")
+
     def __enter__(self) -> LocalSlurmCluster:
         self.start()
         return self
@@ -160,6 +201,7 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
+SlurmdParameters=config_overrides
 MinJobAge=3600
 KillWait=10
 NodeName=node[1-{len(NODE_NAMES)}] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{node_ports[0]}-{node_ports[-1]}] CPUs={self.cpus_per_node} RealMemory={self.memory_mb} State=UNKNOWN

@@ -1,8 +1,9 @@
-"""What our checkpoints carry beyond Lightning's own: every rank's RNG states, and the run's config.
+"""What our checkpoints carry beyond Lightning's own: every rank's RNG and metric states, and the config.
 
 Lightning 2.6 restores weights, optimizer, schedulers, loop counters and (for stateful loaders) the
-dataloader position, but no random number generator. Without them, a run resumed mid-epoch draws
-different dropout masks than the uninterrupted run and ends with different weights. Everything
+dataloader position, but no random number generator and only rank 0's view of any metric. Without
+them, a run resumed mid-epoch draws different dropout masks than the uninterrupted run, ends with
+different weights, and reports a train/acc for part of the interrupted epoch. Everything
 stored is plain tensors, numbers and strings, so checkpoints load with `weights_only=True`.
 """
 
@@ -15,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback, LightningModule, Trainer
+from torch import Tensor
+from torchmetrics import Metric
 
 CONFIG_KEY = "hpctrain_config"
 
@@ -50,18 +53,53 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-class RNGStateCheckpoint(Callback):
-    """Saves each rank's RNG states in the checkpoint; restores them just before the first resumed step.
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu().clone()
+    return [v.detach().cpu().clone() for v in value]
 
-    Lightning builds the checkpoint on every rank (and writes it on rank 0), so the states are
-    gathered there with one collective.
+
+def capture_metric_states(module: LightningModule) -> dict[str, dict[str, Any]]:
+    """The running states of every torchmetrics metric in `module` (this rank's share of the epoch)."""
+    return {
+        name: {key: _to_cpu(value) for key, value in metric.metric_state.items()}
+        for name, metric in module.named_modules()
+        if isinstance(metric, Metric)
+    }
+
+
+def restore_metric_states(module: LightningModule, states: dict[str, dict[str, Any]]) -> None:
+    for name, metric in module.named_modules():
+        if isinstance(metric, Metric) and name in states:
+            for key, value in states[name].items():
+                moved = (
+                    value.to(metric.device)
+                    if isinstance(value, Tensor)
+                    else [v.to(metric.device) for v in value]
+                )
+                setattr(metric, key, moved)
+
+
+class RankStateCheckpoint(Callback):
+    """Saves what each rank holds and Lightning does not: RNG states and, for a checkpoint taken
+    mid-epoch, the running metric states (so the resumed epoch's train/acc covers the whole epoch).
+
+    Lightning builds the checkpoint on every rank (rank 0 writes it), so the per-rank states are
+    gathered there with one collective; each rank restores its own just before the first resumed step.
     """
 
     def __init__(self) -> None:
-        self._pending: list[dict[str, Any]] | None = None
+        self._trainer: Trainer | None = None
+        self._pending: dict[str, Any] | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
-        state = capture_rng_state()
+        trainer = self._trainer
+        state: dict[str, Any] = {"rng": capture_rng_state()}
+        if trainer is not None and _mid_epoch(trainer):
+            state["metrics"] = capture_metric_states(trainer.lightning_module)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, state)
@@ -69,16 +107,26 @@ class RNGStateCheckpoint(Callback):
         return {"per_rank": [state]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending = state_dict.get("per_rank")
+        self._pending = state_dict
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._pending is None:
             return
-        states, self._pending = self._pending, None
-        if len(states) == trainer.world_size:
-            restore_rng_state(states[trainer.global_rank])
+        per_rank, self._pending = self._pending.get("per_rank", []), None
+        if len(per_rank) != trainer.world_size:
+            return  # resumed with another number of processes: nothing per rank to restore
+        state = per_rank[trainer.global_rank]
+        restore_rng_state(state["rng"])
+        if "metrics" in state:
+            restore_metric_states(pl_module, state["metrics"])
+
+
+def _mid_epoch(trainer: Trainer) -> bool:
+    """Whether some, but not all, training batches of the current epoch are done."""
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    return trainer.training and 0 < done < trainer.num_training_batches
 
 
 class ConfigInCheckpoint(Callback):

@@ -8,8 +8,9 @@ signal; every `check_every_n_steps` training batches all ranks combine their fla
 all-reduce and, if any rank was signalled, all of them:
 
 1. save one checkpoint together (weights, optimizer, loop counters, dataloader position and every
-   rank's RNG states) to <run dir>/checkpoints/requeue.ckpt, written to a temporary file and renamed;
-2. flush the loggers;
+   rank's RNG and metric states) to <run dir>/checkpoints/requeue.ckpt, written to a temporary
+   file and renamed;
+2. let Lightning log that step, flush the loggers at the start of the next one;
 3. leave `trainer.fit` through `TrainingInterrupted`; on the requeue signal global rank 0 then runs
    `scontrol requeue <job>` and every rank exits with status 0.
 
@@ -60,6 +61,7 @@ class CheckpointOnSignal(Callback):
         self.received = NO_SIGNAL
         self._batches = 0
         self._group: Any = None
+        self._stop: TrainingInterrupted | None = None
 
     def _record(self, signum: int, frame: Any) -> None:
         code = REQUEUE if signum == self.requeue_signal else TERMINATE
@@ -89,10 +91,22 @@ class CheckpointOnSignal(Callback):
         agreed = self._agree(trainer)
         if agreed == NO_SIGNAL:
             return
+        self._save(trainer)
         requeue = agreed == REQUEUE and cluster.slurm_job_id() is not None
         name = self.requeue_signal.name if agreed == REQUEUE and self.requeue_signal else "SIGTERM"
-        self._save(trainer)
-        raise TrainingInterrupted(name, self.checkpoint_path, requeue)
+        self._stop = TrainingInterrupted(name, self.checkpoint_path, requeue)
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # Leave only now: Lightning logs a step's metrics after on_train_batch_end, and the resumed run
+        # starts after that step, so its log line must reach the loggers before we go.
+        if self._stop is None:
+            return
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.save()
+        raise self._stop
 
     def _agree(self, trainer: Trainer) -> int:
         if self._group is None:
@@ -106,8 +120,6 @@ class CheckpointOnSignal(Callback):
         trainer.save_checkpoint(tmp)  # every rank takes part; rank 0 writes; ends with a barrier
         if trainer.is_global_zero:
             os.replace(tmp, self.checkpoint_path)
-            for logger in trainer.loggers:
-                logger.save()
             log.info("signal received: saved %s at step %d", self.checkpoint_path, trainer.global_step)
         trainer.strategy.barrier("checkpoint_on_signal")
 

@@ -1,0 +1,195 @@
+"""slurm/train.sbatch on a real two-node Slurm cluster (slurmctld + slurmd node1, node2 on this machine).
+
+Nothing here mocks SLURM: jobs are submitted with sbatch, signalled with scancel, requeued by
+scontrol, and their outputs read back.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import PYTHON, ROOT, last_value, read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+CPU_JOB = ("--nodes=2", "--ntasks-per-node=1", "--gres=none")  # the issue's CPU-cluster form
+SBATCH_FILE = "slurm/train.sbatch"
+
+
+def _submit(cluster, out_dir: Path, *args: str) -> str:
+    return cluster.sbatch(f"--output={out_dir}/%x-%j.out", *args, cwd=ROOT)
+
+
+def _output(out_dir: Path, job: str) -> str:
+    files = list(out_dir.glob(f"*-{job}.out"))
+    return files[0].read_text() if files else ""
+
+
+def test_two_node_gloo_ddp_job_completes(slurm_cluster, tmp_path: Path):
+    job = _submit(
+        slurm_cluster,
+        tmp_path,
+        *CPU_JOB,
+        SBATCH_FILE,
+        "trainer=ddp_cpu",
+        "experiment=quickstart",
+        f"paths.log_dir={tmp_path}",
+    )
+    info = slurm_cluster.wait(job, timeout_s=300)
+    output = _output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED", output[-4000:]
+    assert "processes: 2 (process group backend: gloo)" in output
+    runs = list((tmp_path / "train" / "runs").iterdir())
+    assert [r.name for r in runs] == [f"slurm-{job}"]  # one run dir for both nodes, keyed by the job id
+    run = runs[0]
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert last_value(read_metrics(run), "test/acc") >= 0.9
+    attempt = yaml.safe_load((run / "run.yaml").read_text())["attempts"][0]
+    assert (attempt["launcher"], attempt["world_size"], attempt["slurm_job_id"]) == ("slurm", 2, job)
+
+
+PREFLIGHT_CASES = {
+    "num_nodes": (
+        (*CPU_JOB, SBATCH_FILE, "trainer=ddp_cpu", "trainer.num_nodes=1"),
+        "error: trainer.num_nodes=1 but the SLURM job has 2 node(s) (--nodes=2); submit with --nodes=1 or pass trainer.num_nodes=2.",
+    ),
+    "devices": (
+        (*CPU_JOB, SBATCH_FILE, "trainer=ddp_cpu", "trainer.devices=2"),
+        "error: trainer.devices=2 but SLURM gives 1 task(s) per node (--ntasks-per-node=1); submit with --ntasks-per-node=2 or pass trainer.devices=1.",
+    ),
+    "no_srun": (
+        (
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            f"--wrap={PYTHON} src/train.py trainer=ddp_cpu trainer.num_nodes=2 trainer.devices=1",
+        ),
+        "error: python runs in the sbatch script itself, not in an srun step",
+    ),
+    "ntasks_without_per_node": (
+        ("--ntasks=2", f"--wrap=srun {PYTHON} src/train.py trainer=ddp_cpu"),
+        "error: the SLURM job has 2 task(s) but no --ntasks-per-node",
+    ),
+    "gpus_per_task": (
+        (
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--gres=none",
+            "--export=ALL,CUDA_VISIBLE_DEVICES=0",
+            SBATCH_FILE,
+        ),
+        "error: trainer.devices=2 but this process sees only 1 GPU(s) (CUDA_VISIBLE_DEVICES=0)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PREFLIGHT_CASES)
+def test_preflight_mismatch_fails_fast_with_one_sentence(slurm_cluster, tmp_path: Path, case: str):
+    args, sentence = PREFLIGHT_CASES[case]
+    started = time.monotonic()
+    job = _submit(
+        slurm_cluster,
+        tmp_path,
+        *args,
+        f"paths.log_dir={tmp_path}" if SBATCH_FILE in args else "--job-name=bare",
+    )
+    info = slurm_cluster.wait(job, timeout_s=120)  # a hang would time out here
+    output = _output(tmp_path, job)
+    assert info["JobState"] == "FAILED", output[-3000:]
+    assert sentence in output, output[-3000:]
+    assert "Traceback" not in output and "Initializing distributed" not in output  # before any process group
+    assert time.monotonic() - started < 60
+
+
+def _state_dict(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def _metrics_without_speed(run: Path) -> list[dict[str, str]]:
+    with open(run / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    for row in rows:
+        row.pop("train/samples_per_s", None)
+    return rows
+
+
+def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path: Path):
+    """USR1 mid-epoch -> checkpoint -> scontrol requeue -> the restarted job finishes with the same
+    weights and metrics as an uninterrupted job (CPU, same seed, dropout included)."""
+    overrides = (
+        "trainer=ddp_cpu",
+        "data=digits",
+        "data.batch_size=8",
+        "trainer.max_epochs=3",
+        "callbacks.progress.log_every_n_s=0",
+        "trainer.log_every_n_steps=1",  # every step's loss is compared, and every step is a logging step
+        f"paths.log_dir={tmp_path}",
+        "extras.print_config=false",
+    )
+    # The interrupted job goes through scripts/submit.py, the reference job through plain sbatch.
+    submitted = slurm_cluster.run(
+        PYTHON,
+        "scripts/submit.py",
+        "--nodes",
+        "2",
+        "--cpu",
+        f"--sbatch-arg=--output={tmp_path}/%x-%j.out",
+        "--",
+        *overrides,
+        cwd=ROOT,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    interrupted = submitted.stdout.strip().split()[-1]
+    reference = _submit(slurm_cluster, tmp_path, *CPU_JOB, SBATCH_FILE, *overrides)
+
+    # Signal as the time limit would, once the job is well into its second epoch.
+    deadline = time.monotonic() + 240
+    while "epoch 1/3  step 20/" not in _output(tmp_path, interrupted):
+        assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
+        time.sleep(0.2)
+    assert slurm_cluster.run("scancel", "--signal=USR1", interrupted).returncode == 0
+    # Slurm holds a requeued job about two minutes (Reason=BeginTime); release it as soon as it is held.
+    deadline = time.monotonic() + 120
+    while True:
+        info = slurm_cluster.job(interrupted)
+        if info.get("Restarts") == "1" and info.get("JobState") in ("RUNNING", "COMPLETED"):
+            break  # running again (or done)
+        if info.get("Restarts") == "1" and info.get("Reason") == "BeginTime":
+            slurm_cluster.run("scontrol", "update", f"JobId={interrupted}", "StartTime=now")
+        assert time.monotonic() < deadline, (info, _output(tmp_path, interrupted)[-3000:])
+        time.sleep(0.5)
+
+    for job in (interrupted, reference):
+        info = slurm_cluster.wait(job, timeout_s=400)
+        assert info["JobState"] == "COMPLETED", _output(tmp_path, job)[-4000:]
+    runs = tmp_path / "train" / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == sorted([f"slurm-{interrupted}", f"slurm-{reference}"])
+    resumed, uninterrupted = runs / f"slurm-{interrupted}", runs / f"slurm-{reference}"
+
+    log = _output(tmp_path, interrupted)
+    requeue_ckpt = resumed / "checkpoints" / "requeue.ckpt"
+    assert f"requeued SLURM job {interrupted}" in log and f"resuming from {requeue_ckpt}" in log
+    assert "resuming from" not in _output(tmp_path, reference)  # a new job never loads another's checkpoint
+
+    # The checkpoint was taken mid-epoch, and the resumed run continued from there in the same run dir.
+    loops = torch.load(requeue_ckpt, map_location="cpu", weights_only=True)["loops"]["fit_loop"]
+    done_in_epoch = loops["epoch_loop.batch_progress"]["current"]["processed"]
+    assert 0 < done_in_epoch < 79, done_in_epoch  # 629 digits / 8 per batch per rank = 79 batches
+    attempts = yaml.safe_load((resumed / "run.yaml").read_text())["attempts"]
+    assert [a["slurm_restart_count"] for a in attempts] == [0, 1]
+
+    # Exact resume: identical final weights and identical metrics, every epoch.
+    final, expected = (
+        _state_dict(resumed / "checkpoints" / "last.ckpt"),
+        _state_dict(uninterrupted / "checkpoints" / "last.ckpt"),
+    )
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in final), [
+        k for k in final if not torch.equal(final[k], expected[k])
+    ]
+    assert _metrics_without_speed(resumed) == _metrics_without_speed(uninterrupted)
