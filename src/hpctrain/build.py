@@ -4,8 +4,7 @@ Besides what the config names, the trainer always gets:
 - the cluster environment chosen by `hpctrain.cluster` (SLURM without Lightning's auto-requeue);
 - `HydraDDPStrategy` for `strategy: ddp` (or `auto` with more than one process), with the
   collective timeout from `dist.timeout_min`;
-- `RankStateCheckpoint` and `ConfigInCheckpoint`, so checkpoints resume exactly and eval can rebuild
-  the model; `CheckpointOnSignal` when `requeue.enabled`.
+- `CheckpointExtras`, so checkpoints resume exactly and eval can rebuild the model; `CheckpointOnSignal` when `requeue.enabled`.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import Logger
 
 from hpctrain import cluster
-from hpctrain.checkpointing import ConfigInCheckpoint, RankStateCheckpoint
+from hpctrain.checkpointing import CheckpointExtras
 from hpctrain.launch import HydraDDPStrategy
 from hpctrain.outputs import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.requeue import CheckpointOnSignal
@@ -62,7 +61,7 @@ def callbacks(cfg: DictConfig, run_dir: str | Path, has_logger: bool) -> list[Ca
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
     config = OmegaConf.to_container(cfg, resolve=True)
-    chosen += [RankStateCheckpoint(), ConfigInCheckpoint({k: config.get(k) for k in ("model", "data")})]
+    chosen.append(CheckpointExtras({k: config.get(k) for k in ("model", "data")}))
     requeue = cfg.get("requeue")
     if requeue is not None and requeue.enabled:
         chosen.append(

@@ -80,17 +80,26 @@ def restore_metric_states(module: LightningModule, states: dict[str, dict[str, A
                 setattr(metric, key, moved)
 
 
-class RankStateCheckpoint(Callback):
-    """Saves what each rank holds and Lightning does not: RNG states and, for a checkpoint taken
-    mid-epoch, the running metric states (so the resumed epoch's train/acc covers the whole epoch).
+class CheckpointExtras(Callback):
+    """Adds to every checkpoint what Lightning does not save:
 
-    Lightning builds the checkpoint on every rank (rank 0 writes it), so the per-rank states are
-    gathered there with one collective; each rank restores its own just before the first resumed step.
+    - each rank's RNG states and, for a checkpoint taken mid-epoch, its running metric states (so
+      the resumed epoch's train/acc covers the whole epoch). Lightning builds the checkpoint on every
+      rank (rank 0 writes it), so they are gathered there with one collective; each rank restores
+      its own just before the first resumed step;
+    - the resolved config (plain containers), from which `src/eval.py` rebuilds the model.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        self.config = config
         self._trainer: Trainer | None = None
         self._pending: dict[str, Any] | None = None
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self.config is not None:
+            checkpoint[CONFIG_KEY] = self.config
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -127,15 +136,3 @@ def _mid_epoch(trainer: Trainer) -> bool:
     """Whether some, but not all, training batches of the current epoch are done."""
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
     return trainer.training and 0 < done < trainer.num_training_batches
-
-
-class ConfigInCheckpoint(Callback):
-    """Stores the resolved config (plain containers) so `src/eval.py` can rebuild the model from it."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
-
-    def on_save_checkpoint(
-        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        checkpoint[CONFIG_KEY] = self.config

@@ -7,8 +7,10 @@ SLURM output files are not terminals; a bar redrawn with carriage returns fills 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from pytorch_lightning import Callback, LightningModule, Trainer
@@ -25,19 +27,46 @@ def batch_size_of(batch: Any) -> int:
     return extract_batch_size(batch)
 
 
-class ThroughputLog(Callback):
-    """Logs `train/samples_per_s` once per epoch: the samples all ranks trained on per second.
+def seconds_since_process_start() -> float | None:
+    """Wall time since this process started (Linux), so startup cost includes the interpreter and imports.
 
-    Time spent in validation is excluded; no device sync is added (the epoch end already waits).
+    /proc/self/stat gives the start in clock ticks since boot, the clock CLOCK_BOOTTIME reads.
+    """
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class ThroughputLog(Callback):
+    """Logs `train/samples_per_s` once per epoch: the samples all ranks trained on per second of
+    training steps (validation, and the checkpointing that follows it, are not counted), and once
+    per run how long after the process started the first training step began.
     """
 
     def __init__(self) -> None:
         self.samples = 0
         self.seconds = 0.0
         self._started: float | None = None
+        self._first_step_logged = True
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._first_step_logged = False
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.samples, self.seconds, self._started = 0, 0.0, time.perf_counter()
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._started is None:  # resuming after a validation inside the epoch
+            self._started = time.perf_counter()
+        if not self._first_step_logged:
+            self._first_step_logged = True
+            age = seconds_since_process_start()
+            if age is not None and trainer.is_global_zero:
+                log.info("first training step %.2f s after the process started", age)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -46,10 +75,6 @@ class ThroughputLog(Callback):
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause()
-
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.training:
-            self._started = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause()

@@ -5,7 +5,7 @@ handler between bytecodes, so one rank enters `save_checkpoint` (a barrier) in t
 backward pass while another sits in the training loop's broadcast: the collectives do not match and
 a multi-node job hangs until its time limit, with nothing saved. Here the handler only records the
 signal; every `check_every_n_steps` training batches all ranks combine their flags in one tiny
-all-reduce and, if any rank was signalled, all of them:
+asynchronous all-reduce (read one check later) and, if any rank was signalled, all of them:
 
 1. save one checkpoint together (weights, optimizer, loop counters, dataloader position and every
    rank's RNG and metric states) to <run dir>/checkpoints/requeue.ckpt, written to a temporary
@@ -61,6 +61,8 @@ class CheckpointOnSignal(Callback):
         self.received = NO_SIGNAL
         self._batches = 0
         self._group: Any = None
+        self._flags: torch.Tensor | None = None
+        self._in_flight: Any = None
         self._stop: TrainingInterrupted | None = None
 
     def _record(self, signum: int, frame: Any) -> None:
@@ -109,11 +111,30 @@ class CheckpointOnSignal(Callback):
         raise self._stop
 
     def _agree(self, trainer: Trainer) -> int:
+        """The largest signal any rank had recorded by the previous check (this rank's own, alone).
+
+        The all-reduce is asynchronous: started at one check and read at the next, so its latency
+        hides behind a training step instead of adding to it. Every rank reads the same result at the
+        same step, which is all the agreement needs.
+        """
         if self._group is None:
             return self.received
-        flag = torch.tensor([self.received], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return int(flag.item())
+        agreed = NO_SIGNAL
+        if self._in_flight is not None:
+            self._in_flight.wait()
+            self._in_flight = None
+            agreed = int(self._flags.item())
+        if agreed == NO_SIGNAL:
+            self._flags = torch.tensor([self.received], dtype=torch.int32)
+            self._in_flight = dist.all_reduce(
+                self._flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True
+            )
+        return agreed
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._in_flight is not None:
+            self._in_flight.wait()
+            self._in_flight = None
 
     def _save(self, trainer: Trainer) -> None:
         tmp = self.checkpoint_path.with_name(f".{self.checkpoint_path.name}.tmp")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from pytorch_lightning import LightningDataModule
 from torch import Tensor
@@ -75,6 +77,14 @@ class ImageDataModule(LightningDataModule):
 
     def test_dataloader(self) -> ResumableDataLoader:
         return self._loader(2, shuffle=False)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        # Lightning's generic transfer walks the batch structure on every step; ours is two tensors.
+        if isinstance(batch, (tuple, list)) and all(isinstance(t, Tensor) for t in batch):
+            if device.type == "cpu":
+                return batch
+            return type(batch)(t.to(device, non_blocking=True) for t in batch)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
         images, labels = batch

@@ -14,8 +14,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 
 class ImageClassifier(LightningModule):
-    """Trains `net` with cross-entropy and logs train/loss, train/acc, val/loss, val/acc, val/acc_best,
-    test/loss and test/acc.
+    """Trains `net` with cross-entropy and logs train/loss (every log_every_n_steps), train/acc,
+    val/loss, val/acc, val/acc_best, test/loss and test/acc (once per epoch).
 
     Accuracy and loss are torchmetrics states summed across ranks when an epoch ends, so with DDP
     every sample counts once and no collective runs per step. `val/acc_best` is part of the state
@@ -57,9 +57,15 @@ class ImageClassifier(LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, preds, y = self._loss_and_predictions(batch)
         self.train_acc.update(preds, y)
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
+        # Each self.log call costs Lightning about half a millisecond, as much as a whole MLP step on
+        # a CPU core; log the loss only on the steps the loggers write (every log_every_n_steps).
+        if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
+            self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.log("train/acc", self.train_acc.compute())  # summed across ranks by torchmetrics
+        self.train_acc.reset()
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, preds, y = self._loss_and_predictions(batch)

@@ -1,0 +1,416 @@
+"""The template against a hand-written PyTorch loop, side by side in one run, plus startup costs.
+
+    python scripts/benchmark.py                          # mlp and mnist_cnn, 1 and 2 processes
+    python scripts/benchmark.py --tiny --json out.json   # seconds, for the test suite
+
+Three ways train the same network with the same optimizer on the same in-memory data (the `random`
+datamodule's tensors), batch size and number of samples:
+
+  raw        a hand-written loop: DistributedSampler indices, one tensor index per batch, normalise,
+             forward, backward, step; DistributedDataParallel when there is more than one process
+  lightning  Lightning's bare loop over the same batches: no callbacks, metrics, logging or checkpoints
+             (its gap to raw is Lightning's own per-step cost)
+  template   this template's datamodule, ImageClassifier, Trainer and default callbacks, loggers off
+
+All three run in turn inside one process (one per rank: torchrun starts two for world size 2, gloo
+on CPU, nccl on GPU), several rounds, so the ratios compare runs taken side by side. A figure is
+the median samples/s (all processes together) over the epochs after the first of each run. Also
+measured: wall time and peak RSS of `python src/train.py --help`, and how long after its start
+`debug=fdr` reaches its first training step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+PYTHON = sys.executable
+
+
+# ---------------------------------------------------------------- worker (all variants in one process)
+
+
+class Setup:
+    """What the three variants share: processes, device, data tensors, the composed template config."""
+
+    def __init__(self, model: str, samples: int, batch_size: int, epochs: int) -> None:
+        import torch
+        import torch.distributed as dist
+        from hydra import compose, initialize_config_dir
+
+        from hpctrain.resolvers import register_resolvers
+
+        self.model, self.samples, self.batch_size, self.epochs = model, samples, batch_size, epochs
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.gpu = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if self.gpu else "cpu")
+        if self.gpu:
+            torch.cuda.set_device(self.device)
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.gpu else "gloo")
+        register_resolvers(ROOT)
+        self.out = tempfile.mkdtemp(prefix="benchmark-")
+        trainer = ("ddp" if self.gpu else "ddp_cpu") if self.world > 1 else ("gpu" if self.gpu else "cpu")
+        overrides = [
+            f"model={model}",
+            "data=random",
+            f"data.num_samples={samples}",
+            f"data.val_samples={2 * batch_size}",
+            f"data.test_samples={batch_size}",
+            f"data.batch_size={batch_size}",
+            "data.seed=0",
+            f"data.pin_memory={self.gpu}",
+            f"trainer={trainer}",
+            f"trainer.devices={self.world}",
+            f"trainer.max_epochs={epochs}",
+            "trainer.num_sanity_val_steps=0",
+            "callbacks.early_stopping=null",
+            f"paths.output_dir={self.out}",
+            f"paths.log_dir={self.out}",
+            "seed=0",
+        ]
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            self.cfg = compose("train", overrides=overrides)
+        from hydra.utils import instantiate
+
+        datamodule = instantiate(self.cfg.data)
+        self.images, self.labels = datamodule.load()[0][:]
+        self.mean, self.scale = 255.0 * datamodule.mean, 1.0 / (255.0 * datamodule.std)
+
+    def network_and_optimizer(self):
+        """The model config's network and optimizer: the same for all three variants."""
+        import torch
+        from hydra.utils import instantiate
+
+        torch.manual_seed(0)
+        net = instantiate(self.cfg.model.net).to(self.device)
+        return net, instantiate(self.cfg.model.optimizer)
+
+    def batches(self, epoch: int):
+        """This rank's batches for one epoch, as a hand-written DDP loop makes them."""
+        import torch
+        from torch.utils.data import DistributedSampler
+
+        sampler = DistributedSampler(
+            range(len(self.labels)), num_replicas=self.world, rank=int(os.environ.get("RANK", 0)), seed=0
+        )
+        sampler.set_epoch(epoch)
+        order = torch.tensor(list(sampler))
+        for start in range(0, len(order), self.batch_size):
+            index = order[start : start + self.batch_size]
+            x = self.images[index].to(self.device, non_blocking=True).float().sub_(self.mean).mul_(self.scale)
+            yield x, self.labels[index].to(self.device, non_blocking=True)
+
+    def steps_per_epoch(self) -> int:
+        import math
+
+        return math.ceil(math.ceil(len(self.labels) / self.world) / self.batch_size)
+
+    def sync(self) -> None:
+        import torch
+
+        if self.gpu:
+            torch.cuda.synchronize()
+
+
+def run_raw(setup: Setup) -> list[float]:
+    """A hand-written loop, as in PyTorch's DDP tutorial: sampler, forward, backward, step."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    net, make_optimizer = setup.network_and_optimizer()
+    if setup.world > 1:
+        net = DistributedDataParallel(net, device_ids=[setup.device.index] if setup.gpu else None)
+    optimizer = make_optimizer(params=net.parameters())
+    rates = []
+    for epoch in range(setup.epochs):
+        setup.sync()
+        started = time.perf_counter()
+        seen = 0
+        for x, y in setup.batches(epoch):
+            loss = F.cross_entropy(net(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            seen += len(y)
+        setup.sync()
+        rates.append(seen * setup.world / (time.perf_counter() - started))
+    return rates
+
+
+def run_lightning(setup: Setup) -> list[float]:
+    """Lightning's bare loop: a minimal LightningModule, no callbacks, metrics, logging or checkpoints.
+    Its gap to `raw` is Lightning's own per-step cost, which the template cannot remove."""
+    import pytorch_lightning as pl
+    import torch.nn.functional as F
+
+    from hpctrain import cluster
+
+    net, make_optimizer = setup.network_and_optimizer()
+
+    class Bare(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return make_optimizer(params=self.parameters())
+
+    class Batches:
+        def __init__(self) -> None:
+            self.epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self):
+            return setup.batches(self.epoch)
+
+        def __len__(self) -> int:
+            return setup.steps_per_epoch()
+
+    class Timer(pl.Callback):
+        rates: list[float] = []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            setup.sync()
+            self.started, self.seen = time.perf_counter(), 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen += len(batch[1])
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            setup.sync()
+            self.rates.append(self.seen * setup.world / (time.perf_counter() - self.started))
+
+    timer = Timer()
+    timer.rates = []
+    loader = Batches()
+
+    class Epochs(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            loader.set_epoch(trainer.current_epoch)
+
+    trainer = pl.Trainer(
+        accelerator="gpu" if setup.gpu else "cpu",
+        devices=setup.world,
+        strategy="ddp" if setup.world > 1 else "auto",
+        plugins=[cluster.lightning_cluster_environment()],
+        max_epochs=setup.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        callbacks=[Epochs(), timer],
+    )
+    trainer.fit(Bare(), train_dataloaders=loader)
+    return timer.rates
+
+
+def run_template(setup: Setup) -> list[float]:
+    """The template's own path: config -> build -> Trainer.fit, as src/train.py does it (loggers off)."""
+    from hpctrain import build
+    from hpctrain.progress import ThroughputLog
+
+    class EpochRates(ThroughputLog):
+        """The default ThroughputLog (same per-step work), keeping each epoch's rate."""
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            super().on_train_epoch_end(trainer, pl_module)
+            self.rates.append(self.samples * trainer.world_size / self.seconds)
+
+    recorder = EpochRates()
+    recorder.rates = []
+    build.seed_everything(setup.cfg.seed)
+    trainer = build.trainer(setup.cfg, setup.out, logger=[])
+    trainer.callbacks = [recorder if isinstance(c, ThroughputLog) else c for c in trainer.callbacks]
+    trainer.fit(build.model(setup.cfg), build.datamodule(setup.cfg))
+    return recorder.rates
+
+
+VARIANTS = {"raw": run_raw, "lightning": run_lightning, "template": run_template}
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Run raw, bare Lightning and the template in turn, `repeats` times, in this process (and its
+    torchrun siblings); print each variant's per-epoch rates without the warm-up epoch of each run."""
+    setup = Setup(args.model, args.samples, args.batch_size, args.epochs)
+    rates: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    names = list(VARIANTS)
+    for repeat in range(args.repeats):
+        for name in names[repeat % 3 :] + names[: repeat % 3]:
+            measured = VARIANTS[name](setup)
+            rates[name] += measured[1:] if len(measured) > 1 else measured
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RATES " + json.dumps(rates), flush=True)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _launch(model: str, world: int, args: argparse.Namespace) -> dict[str, float]:
+    script = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--model",
+        model,
+        "--samples",
+        str(args.samples),
+        "--batch-size",
+        str(args.batch_size),
+        "--epochs",
+        str(args.epochs),
+        "--repeats",
+        str(args.repeats),
+    ]
+    if world > 1:
+        command = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            *script,
+        ]
+    else:
+        command = [PYTHON, *script]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=3600)
+    found = re.search(r"^RATES (.*)$", result.stdout, re.MULTILINE)
+    if result.returncode != 0 or not found:
+        raise RuntimeError(f"{model} x{world} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return {name: statistics.median(rates) for name, rates in json.loads(found.group(1)).items()}
+
+
+def throughput(args: argparse.Namespace) -> list[dict]:
+    results = []
+    for model in args.models:
+        for world in args.world_sizes:
+            rates = _launch(model, world, args)
+            row = {
+                "model": model,
+                "world_size": world,
+                "raw_samples_per_s": round(rates["raw"], 1),
+                "template_samples_per_s": round(rates["template"], 1),
+                "ratio": round(rates["template"] / rates["raw"], 3),
+                "lightning_samples_per_s": round(rates["lightning"], 1),
+                "lightning_ratio": round(rates["lightning"] / rates["raw"], 3),
+            }
+            print(
+                f"  {model:10s} x{world}: raw {row['raw_samples_per_s']:8.0f}  lightning {row['lightning_samples_per_s']:8.0f}"
+                f"  template {row['template_samples_per_s']:8.0f}  template/raw {row['ratio']:.3f}"
+                f"  (bare Lightning/raw {row['lightning_ratio']:.3f})",
+                flush=True,
+            )
+            results.append(row)
+    return results
+
+
+def help_cost(repeats: int) -> tuple[float, float]:
+    """Median wall time and peak RSS (MB) of `python src/train.py --help`."""
+    times, peaks = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        process = subprocess.Popen(
+            [PYTHON, str(ROOT / "src" / "train.py"), "--help"], stdout=subprocess.DEVNULL, cwd=ROOT
+        )
+        _, status, usage = os.wait4(process.pid, 0)
+        times.append(time.perf_counter() - started)
+        peaks.append(usage.ru_maxrss / 1024)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            raise RuntimeError("src/train.py --help failed")
+    return statistics.median(times), max(peaks)
+
+
+def first_step_seconds(repeats: int) -> float:
+    """How long after its start `python src/train.py debug=fdr` begins its first training step."""
+    seconds = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as out:
+            result = subprocess.run(
+                [
+                    PYTHON,
+                    str(ROOT / "src" / "train.py"),
+                    "debug=fdr",
+                    "data=random",
+                    "trainer=cpu",
+                    f"paths.log_dir={out}",
+                ],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                timeout=300,
+            )
+        found = re.search(
+            r"first training step ([0-9.]+) s after the process started", result.stdout + result.stderr
+        )
+        if result.returncode != 0 or not found:
+            raise RuntimeError(f"debug=fdr failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        seconds.append(float(found.group(1)))
+    return statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["mlp", "mnist_cnn"], choices=["mlp", "mnist_cnn"])
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
+    parser.add_argument(
+        "--samples", type=int, default=128 * 160, help="training samples per epoch (all processes)"
+    )
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--epochs", type=int, default=4, help="epochs per run; the first is warm-up")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds of raw, bare Lightning and template runs per row"
+    )
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (the test suite's)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.tiny:
+        args.models, args.samples, args.epochs, args.repeats = ["mlp"], 128 * 8, 2, 1
+
+    print("startup:", flush=True)
+    help_s, help_rss = help_cost(1 if args.tiny else 5)
+    print(f"  python src/train.py --help: {help_s:.3f} s, peak RSS {help_rss:.0f} MB", flush=True)
+    first_step = first_step_seconds(1 if args.tiny else 3)
+    print(f"  debug=fdr first training step: {first_step:.2f} s after process start", flush=True)
+    print(
+        f"throughput, samples/s (batch {args.batch_size}, {args.samples} samples per epoch, median of the epochs after"
+        f" the first of each run, {args.repeats} rounds):",
+        flush=True,
+    )
+    results = throughput(args)
+    report = {
+        "results": results,
+        "help_s": round(help_s, 3),
+        "first_step_s": round(first_step, 2),
+        "help_peak_rss_mb": round(help_rss, 1),
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
