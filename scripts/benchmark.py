@@ -259,6 +259,10 @@ def worker(args: argparse.Namespace) -> None:
             rates[name] += measured[1:] if len(measured) > 1 else measured
     if int(os.environ.get("RANK", "0")) == 0:
         print("RATES " + json.dumps(rates), flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- driver

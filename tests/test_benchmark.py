@@ -18,14 +18,20 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
         [PYTHON, str(ROOT / "scripts" / "benchmark.py"), "--tiny", "--json", str(out)],
-        capture_output=True, text=True, cwd=ROOT, env=local_env(), timeout=600,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=local_env(),
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert {(r["model"], r["world_size"]) for r in report["results"]} == {("mlp", 1), ("mlp", 2)}
     for row in report["results"]:
         assert row["raw_samples_per_s"] > 0 and row["template_samples_per_s"] > 0
-        assert row["ratio"] == pytest.approx(row["template_samples_per_s"] / row["raw_samples_per_s"], abs=1e-3)
+        assert row["ratio"] == pytest.approx(
+            row["template_samples_per_s"] / row["raw_samples_per_s"], abs=1e-3
+        )
     assert 0 < report["help_s"] < 30 and 0 < report["help_peak_rss_mb"] < 2000
     assert 0 < report["first_step_s"] < 120
     assert "template/raw" in result.stdout  # the printed table

@@ -7,6 +7,7 @@ scontrol, and their outputs read back.
 from __future__ import annotations
 
 import csv
+import socket
 import time
 from pathlib import Path
 
@@ -193,3 +194,19 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         k for k in final if not torch.equal(final[k], expected[k])
     ]
     assert _metrics_without_speed(resumed) == _metrics_without_speed(uninterrupted)
+
+
+def test_node_local_log_dir_fails_fast(slurm_cluster, tmp_path: Path):
+    """A run dir that differs per node (node-local scratch) would scatter checkpoints: refuse it."""
+    node_local = f"paths.log_dir={tmp_path}/${{oc.env:SLURMD_NODENAME}}"
+    job = _submit(
+        slurm_cluster, tmp_path, *CPU_JOB, SBATCH_FILE, "trainer=ddp_cpu", "data=digits", node_local
+    )
+    info = slurm_cluster.wait(job, timeout_s=180)
+    output = _output(tmp_path, job)
+    assert info["JobState"] == "FAILED", output[-3000:]
+    assert (
+        f"error: rank 1 on {socket.gethostname()} uses the run dir {tmp_path}/node2/train/runs/slurm-{job}"
+        in output
+    )
+    assert "Traceback" not in output and "Epoch 0" not in output

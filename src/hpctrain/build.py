@@ -61,7 +61,7 @@ def callbacks(cfg: DictConfig, run_dir: str | Path, has_logger: bool) -> list[Ca
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
     config = OmegaConf.to_container(cfg, resolve=True)
-    chosen.append(CheckpointExtras({k: config.get(k) for k in ("model", "data")}))
+    chosen.append(CheckpointExtras({k: config.get(k) for k in ("model", "data")}, run_dir))
     requeue = cfg.get("requeue")
     if requeue is not None and requeue.enabled:
         chosen.append(

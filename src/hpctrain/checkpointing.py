@@ -10,6 +10,8 @@ stored is plain tensors, numbers and strings, so checkpoints load with `weights_
 from __future__ import annotations
 
 import random
+import socket
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,8 @@ import torch.distributed as dist
 from pytorch_lightning import Callback, LightningModule, Trainer
 from torch import Tensor
 from torchmetrics import Metric
+
+from hpctrain.errors import UserError
 
 CONFIG_KEY = "hpctrain_config"
 
@@ -88,10 +92,15 @@ class CheckpointExtras(Callback):
       rank (rank 0 writes it), so they are gathered there with one collective; each rank restores
       its own just before the first resumed step;
     - the resolved config (plain containers), from which `src/eval.py` rebuilds the model.
+
+    It also checks, when training starts on several nodes, that every rank uses the same run dir
+    and sees what rank 0 wrote there: a node-local log dir would leave the checkpoints where a
+    requeued job, or another node, cannot find them.
     """
 
-    def __init__(self, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: dict[str, Any] | None = None, run_dir: str | Path | None = None) -> None:
         self.config = config
+        self.run_dir = Path(run_dir).resolve() if run_dir is not None else None
         self._trainer: Trainer | None = None
         self._pending: dict[str, Any] | None = None
 
@@ -103,6 +112,8 @@ class CheckpointExtras(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
+        if stage == "fit" and trainer.num_nodes > 1 and self.run_dir is not None:
+            check_run_dir_is_shared(trainer, self.run_dir)
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
@@ -130,6 +141,32 @@ class CheckpointExtras(Callback):
         restore_rng_state(state["rng"])
         if "metrics" in state:
             restore_metric_states(pl_module, state["metrics"])
+
+
+def check_run_dir_is_shared(trainer: Trainer, run_dir: Path) -> None:
+    """Every rank must write to rank 0's run dir and see the run.yaml rank 0 wrote there.
+
+    The verdicts are gathered, so every rank stops with the same sentence (none waits in a collective
+    for a rank that already left).
+    """
+    expected = trainer.strategy.broadcast(str(run_dir), src=0)
+    where = f"rank {trainer.global_rank} on {socket.gethostname()}"
+    problem = ""
+    if str(run_dir) != expected:
+        problem = (
+            f"{where} uses the run dir {run_dir} but rank 0 uses {expected}; set paths.log_dir to one "
+            "directory on a filesystem every node mounts (not a node-local path such as $TMPDIR)."
+        )
+    elif not (run_dir / "run.yaml").is_file():
+        problem = (
+            f"{where} cannot see {run_dir}/run.yaml, which rank 0 wrote: the run dir is not on a filesystem "
+            "every node mounts; set paths.log_dir to a shared directory."
+        )
+    verdicts: list[Any] = [None] * trainer.world_size
+    dist.all_gather_object(verdicts, problem)
+    first = next((v for v in verdicts if v), None)
+    if first:
+        raise UserError(first)
 
 
 def _mid_epoch(trainer: Trainer) -> bool:

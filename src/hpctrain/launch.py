@@ -96,13 +96,17 @@ class HydraDDPStrategy(DDPStrategy):
 
 
 def end_distributed_job(trainer) -> None:
-    """Close this job's process group and reap its local ranks, so a sweep's next job starts fresh."""
+    """Close the process group and reap local ranks: a clean exit, and a fresh start for a sweep's next job.
+
+    Without it, a process that exits with a live process group can abort in a C++ destructor
+    ("terminate called without an active exception"), failing a job that trained fine.
+    """
     import torch.distributed as dist
 
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
     if isinstance(launcher, HydraJobLauncher) and launcher.procs:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
         for proc in launcher.procs:
             proc.wait(timeout=120)
         for key in _LAUNCH_ENV:
