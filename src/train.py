@@ -66,7 +66,7 @@ def main(cfg: DictConfig) -> float | None:
             metrics = console.report(run_dir, trainer, best)
             return metrics.get(cfg.get("optimized_metric") or "")
         except TrainingInterrupted as interrupted:
-            finish(interrupted)  # rank 0 requeues the SLURM job; every rank exits 0
+            finish(interrupted)  # rank 0 requeues the SLURM job, which then ends every rank
             return None
         finally:
             launch.end_distributed_job(trainer)

@@ -5,14 +5,15 @@ handler between bytecodes, so one rank enters `save_checkpoint` (a barrier) in t
 backward pass while another sits in the training loop's broadcast: the collectives do not match and
 a multi-node job hangs until its time limit, with nothing saved. Here the handler only records the
 signal; every `check_every_n_steps` training batches all ranks combine their flags in one tiny
-asynchronous all-reduce (read one check later) and, if any rank was signalled, all of them:
+all-reduce and, if any rank was signalled, all of them:
 
 1. save one checkpoint together (weights, optimizer, loop counters, dataloader position and every
    rank's RNG and metric states) to <run dir>/checkpoints/requeue.ckpt, written to a temporary
    file and renamed;
 2. let Lightning log that step, flush the loggers at the start of the next one;
 3. leave `trainer.fit` through `TrainingInterrupted`; on the requeue signal global rank 0 then runs
-   `scontrol requeue <job>` and every rank exits with status 0.
+   `scontrol requeue <job>` and every rank waits for SLURM to terminate it (a rank that exits by
+   itself can race the requeue and leave the job FAILED instead of pending).
 
 SLURM restarts the job with the same job id, hence the same run dir, where `checkpoint_to_resume`
 finds requeue.ckpt. SIGTERM (scancel, preemption) gets steps 1-3 without the requeue: if the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from hpctrain import cluster
 log = logging.getLogger("hpctrain")
 
 NO_SIGNAL, TERMINATE, REQUEUE = 0, 1, 2
+REQUEUE_WAIT_S = 120  # longer than SLURM needs to terminate a requeued job's tasks
 
 
 class TrainingInterrupted(Exception):
@@ -61,8 +64,6 @@ class CheckpointOnSignal(Callback):
         self.received = NO_SIGNAL
         self._batches = 0
         self._group: Any = None
-        self._flags: torch.Tensor | None = None
-        self._in_flight: Any = None
         self._stop: TrainingInterrupted | None = None
 
     def _record(self, signum: int, frame: Any) -> None:
@@ -111,30 +112,20 @@ class CheckpointOnSignal(Callback):
         raise self._stop
 
     def _agree(self, trainer: Trainer) -> int:
-        """The largest signal any rank had recorded by the previous check (this rank's own, alone).
+        """The largest signal any rank has recorded: one all-reduce of a single integer.
 
-        The all-reduce is asynchronous: started at one check and read at the next, so its latency
-        hides behind a training step instead of adding to it. Every rank reads the same result at the
-        same step, which is all the agreement needs.
+        (An asynchronous all-reduce read one check later would hide its latency, but gloo work still
+        in flight at interpreter exit aborted processes now and then; the blocking one costs less
+        than the noise of the benchmark.)
         """
         if self._group is None:
             return self.received
-        agreed = NO_SIGNAL
-        if self._in_flight is not None:
-            self._in_flight.wait()
-            self._in_flight = None
-            agreed = int(self._flags.item())
-        if agreed == NO_SIGNAL:
-            self._flags = torch.tensor([self.received], dtype=torch.int32)
-            self._in_flight = dist.all_reduce(
-                self._flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True
-            )
-        return agreed
+        flag = torch.tensor([self.received], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag.item())
 
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._in_flight is not None:
-            self._in_flight.wait()
-            self._in_flight = None
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._group = None  # let destroy_process_group free it
 
     def _save(self, trainer: Trainer) -> None:
         tmp = self.checkpoint_path.with_name(f".{self.checkpoint_path.name}.tmp")
@@ -145,14 +136,25 @@ class CheckpointOnSignal(Callback):
         trainer.strategy.barrier("checkpoint_on_signal")
 
 
-def finish(interrupted: TrainingInterrupted) -> None:
-    """After fit has unwound: global rank 0 asks SLURM to requeue the job; every rank then just exits."""
-    if not (interrupted.requeue and cluster.is_rank_zero()):
+def finish(interrupted: TrainingInterrupted, wait_s: float = REQUEUE_WAIT_S) -> None:
+    """After fit has unwound: global rank 0 asks SLURM to requeue the job, and every rank waits for
+    SLURM to end this run of it.
+
+    A task that exits by itself races the requeue: its step and then the batch script finish, and
+    SLURM can record the job as FAILED instead of pending again. So no rank exits; SLURM's requeue
+    terminates them all (the wait only runs out if the requeue failed).
+    """
+    if not interrupted.requeue:
         return
-    result = cluster.requeue_job()
-    if result.returncode == 0:
+    if cluster.is_rank_zero():
+        result = cluster.requeue_job()
+        if result.returncode != 0:
+            log.error(
+                "scontrol requeue %s failed: %s",
+                cluster.slurm_job_id(),
+                (result.stderr or result.stdout).strip(),
+            )
+            return
         log.info("requeued SLURM job %s; it resumes from %s", cluster.slurm_job_id(), interrupted.checkpoint)
-    else:
-        log.error(
-            "scontrol requeue %s failed: %s", cluster.slurm_job_id(), (result.stderr or result.stdout).strip()
-        )
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(wait_s)
