@@ -16,13 +16,6 @@ from typing import Any
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 
-# logger config name -> (module to import, extra that installs it)
-OPTIONAL_PACKAGES = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "mlflow": ("mlflow", "mlflow"),
-    "wandb": ("wandb", "wandb"),
-}
-
 
 def stable_run_key(run_dir: str | os.PathLike[str]) -> str:
     """A short id derived from the run dir: the same for a requeued job, different for every other run."""
