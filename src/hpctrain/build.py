@@ -9,7 +9,6 @@ Besides what the config names, the trainer always gets:
 
 from __future__ import annotations
 
-import logging
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -28,8 +27,6 @@ from hpctrain.checkpointing import CheckpointExtras
 from hpctrain.launch import HydraDDPStrategy
 from hpctrain.outputs import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.requeue import CheckpointOnSignal
-
-log = logging.getLogger("hpctrain")
 
 
 def seed_everything(seed: int) -> None:
@@ -60,8 +57,8 @@ def callbacks(cfg: DictConfig, run_dir: str | Path, has_logger: bool) -> list[Ca
     chosen = _instantiate_group(cfg.get("callbacks"))
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
-    config = OmegaConf.to_container(cfg, resolve=True)
-    chosen.append(CheckpointExtras({k: config.get(k) for k in ("model", "data")}, run_dir))
+    stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data") if k in cfg}
+    chosen.append(CheckpointExtras(stored, run_dir))
     requeue = cfg.get("requeue")
     if requeue is not None and requeue.enabled:
         chosen.append(

@@ -31,14 +31,8 @@ PRECISIONS = (
     "bf16-true",
     "transformer-engine",
 )
-# logger class (as in its _target_) -> the package it needs
-LOGGER_PACKAGES = {
-    "TensorBoardLogger": "tensorboard",
-    "mlflow": "mlflow",
-    "MLFlowLogger": "mlflow",
-    "wandb": "wandb",
-    "WandbLogger": "wandb",
-}
+# packages an optional logger needs, recognised in its _target_ (TensorBoardLogger, mlflow_logger, ...)
+LOGGER_PACKAGES = ("tensorboard", "mlflow", "wandb")
 
 
 def _int(value: Any) -> bool:
@@ -113,9 +107,9 @@ def check_config(cfg: DictConfig) -> None:
                 f"{rule.key}={value!r} is not {rule.expected}; pass e.g. {rule.key}={rule.example}."
             )
     for name, entry in (cfg.get("logger") or {}).items():
-        target = str((entry or {}).get("_target_", ""))
-        for marker, package in LOGGER_PACKAGES.items():
-            if marker in target and importlib.util.find_spec(package) is None:
+        target = str((entry or {}).get("_target_", "")).lower()
+        for package in LOGGER_PACKAGES:
+            if package in target and importlib.util.find_spec(package) is None:
                 raise UserError(
                     f"logger={name} needs the {package} package, which is not installed; "
                     f"pip install -e '.[{package}]' (or pass logger=csv)."

@@ -13,7 +13,8 @@ from hpctrain.errors import UserError
 
 def _read_stored_config(checkpoint: Path) -> dict:
     try:
-        content = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        # mmap: only the config is read here; Lightning reads the tensors once, in trainer.test
+        content = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"ckpt_path={checkpoint} is not a readable checkpoint ({first_line}).") from err
