@@ -46,9 +46,8 @@ class Setup:
     def __init__(self, model: str, samples: int, batch_size: int, epochs: int) -> None:
         import torch
         import torch.distributed as dist
-        from hydra import compose, initialize_config_dir
 
-        from hpctrain.resolvers import register_resolvers
+        from hpctrain.config import compose
 
         self.model, self.samples, self.batch_size, self.epochs = model, samples, batch_size, epochs
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -58,7 +57,6 @@ class Setup:
             torch.cuda.set_device(self.device)
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.gpu else "gloo")
-        register_resolvers(ROOT)
         self.out = tempfile.mkdtemp(prefix="benchmark-")
         trainer = ("ddp" if self.gpu else "ddp_cpu") if self.world > 1 else ("gpu" if self.gpu else "cpu")
         overrides = [
@@ -79,13 +77,12 @@ class Setup:
             f"paths.log_dir={self.out}",
             "seed=0",
         ]
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            self.cfg = compose("train", overrides=overrides)
+        self.cfg = compose("train", overrides)
         from hydra.utils import instantiate
 
         datamodule = instantiate(self.cfg.data)
         self.images, self.labels = datamodule.load()[0][:]
-        self.mean, self.scale = 255.0 * datamodule.mean, 1.0 / (255.0 * datamodule.std)
+        self.mean, self.scale = 255.0 * datamodule.mean[0], 1.0 / (255.0 * datamodule.std[0])
 
     def network_and_optimizer(self):
         """The model config's network and optimizer: the same for all three variants."""
@@ -93,7 +90,7 @@ class Setup:
         from hydra.utils import instantiate
 
         torch.manual_seed(0)
-        net = instantiate(self.cfg.model.net).to(self.device)
+        net = instantiate(self.cfg.model.net, _convert_="all").to(self.device)
         return net, instantiate(self.cfg.model.optimizer)
 
     def batches(self, epoch: int):
@@ -237,7 +234,7 @@ def run_template(setup: Setup) -> list[float]:
 
     recorder = EpochRates()
     recorder.rates = []
-    build.seed_everything(setup.cfg.seed)
+    build.configure_process(setup.cfg)
     trainer = build.trainer(setup.cfg, setup.out, logger=[])
     trainer.callbacks = [recorder if isinstance(c, ThroughputLog) else c for c in trainer.callbacks]
     trainer.fit(build.model(setup.cfg), build.datamodule(setup.cfg))

@@ -5,6 +5,7 @@
 
 Then copy the directory to the cluster (or point paths.data_dir at a shared filesystem): compute
 nodes are often offline, and training fails at once, naming this command, when the files are missing.
+Works with any datamodule: it runs its `prepare_data()` and `setup("fit")` and counts the batches.
 """
 
 from __future__ import annotations
@@ -12,30 +13,31 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
-
-from hpctrain.errors import reported_as_one_sentence  # noqa: E402
-from hpctrain.resolvers import register_resolvers  # noqa: E402
+from hpctrain.config import compose
+from hpctrain.errors import reported_as_one_sentence
 
 
 def main(overrides: list[str]) -> None:
-    register_resolvers(ROOT)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
     with reported_as_one_sentence():
-        datamodule = instantiate(cfg.data)
+        cfg = compose("train", overrides)
+        from hpctrain import build
+
+        datamodule = build.datamodule(cfg)
         datamodule.prepare_data()
-        datamodule.setup()
-        train, val, test = datamodule.splits
-        print(
-            f"{cfg.data._target_.rsplit('.', 1)[-1]}: {len(train)} train, {len(val)} val, {len(test)} test samples ready"
-        )
-        if hasattr(datamodule, "raw_dir"):
-            print(f"files in {datamodule.raw_dir}")
+        build.check_data_available(datamodule)
+        datamodule.setup("fit")
+        name = type(datamodule).__name__
+        sizes = []
+        for split in ("train", "val", "test"):
+            if split == "test":
+                datamodule.setup("test")
+            loader = getattr(datamodule, f"{split}_dataloader")()
+            dataset = getattr(loader, "dataset", None)
+            count = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+            sizes.append(f"{count} {split}" if count is not None else f"{len(loader)} {split} batches")
+        print(f"{name}: {', '.join(sizes)} samples ready in {cfg.paths.data_dir}")
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ sys.path.insert(0, str(ROOT / "src"))  # `python src/eval.py` works without `pip
 
 from hpctrain import cluster, console, outputs  # noqa: E402
 from hpctrain.config_checks import check_config  # noqa: E402
-from hpctrain.errors import reported_as_one_sentence  # noqa: E402
-from hpctrain.resolvers import register_resolvers  # noqa: E402
+from hpctrain.errors import hydra_errors_as_one_sentence, reported_as_one_sentence  # noqa: E402
 
-register_resolvers(ROOT)
+hydra_errors_as_one_sentence("eval")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
@@ -31,26 +30,28 @@ def main(cfg: DictConfig) -> dict[str, float]:
         checkpoint = outputs.existing_checkpoint(cfg.get("ckpt_path"))
         cluster.preflight(cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator)
         run_dir = HydraConfig.get().runtime.output_dir
+        if cluster.is_rank_zero():
+            outputs.check_writable(run_dir)
 
-        from hpctrain import build, launch
+        from hpctrain import build, checkpointing, launch
         from hpctrain.evaluation import config_from_checkpoint
 
         cfg = config_from_checkpoint(cfg, checkpoint, HydraConfig.get().overrides.task)
+        check_config(cfg)
         console.apply_extras(cfg)
-        build.seed_everything(cfg.seed)
-        datamodule = build.datamodule(cfg)
-        datamodule.check_available()
-        model = build.model(cfg)
-        trainer = build.trainer(cfg, run_dir)
+        build.configure_process(cfg)
+        run = build.run_objects(cfg, run_dir, training=False)
+        checkpointing.check_matches_model(checkpoint, run.model)
         if cluster.is_rank_zero():
+            hydra_cfg = HydraConfig.get()
             outputs.write_run_record(
-                cfg, run_dir, list(HydraConfig.get().overrides.task), ROOT, trainer.world_size
+                cfg, run_dir, list(hydra_cfg.overrides.task), ROOT, run.trainer.world_size, hydra_cfg
             )
         try:
-            trainer.test(model, datamodule, ckpt_path=str(checkpoint), weights_only=True)
-            return console.report(run_dir, trainer, None)
+            run.trainer.test(run.model, run.datamodule, ckpt_path=str(checkpoint), weights_only=True)
+            return console.report(run_dir, run.trainer, None)
         finally:
-            launch.end_distributed_job(trainer)
+            launch.end_distributed_job(run.trainer)
 
 
 if __name__ == "__main__":

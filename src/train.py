@@ -19,57 +19,57 @@ sys.path.insert(0, str(ROOT / "src"))  # `python src/train.py` works without `pi
 
 from hpctrain import cluster, console, outputs  # noqa: E402
 from hpctrain.config_checks import check_config  # noqa: E402
-from hpctrain.errors import reported_as_one_sentence  # noqa: E402
-from hpctrain.resolvers import register_resolvers  # noqa: E402
+from hpctrain.errors import hydra_errors_as_one_sentence, reported_as_one_sentence  # noqa: E402
 
-register_resolvers(ROOT)
+hydra_errors_as_one_sentence("train")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     with reported_as_one_sentence():
-        # 1. Preflight: config types, launcher vs trainer topology, resume point. No torch yet.
+        # 1. Preflight: config types, launcher vs trainer topology, the run dir and where to start. No torch yet.
         check_config(cfg)
         cluster.preflight(
             cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, cfg.requeue.enabled
         )
         run_dir = HydraConfig.get().runtime.output_dir
-        resume_from = outputs.checkpoint_to_resume(cfg.ckpt_path, run_dir, cfg.paths.runs_dir)
+        if cluster.is_rank_zero():
+            outputs.check_writable(run_dir)
+        start = outputs.start_point(cfg.ckpt_path, run_dir, cfg.paths.runs_dir)
         console.apply_extras(cfg)
 
-        # 2. Build: data (checked on every rank before any process group), model, trainer.
-        from hpctrain import build, launch
-        from hpctrain.requeue import TrainingInterrupted, finish
+        # 2. Build: data (checked on every rank before any process group), model, callbacks, loggers, trainer.
+        from hpctrain import build, checkpointing, launch
+        from hpctrain.requeue import TrainingInterrupted, requeue_and_wait
 
-        build.seed_everything(cfg.seed)
-        datamodule = build.datamodule(cfg)
-        datamodule.check_available()
-        model = build.model(cfg)
-        trainer = build.trainer(cfg, run_dir)
+        build.configure_process(cfg)
+        run = build.run_objects(cfg, run_dir)
+        if start.checkpoint is not None:
+            checkpointing.check_matches_model(start.checkpoint, run.model)
         if cluster.is_rank_zero():
+            hydra_cfg = HydraConfig.get()
             outputs.write_run_record(
-                cfg, run_dir, list(HydraConfig.get().overrides.task), ROOT, trainer.world_size
+                cfg, run_dir, list(hydra_cfg.overrides.task), ROOT, run.trainer.world_size, hydra_cfg
             )
-            build.log_hyperparameters(trainer, cfg)
+            build.log_hyperparameters(run.trainer, cfg)
+            console.log.info(start.describe())
 
         try:
-            # 3. Fit (resuming if this job was requeued, or from ckpt_path), then test the best checkpoint.
+            # 3. Fit (from the start point), then test the best checkpoint.
             if cfg.train:
-                if resume_from is not None and cluster.is_rank_zero():
-                    console.log.info("resuming from %s", resume_from)
-                trainer.fit(model, datamodule, ckpt_path=resume_from, weights_only=True)
-            best = build.best_checkpoint(trainer)
+                run.trainer.fit(run.model, run.datamodule, ckpt_path=start.checkpoint, weights_only=True)
+            best = build.best_checkpoint(run.trainer)
             if cfg.test:
-                trainer.test(model, datamodule, ckpt_path=best, weights_only=True)
+                run.trainer.test(run.model, run.datamodule, ckpt_path=best, weights_only=True)
 
-            # 4. Report where everything went.
-            metrics = console.report(run_dir, trainer, best)
-            return metrics.get(cfg.get("optimized_metric") or "")
+            # 4. Report where everything went; sweepers get the best value of `monitor.metric`.
+            console.report(run_dir, run.trainer, best)
+            return run.monitor.best if run.monitor is not None else None
         except TrainingInterrupted as interrupted:
-            finish(interrupted)  # rank 0 requeues the SLURM job, which then ends every rank
+            requeue_and_wait(interrupted)  # rank 0 requeues the SLURM job, which then ends every rank
             return None
         finally:
-            launch.end_distributed_job(trainer)
+            launch.end_distributed_job(run.trainer)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,17 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 @pytest.fixture(scope="session")
-def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A data dir holding MNIST and FashionMNIST in torchvision's raw format (real digits, small)."""
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data dir holding every dataset the configs read from files, written in their official formats
+    (MNIST and FashionMNIST as torchvision's raw idx files, made of real handwritten digits)."""
     data_dir = tmp_path_factory.mktemp("data")
     write_mnist_raw(data_dir, "MNIST")
     write_mnist_raw(data_dir, "FashionMNIST")
+    return data_dir
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(data_dir: Path) -> Path:
     return data_dir
 
 

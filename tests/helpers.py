@@ -85,14 +85,10 @@ def last_value(rows: list[dict[str, str]], key: str) -> float:
 
 def compose_train(output_dir: Path, data_dir: Path, *overrides: str):
     """The train config as `python src/train.py` would compose it, with outputs and data in test dirs."""
-    from hydra import compose, initialize_config_dir
+    from hpctrain.config import compose
 
-    from hpctrain.resolvers import register_resolvers
-
-    register_resolvers(ROOT)
     paths = [f"paths.output_dir={output_dir}", f"paths.log_dir={output_dir}", f"paths.data_dir={data_dir}"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=[*paths, *overrides])
+    return compose("train", [*paths, *overrides])
 
 
 def _idx_images(images: np.ndarray) -> bytes:
@@ -104,13 +100,17 @@ def _idx_labels(labels: np.ndarray) -> bytes:
     return struct.pack(">II", 0x00000801, len(labels)) + labels.astype(np.uint8).tobytes()
 
 
-def write_mnist_raw(data_dir: Path, name: str = "MNIST", train_size: int = 600, test_size: int = 200) -> Path:
+def write_mnist_raw(
+    data_dir: Path, name: str = "MNIST", train_size: int = 5600, test_size: int = 200
+) -> Path:
     """Write the four raw idx files torchvision's MNIST/FashionMNIST read, with real handwritten digits
     (scikit-learn's, laid out 28x28 like MNIST) so that models can learn from them."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    small = digits.images / 16.0
+    repeats = -(-(train_size + test_size) // len(digits.images))  # the 1,797 digits, repeated as needed
+    small = np.tile(digits.images / 16.0, (repeats, 1, 1))
+    targets = np.tile(digits.target, repeats)
     # nearest-neighbour 8x8 -> 24x24, centred in 28x28
     big = np.zeros((len(small), 28, 28))
     big[:, 2:26, 2:26] = small.repeat(3, axis=1).repeat(3, axis=2)
@@ -122,7 +122,7 @@ def write_mnist_raw(data_dir: Path, name: str = "MNIST", train_size: int = 600, 
     raw = data_dir / name / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     (raw / "train-images-idx3-ubyte").write_bytes(_idx_images(images[train_idx]))
-    (raw / "train-labels-idx1-ubyte").write_bytes(_idx_labels(digits.target[train_idx]))
+    (raw / "train-labels-idx1-ubyte").write_bytes(_idx_labels(targets[train_idx]))
     (raw / "t10k-images-idx3-ubyte").write_bytes(_idx_images(images[test_idx]))
-    (raw / "t10k-labels-idx1-ubyte").write_bytes(_idx_labels(digits.target[test_idx]))
+    (raw / "t10k-labels-idx1-ubyte").write_bytes(_idx_labels(targets[test_idx]))
     return raw

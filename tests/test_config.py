@@ -1,87 +1,168 @@
-"""Every option of every config group composes, and what it describes can be built."""
+"""Every config option composes and builds, every experiment runs a batch, and every model runs a
+real batch of every datamodule it fits.
+
+Nothing here names a dataset's sizes: a model declares what it needs from the data by its
+`${data.<key>}` references (e.g. `${data.num_classes}`, `${data.image_shape}`), and it is paired with
+every data option that provides those keys. A new yaml file in conf/ therefore breaks a test here
+only if it is broken itself.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from hpctrain import build
+from hpctrain.config import CONF_DIR, compose
 from hpctrain.config_checks import check_config
-from tests.helpers import ROOT, compose_train
+from tests.helpers import compose_train
 
-CONF = ROOT / "conf"
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "local")
-OPTIONS = [(group, yaml.stem) for group in GROUPS for yaml in sorted((CONF / group).glob("*.yaml"))]
-NEEDS_HARDWARE = {"gpu", "ddp", "mps"}
+GROUPS = (
+    "data",
+    "model",
+    "model/net",
+    "model/optimizer",
+    "model/scheduler",
+    "trainer",
+    "callbacks",
+    "logger",
+)
+GROUPS += ("debug", "experiment", "paths", "extras")
+NEEDS_HARDWARE = {"gpu", "ddp", "mps", "fsdp"}  # trainer options built here with the CPU accelerator
 
 
-def test_every_group_has_options():
-    assert {
-        "data",
-        "model",
-        "trainer",
-        "callbacks",
-        "logger",
-        "debug",
-        "experiment",
-        "paths",
-        "hydra",
-        "extras",
-    } <= set(GROUPS)
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+OPTIONS = [(group, option) for group in GROUPS for option in options(group)]
+
+
+def data_keys(model_option: str) -> set[str]:
+    """The `data.<key>`s a model option's config refers to (its declared needs)."""
+    cfg = compose("train", [f"model={model_option}"])
+    text = str(OmegaConf.to_container(cfg.model, resolve=False))
+    return set(re.findall(r"\$\{data\.([A-Za-z_]\w*)", text))
+
+
+def provided_keys(data_option: str) -> set[str]:
+    return set(compose("train", [f"data={data_option}"]).data.keys())
+
+
+def compatible_pairs() -> list[tuple[str, str]]:
+    provided = {data: provided_keys(data) for data in options("data")}
+    pairs = []
+    for model in options("model"):
+        needs = data_keys(model)
+        pairs += [(model, data) for data, keys in provided.items() if needs and needs <= keys]
+    return pairs
+
+
+PAIRS = compatible_pairs()
+
+
+def test_the_object_graph_has_its_groups():
+    assert {g for g, _ in OPTIONS} == set(GROUPS)
     assert ("experiment", "quickstart") in OPTIONS and ("trainer", "ddp_cpu") in OPTIONS
+    assert {"adam", "adamw", "sgd"} <= set(options("model/optimizer"))
+    assert {"none", "step", "cosine", "onecycle"} <= set(options("model/scheduler"))
+
+
+def test_every_model_fits_some_data():
+    fitting = {model for model, _ in PAIRS}
+    unpaired = [m for m in options("model") if data_keys(m) and m not in fitting]
+    assert not unpaired, f"models whose ${{data.*}} keys no data option provides: {unpaired}"
+    assert ("mnist_cnn", "digits") in PAIRS and ("mlp", "random") in PAIRS
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Path, mnist_dir: Path):
-    if group == "hydra":
-        overrides = []  # hydra/default is always on; composing the app config exercises it
-    elif group == "trainer" and option in NEEDS_HARDWARE:
-        # No GPU/MPS here: compose the option and build it with the CPU accelerator instead.
-        overrides = [f"trainer={option}", "trainer.accelerator=cpu", "trainer.devices=1"]
-    else:
-        overrides = [f"{group}={option}"]
-    if "mnist" in option:
-        overrides.append("data.val_size=100")  # the generated files hold 600 training images
-    cfg = compose_train(tmp_path, mnist_dir, *overrides)
+def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path: Path, data_dir: Path):
+    overrides = [] if group == "hydra" else [f"{group}={option}"]
+    if group == "trainer" and option in NEEDS_HARDWARE:
+        overrides += ["trainer.accelerator=cpu", "trainer.devices=1"]
+    cfg = compose_train(tmp_path, data_dir, *overrides)
     check_config(cfg)
-
-    if group == "data":
-        datamodule = instantiate(cfg.data)
-        datamodule.check_available()
-        datamodule.setup("fit")
-        images, labels = next(iter(datamodule.train_dataloader()))
-        assert images.dtype == torch.uint8 and images.shape[1:] == (1, 28, 28)
-        assert len(images) == len(labels) == cfg.data.batch_size
-    elif group == "model":
-        model = instantiate(cfg.model)
-        assert model(torch.randn(4, 1, 28, 28)).shape == (4, 10)
+    if group in ("trainer", "callbacks", "debug", "extras"):
+        trainer = build.trainer(cfg, tmp_path, logger=False)
+        assert trainer.max_epochs == cfg.trainer.max_epochs
     elif group == "logger":
         loggers = build.loggers(cfg)
         assert loggers, f"logger={option} built nothing"
         for logger in loggers:
             logger.log_metrics({"probe": 1.0}, step=0)
             logger.save()
-    else:
-        trainer = build.trainer(cfg, tmp_path)
-        assert trainer.max_epochs == cfg.trainer.max_epochs
-        if group == "callbacks" and option == "default":
-            names = {type(c).__name__ for c in trainer.callbacks}
-            assert {"ModelCheckpoint", "EarlyStopping", "LearningRateMonitor", "ThroughputLog"} <= names
+    elif group in ("model", "model/net", "model/optimizer", "model/scheduler"):
+        assert isinstance(build.model(cfg), torch.nn.Module)
 
 
-def test_ddp_cpu_is_ddp_with_two_processes(tmp_path: Path, mnist_dir: Path):
-    cfg = compose_train(tmp_path, mnist_dir, "trainer=ddp_cpu")
+@pytest.mark.parametrize("option", options("data"))
+def test_data_option_yields_a_batch(option: str, tmp_path: Path, data_dir: Path):
+    cfg = compose_train(tmp_path, data_dir, f"data={option}")
+    datamodule = build.datamodule(cfg)
+    build.check_data_available(datamodule)
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    inputs, targets = batch[0], batch[1]
+    assert len(inputs) == len(targets) == cfg.data.batch_size
+    if "image_shape" in cfg.data:  # what models read as ${data.image_shape} is what the batches hold
+        assert tuple(inputs.shape[1:]) == tuple(cfg.data.image_shape)
+    if "num_classes" in cfg.data:
+        assert int(targets.max()) < cfg.data.num_classes
+
+
+def _one_batch_of_everything(cfg, tmp_path: Path) -> None:
+    """fast_dev_run: one real training, validation and test batch through the composed objects."""
+    datamodule, module = build.datamodule(cfg), build.model(cfg)
+    build.check_data_available(datamodule)
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = build.trainer(cfg, tmp_path, logger=False)
+    trainer.fit(module, datamodule)
+    trainer.test(module, datamodule)
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))  # it learned
+    assert all(torch.isfinite(v).all() for v in trainer.callback_metrics.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "data"), PAIRS, ids=[f"{m}-{d}" for m, d in PAIRS])
+def test_model_runs_a_batch_of_each_data_it_fits(model: str, data: str, tmp_path: Path, data_dir: Path):
+    cfg = compose_train(tmp_path, data_dir, f"model={model}", f"data={data}", "debug=fdr", "trainer=cpu")
+    _one_batch_of_everything(cfg, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_experiment_runs_a_batch(experiment: str, tmp_path: Path, data_dir: Path):
+    cfg = compose_train(tmp_path, data_dir, f"experiment={experiment}", "debug=fdr", "trainer=cpu")
+    check_config(cfg)
+    _one_batch_of_everything(cfg, tmp_path)
+
+
+def test_ddp_cpu_is_ddp_with_two_processes(tmp_path: Path, data_dir: Path):
+    cfg = compose_train(tmp_path, data_dir, "trainer=ddp_cpu")
     trainer = build.trainer(cfg, tmp_path)
     assert type(trainer.strategy).__name__ == "HydraDDPStrategy"
     assert trainer.strategy._start_method == "popen"  # "ddp" starts processes by script, not "ddp_spawn"
     assert trainer.world_size == 2 and trainer.num_devices == 2
 
 
+def test_monitor_is_one_setting(tmp_path: Path, data_dir: Path):
+    cfg = compose_train(tmp_path, data_dir, "monitor.metric=val/loss", "monitor.mode=min")
+    trainer = build.trainer(cfg, tmp_path, logger=False)
+    assert (trainer.checkpoint_callback.monitor, trainer.checkpoint_callback.mode) == ("val/loss", "min")
+    stopping = trainer.early_stopping_callback
+    assert (stopping.monitor, stopping.mode) == ("val/loss", "min")
+
+
+def test_the_net_takes_its_sizes_from_the_data(tmp_path: Path, data_dir: Path):
+    cfg = compose_train(tmp_path, data_dir, "data=random", "data.num_classes=7", "data.image_shape=[3,32,32]")
+    module = build.model(cfg)
+    assert module(torch.zeros(2, 3, 32, 32)).shape == (2, 7) and module.num_classes == 7
+
+
 def test_eval_config_composes(tmp_path: Path):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("eval", overrides=[f"paths.output_dir={tmp_path}", "ckpt_path=x.ckpt"])
+    cfg = compose("eval", [f"paths.output_dir={tmp_path}", "ckpt_path=x.ckpt"])
     assert cfg.ckpt_path == "x.ckpt" and "progress" in cfg.callbacks

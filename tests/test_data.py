@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from pytorch_lightning import Callback
 
 from hpctrain.data.digits import DigitsDataModule
 from hpctrain.data.images import DataUnavailable
 from hpctrain.data.loading import ShardedBatchSampler, TensorDataset, make_loader
 from hpctrain.data.mnist import FashionMNISTDataModule, MNISTDataModule
+from hpctrain.data.synthetic import RandomDataModule
 
 
 def _dataset(n: int) -> TensorDataset:
@@ -90,7 +93,7 @@ def test_mnist_reads_torchvision_raw_files(cls, mnist_dir: Path):
     datamodule.check_available()
     datamodule.setup()
     train, val, test = datamodule.splits
-    assert (len(train), len(val), len(test)) == (500, 100, 200)
+    assert (len(train), len(val), len(test)) == (5500, 100, 200)
     assert set(test.labels.tolist()) == set(range(10))
 
 
@@ -112,3 +115,70 @@ def test_truncated_mnist_is_reported_not_raised(tmp_path: Path, mnist_dir: Path)
     with pytest.raises(DataUnavailable) as err:
         MNISTDataModule(data_dir=str(tmp_path), download=False).check_available()
     assert "corrupt or truncated" in str(err.value) and "\n" not in str(err.value)
+
+
+class _FlippingData(RandomDataModule):
+    """Random images with a random horizontal flip as augmentation, counting what it augmented."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(num_samples=96, val_samples=16, test_samples=16, batch_size=8, **kwargs)
+        self.augmented = 0
+
+    def augment(self, images: torch.Tensor) -> torch.Tensor:
+        assert images.dtype == torch.uint8  # before normalisation
+        self.augmented += 1
+        flip = torch.rand(len(images), device=images.device) < 0.5
+        return torch.where(flip[:, None, None, None], images.flip(-1), images)
+
+
+class _SaveAtStep(Callback):
+    """Saves a checkpoint at a step boundary inside fit, as the requeue path does, then training goes on."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def _fit(callbacks=(), ckpt_path: Path | None = None):
+    from pytorch_lightning import Trainer
+
+    from hpctrain.checkpointing import AtomicCheckpointIO, CheckpointExtras
+    from hpctrain.models.classifier import ImageClassifier
+    from hpctrain.models.nets import MLP
+
+    torch.manual_seed(0)
+    model = ImageClassifier(MLP(hidden_sizes=(32,), dropout=0.5), optimizer=partial(torch.optim.SGD, lr=0.1))
+    data = _FlippingData()
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[CheckpointExtras(), *callbacks],
+        plugins=[AtomicCheckpointIO()],
+    )
+    trainer.fit(model, data, ckpt_path=ckpt_path, weights_only=True)
+    return model, data
+
+
+def test_augmentation_runs_on_training_batches_only_and_resumes_exactly(tmp_path: Path):
+    checkpoint = tmp_path / "mid.ckpt"
+    uninterrupted, data = _fit(callbacks=[_SaveAtStep(17, checkpoint)])  # mid-way through the second epoch
+    assert data.augmented == 2 * 12  # 96 samples / 8 per batch, two epochs; no validation batch
+    resumed, data = _fit(ckpt_path=checkpoint)
+    assert data.augmented == 24 - 17
+    for a, b in zip(uninterrupted.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_per_channel_normalisation():
+    data = RandomDataModule(image_shape=(3, 2, 2), mean=(0.0, 0.5, 1.0), std=(1.0, 0.5, 0.25))
+    images = torch.full((1, 3, 2, 2), 255, dtype=torch.uint8)
+    normalised = data.normalise(images)
+    assert normalised[0, :, 0, 0].tolist() == [1.0, 1.0, 0.0]

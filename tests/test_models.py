@@ -1,45 +1,28 @@
-"""Each model trains on each dataset (fast_dev_run), and the classifier's metrics behave."""
+"""Networks take their sizes from the data; the classifier's metrics, optimizers and schedules behave."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hpctrain import build
+from hpctrain.models import optim
 from hpctrain.models.classifier import ImageClassifier
+from hpctrain.models.metrics import Accuracy, Mean
 from hpctrain.models.nets import MLP, MNISTCNN
-from tests.helpers import compose_train
-
-MODELS = ("mnist_cnn", "mlp")
-DATA = ("mnist", "fashion_mnist", "digits", "random")
 
 
-@pytest.mark.parametrize("data", DATA)
-@pytest.mark.parametrize("model", MODELS)
-def test_fast_dev_run(model: str, data: str, tmp_path: Path, mnist_dir: Path):
-    extra = ["data.val_size=100"] if "mnist" in data else []
-    cfg = compose_train(
-        tmp_path, mnist_dir, f"model={model}", f"data={data}", "debug=fdr", "trainer=cpu", *extra
-    )
-    datamodule = build.datamodule(cfg)
-    datamodule.check_available()
-    module = build.model(cfg)
-    before = [p.detach().clone() for p in module.parameters()]
-    trainer = build.trainer(cfg, tmp_path)
-    trainer.fit(module, datamodule)
-    trainer.test(module, datamodule)
-    assert any(
-        not torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True)
-    )  # it learned something
-    assert 0.0 <= float(trainer.callback_metrics["test/acc"]) <= 1.0
-    assert torch.isfinite(trainer.callback_metrics["test/loss"])
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
+@pytest.mark.parametrize("net_class", [MNISTCNN, MLP])
+def test_networks_fit_the_image_shape_and_class_count(net_class, shape):
+    net = net_class(image_shape=shape, num_classes=7)
+    assert net(torch.randn(3, *shape)).shape == (3, 7)
 
 
-@pytest.mark.parametrize("net", [MNISTCNN(), MLP()])
-def test_networks_map_mnist_images_to_ten_logits(net: torch.nn.Module):
-    assert net(torch.randn(3, 1, 28, 28)).shape == (3, 10)
+def test_the_classic_cnn_keeps_its_320_features_on_mnist():
+    assert MNISTCNN().fc1.in_features == 320
 
 
 def test_best_validation_accuracy_is_kept_in_the_state_dict():
@@ -48,3 +31,41 @@ def test_best_validation_accuracy_is_kept_in_the_state_dict():
     restored = ImageClassifier(MLP(), optimizer=torch.optim.SGD)
     restored.load_state_dict(model.state_dict())
     assert float(restored.val_acc_best.compute()) == 0.75
+
+
+def test_metrics_weight_every_sample_equally():
+    accuracy, mean = Accuracy(), Mean()
+    accuracy.update(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 0]))
+    accuracy.update(torch.tensor([4]), torch.tensor([4]))
+    mean.update(torch.tensor(1.0), 3)
+    mean.update(torch.tensor(5.0), 1)
+    assert float(accuracy.compute()) == 0.75 and float(mean.compute()) == 2.0
+
+
+def _module(max_epochs: int = 4, steps: int = 40):
+    net = torch.nn.Linear(2, 2)
+    return net, SimpleNamespace(
+        trainer=SimpleNamespace(max_epochs=max_epochs, estimated_stepping_batches=steps)
+    )
+
+
+def test_schedule_lengths_come_from_the_trainer():
+    net, module = _module()
+    cosine = partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=None)
+    configured = optim.configure(module, net.parameters(), partial(torch.optim.SGD, lr=0.1), cosine, "step")
+    assert (
+        configured["lr_scheduler"]["scheduler"].T_max == 40
+        and configured["lr_scheduler"]["interval"] == "step"
+    )
+    onecycle = partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1, total_steps=None)
+    configured = optim.configure(module, net.parameters(), partial(torch.optim.SGD, lr=0.1), onecycle, "step")
+    assert configured["lr_scheduler"]["scheduler"].total_steps == 40
+    epochs = optim.configure(module, net.parameters(), partial(torch.optim.SGD, lr=0.1), cosine, "epoch")
+    assert epochs["lr_scheduler"]["scheduler"].T_max == 4
+
+
+def test_no_schedule_is_just_the_optimizer():
+    net, module = _module()
+    for empty in (None, {}):
+        built = optim.configure(module, net.parameters(), partial(torch.optim.SGD, lr=0.1), empty)
+        assert isinstance(built, torch.optim.SGD)

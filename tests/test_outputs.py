@@ -25,27 +25,64 @@ def _ckpt(run_dir: Path, name: str, age_s: float = 0) -> Path:
     return path
 
 
-def test_a_run_dir_with_a_checkpoint_resumes_from_its_own_newest(tmp_path: Path):
+def _record(run: Path, job: str | None) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    attempt = {"started": "2026-01-01 00:00:00", "slurm_job_id": job, "run_id": f"slurm-{job}"}
+    (run / "run.yaml").write_text(yaml.safe_dump({"attempts": [attempt]}))
+
+
+SLURM_7 = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "1"}
+
+
+def test_a_requeued_job_continues_from_its_own_newest_checkpoint(tmp_path: Path):
     run = tmp_path / "runs" / "slurm-7"
+    _record(run, "7")
     _ckpt(run, "last.ckpt", age_s=60)
     requeue = _ckpt(run, "requeue.ckpt")
     other = _ckpt(tmp_path / "runs" / "slurm-8", "requeue.ckpt", age_s=-60)  # newer, but another job's
-    assert outputs.checkpoint_to_resume(None, run, tmp_path / "runs") == requeue
-    assert outputs.checkpoint_to_resume(str(other), run, tmp_path / "runs") == requeue
+    start = outputs.start_point(None, run, tmp_path / "runs", env=SLURM_7)
+    assert start.checkpoint == requeue and "restart 1" in start.describe()
+    # the first attempt's ckpt_path does not matter any more: the job continues its own run
+    assert outputs.start_point(str(other), run, tmp_path / "runs", env=SLURM_7).checkpoint == requeue
+
+
+def test_a_run_dir_with_another_runs_checkpoints_is_refused(tmp_path: Path):
+    run = tmp_path / "runs" / "fixed"
+    _record(run, None)
+    last = _ckpt(run, "last.ckpt")
+    elsewhere = _ckpt(tmp_path / "runs" / "b", "last.ckpt")
+    with pytest.raises(UserError, match=r"this run dir already holds checkpoints of another run"):
+        outputs.start_point(None, run, tmp_path / "runs", env={})
+    with pytest.raises(UserError, match=rf"ckpt_path={elsewhere} conflicts with the checkpoints"):
+        outputs.start_point(str(elsewhere), run, tmp_path / "runs", env={})
+    with pytest.raises(UserError, match="does not exist"):
+        outputs.start_point(str(tmp_path / "missing.ckpt"), run, tmp_path / "runs", env={})
+    # naming one of its own checkpoints continues that run, on purpose
+    assert outputs.start_point(str(last), run, tmp_path / "runs", env={}).checkpoint == last
+    # another SLURM job in the same (fixed) dir is another run too
+    with pytest.raises(UserError, match="another run"):
+        outputs.start_point(None, run, tmp_path / "runs", env={**SLURM_7, "SLURM_JOB_ID": "9"})
 
 
 def test_a_fresh_run_starts_cleanly_or_from_what_it_was_given(tmp_path: Path):
     runs = tmp_path / "runs"
     fresh = runs / "new"
-    assert outputs.checkpoint_to_resume(None, fresh, runs) is None
+    assert outputs.start_point(None, fresh, runs, env={}).checkpoint is None
     with pytest.raises(UserError, match="ckpt_path=last but no earlier run"):
-        outputs.checkpoint_to_resume("last", fresh, runs)
+        outputs.start_point("last", fresh, runs, env={})
     _ckpt(runs / "a", "last.ckpt", age_s=100)
     newest = _ckpt(runs / "b", "last.ckpt", age_s=10)
-    assert outputs.checkpoint_to_resume("last", fresh, runs) == newest
-    assert outputs.checkpoint_to_resume(str(newest), fresh, runs) == newest
+    assert outputs.start_point("last", fresh, runs, env={}).checkpoint == newest
+    assert outputs.start_point(str(newest), fresh, runs, env={}).checkpoint == newest
     with pytest.raises(UserError, match="does not exist"):
-        outputs.checkpoint_to_resume(str(tmp_path / "missing.ckpt"), fresh, runs)
+        outputs.start_point(str(tmp_path / "missing.ckpt"), fresh, runs, env={})
+
+
+def test_an_unwritable_run_dir_is_refused(tmp_path: Path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match=rf"the run dir {blocker}/run is not writable"):
+        outputs.check_writable(blocker / "run")
 
 
 def test_run_record_keeps_every_attempt(tmp_path: Path):

@@ -177,8 +177,11 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
 
     log = _output(tmp_path, interrupted)
     requeue_ckpt = resumed / "checkpoints" / "requeue.ckpt"
-    assert f"requeued SLURM job {interrupted}" in log and f"resuming from {requeue_ckpt}" in log
-    assert "resuming from" not in _output(tmp_path, reference)  # a new job never loads another's checkpoint
+    assert (
+        f"requeued SLURM job {interrupted}" in log
+        and f"starting from {requeue_ckpt} (restart 1 of this job)" in log
+    )
+    assert "starting fresh" in _output(tmp_path, reference)  # a new job never loads another's checkpoint
 
     # The checkpoint was taken mid-epoch, and the resumed run continued from there in the same run dir.
     loops = torch.load(requeue_ckpt, map_location="cpu", weights_only=True)["loops"]["fit_loop"]

@@ -1,15 +1,20 @@
-"""Turn the composed config into the objects Lightning runs: datamodule, model, callbacks, loggers, trainer.
+"""Turn the composed config into what Lightning runs: datamodule, model, callbacks, loggers, trainer.
 
-Besides what the config names, the trainer always gets:
+`run_objects` is the one build path of src/train.py and src/eval.py. Besides what the config names,
+the trainer always gets:
 - the cluster environment chosen by `hpctrain.cluster` (SLURM without Lightning's auto-requeue);
 - `HydraDDPStrategy` for `strategy: ddp` (or `auto` with more than one process), with the
   collective timeout from `dist.timeout_min`;
-- `CheckpointExtras`, so checkpoints resume exactly and eval can rebuild the model; `CheckpointOnSignal` when `requeue.enabled`.
+- `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
+- `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`) and,
+  when `requeue.enabled`, `CheckpointOnSignal`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,42 +28,119 @@ from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import Logger
 
 from hpctrain import cluster
-from hpctrain.checkpointing import CheckpointExtras
+from hpctrain.callbacks import MonitoredMetric, SharedRunDirCheck
+from hpctrain.checkpointing import AtomicCheckpointIO, CheckpointExtras
+from hpctrain.errors import UserError
 from hpctrain.launch import HydraDDPStrategy
 from hpctrain.outputs import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.requeue import CheckpointOnSignal
 
 
-def seed_everything(seed: int) -> None:
-    """Seed torch, numpy, python and (through PL_SEED_WORKERS) every dataloader worker."""
-    pl.seed_everything(seed, workers=True, verbose=False)
+@dataclass
+class Run:
+    datamodule: LightningDataModule
+    model: LightningModule
+    trainer: Trainer
+    monitor: MonitoredMetric | None
+
+
+def configure_process(cfg: DictConfig) -> None:
+    """The process-wide settings a run makes, in one visible place: seeds and float32 matmul precision."""
+    # Seeds torch, numpy, python and (through PL_SEED_WORKERS) every dataloader worker.
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    precision = (cfg.get("extras") or {}).get("float32_matmul_precision")
+    if precision:
+        torch.set_float32_matmul_precision(precision)
+
+
+def run_objects(cfg: DictConfig, run_dir: str | Path, training: bool = True) -> Run:
+    """Datamodule (its data checked, on every rank, before any process group), model, callbacks,
+    loggers and trainer for `cfg`; with `training=False` (eval) no training-only callbacks."""
+    data = datamodule(cfg)
+    check_data_available(data)
+    module = model(cfg)
+    trainer_ = trainer(cfg, run_dir, training=training)
+    monitor = next((c for c in trainer_.callbacks if isinstance(c, MonitoredMetric)), None)
+    return Run(data, module, trainer_, monitor)
+
+
+def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
+    # _convert_="all": user classes receive plain lists and dicts, not OmegaConf containers, which
+    # would be pickled into checkpoints by save_hyperparameters() and then refused by weights_only loading.
+    return instantiate(node, _convert_="all", **kwargs)
 
 
 def datamodule(cfg: DictConfig) -> LightningDataModule:
-    return instantiate(cfg.data)
+    return _checked_lightning_object(_instantiate(cfg.data), "data")
 
 
 def model(cfg: DictConfig) -> LightningModule:
-    return instantiate(cfg.model)
+    return _checked_lightning_object(_instantiate(cfg.model), "model")
 
 
-def _instantiate_group(group: DictConfig | None) -> list[Any]:
+def check_data_available(data: LightningDataModule) -> None:
+    """Run the datamodule's `check_available()` if it has one (missing files are one sentence, at once)."""
+    check = getattr(data, "check_available", None)
+    if callable(check):
+        check()
+
+
+_LIGHTNING_BASES = ("LightningModule", "LightningDataModule", "Callback")
+
+
+def _checked_lightning_object(obj: Any, key: str) -> Any:
+    """Refuse an object built on the `lightning` package's classes: pytorch_lightning's Trainer (this
+    template's) does not accept them, and its own error does not say why."""
+    other = sys.modules.get("lightning.pytorch")
+    if other is None:
+        return obj
+    for base in _LIGHTNING_BASES:
+        theirs, ours = getattr(other, base, None), getattr(pl, base)
+        if (
+            theirs is not None
+            and theirs is not ours
+            and isinstance(obj, theirs)
+            and not isinstance(obj, ours)
+        ):
+            cls = type(obj)
+            where = getattr(sys.modules.get(cls.__module__), "__file__", None) or cls.__module__
+            raise UserError(
+                f"{key}: {cls.__module__}.{cls.__qualname__} is a lightning.pytorch.{base} (`import lightning.pytorch "
+                f"as pl` or `import lightning as L`), but this template trains with the pytorch_lightning package, "
+                f"whose Trainer does not accept it; import from pytorch_lightning instead in {where} "
+                "(`import pytorch_lightning as pl`: the same API under the package name this template uses)."
+            )
+    return obj
+
+
+def _instantiate_group(group: DictConfig | None, key: str) -> list[Any]:
     """Instantiate every non-null entry of a group like `callbacks` or `logger`."""
     if not group:
         return []
-    return [instantiate(entry) for entry in group.values() if entry is not None and "_target_" in entry]
+    return [
+        _checked_lightning_object(_instantiate(entry), f"{key}.{name}")
+        for name, entry in group.items()
+        if entry is not None and "_target_" in entry
+    ]
 
 
 def loggers(cfg: DictConfig) -> list[Logger]:
-    return _instantiate_group(cfg.get("logger"))
+    return _instantiate_group(cfg.get("logger"), "logger")
 
 
-def callbacks(cfg: DictConfig, run_dir: str | Path, has_logger: bool) -> list[Callback]:
-    chosen = _instantiate_group(cfg.get("callbacks"))
+def callbacks(
+    cfg: DictConfig, run_dir: str | Path, has_logger: bool, training: bool = True
+) -> list[Callback]:
+    chosen = _instantiate_group(cfg.get("callbacks"), "callbacks")
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
+    if not training:
+        return chosen
     stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data") if k in cfg}
-    chosen.append(CheckpointExtras(stored, run_dir))
+    chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir))]
+    monitor = cfg.get("monitor")
+    if monitor is not None and monitor.get("metric"):
+        chosen.append(MonitoredMetric(monitor.metric, monitor.get("mode", "max")))
     requeue = cfg.get("requeue")
     if requeue is not None and requeue.enabled:
         chosen.append(
@@ -89,22 +171,19 @@ def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None) -> Any:
     )
 
 
-def trainer(cfg: DictConfig, run_dir: str | Path, **overrides: Any) -> Trainer:
+def trainer(cfg: DictConfig, run_dir: str | Path, training: bool = True, **overrides: Any) -> Trainer:
     """The Trainer for `cfg.trainer`; keyword arguments replace config entries (e.g. logger=False)."""
-    precision = cfg.get("extras", {}).get("float32_matmul_precision")
-    if precision:
-        torch.set_float32_matmul_precision(precision)
     chosen_loggers = overrides.pop("logger", None)
     if chosen_loggers is None:
         chosen_loggers = loggers(cfg)
     kwargs: dict[str, Any] = {
         "logger": chosen_loggers or False,
-        "callbacks": callbacks(cfg, run_dir, has_logger=bool(chosen_loggers)),
+        "callbacks": callbacks(cfg, run_dir, has_logger=bool(chosen_loggers), training=training),
         "strategy": strategy(cfg.trainer, cfg.get("dist")),
-        "plugins": [cluster.lightning_cluster_environment()],
+        "plugins": [cluster.lightning_cluster_environment(), AtomicCheckpointIO()],
     }
     kwargs.update(overrides)
-    return instantiate(cfg.trainer, **kwargs)
+    return _instantiate(cfg.trainer, **kwargs)
 
 
 def log_hyperparameters(trainer: Trainer, cfg: DictConfig) -> None:

@@ -1,29 +1,135 @@
-"""What our checkpoints carry beyond Lightning's own: every rank's RNG and metric states, and the config.
+"""Checkpoint contents, in one place: how they are written, what the template adds to them, how they are read.
 
-Lightning 2.6 restores weights, optimizer, schedulers, loop counters and (for stateful loaders) the
-dataloader position, but no random number generator and only rank 0's view of any metric. Without
-them, a run resumed mid-epoch draws different dropout masks than the uninterrupted run, ends with
-different weights, and reports a train/acc for part of the interrupted epoch. Everything
-stored is plain tensors, numbers and strings, so checkpoints load with `weights_only=True`.
+- Writing: `AtomicCheckpointIO` writes every checkpoint (last, best-k, requeue) to a temporary file
+  in the same directory and renames it, so a process killed during a save leaves the previous file
+  whole. (Lightning's own writer stages the file in /tmp and moves it, which on a different
+  filesystem is a copy that a kill can cut short.)
+- Adding: `CheckpointExtras` stores every rank's RNG states and, mid-epoch, its running metric states
+  (Lightning restores weights, optimizer, schedulers, loop counters and stateful dataloaders, but no
+  random number generator and only rank 0's view of a metric), plus the resolved config that
+  `src/eval.py` rebuilds the model from. All of it is plain tensors, numbers and strings.
+- Reading: `read` loads with `weights_only=True` and turns every way a file can be wrong (missing,
+  truncated, random bytes, pickled code, another model's weights) into one sentence.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import pickle
 import random
-import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning_fabric.utilities.types import _Stateful
 from pytorch_lightning import Callback, LightningModule, Trainer
 from torch import Tensor
 from torchmetrics import Metric
 
 from hpctrain.errors import UserError
 
-CONFIG_KEY = "hpctrain_config"
+log = logging.getLogger(__package__)
+
+CONFIG_KEY = f"{__package__}_config"  # the resolved model and data config stored in every checkpoint
+
+
+class UnreadableCheckpoint(UserError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save into `.<name>.tmp-<pid>` beside the target, fsync, then an atomic rename."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def remove_partial_saves(directory: Path) -> None:
+    """Delete what saves killed mid-write left behind (never a complete checkpoint)."""
+    for leftover in Path(directory).glob(".*.ckpt.tmp-*"):
+        leftover.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def read(path: str | Path, what: str = "ckpt_path") -> dict[str, Any]:
+    """The checkpoint's contents (tensors memory-mapped, so reading only the config is cheap)."""
+    path = Path(path)
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        detail = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line), "")
+        raise UnreadableCheckpoint(
+            f"{what}={path} holds pickled Python objects ({detail or 'not plain tensors'}), which are not "
+            "loaded because loading them can run arbitrary code (weights_only=True); save the checkpoint "
+            "with plain tensors and containers only (do not put modules or objects in save_hyperparameters)."
+        ) from err
+    except Exception as err:
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise UnreadableCheckpoint(
+            f"{what}={path} is not a readable checkpoint ({reason}); it may be truncated or not a "
+            "checkpoint at all: pass a complete .ckpt file (see <run dir>/checkpoints/)."
+        ) from err
+    if not isinstance(content, dict) or "state_dict" not in content:
+        raise UnreadableCheckpoint(f"{what}={path} is not a Lightning checkpoint (it has no state_dict).")
+    return content
+
+
+def stored_config(path: str | Path) -> dict[str, Any]:
+    """The model and data config a checkpoint of this template was trained with ({} for others)."""
+    return read(path).get(CONFIG_KEY) or {}
+
+
+def check_matches_model(path: str | Path, module: torch.nn.Module, what: str = "ckpt_path") -> None:
+    """Refuse a checkpoint whose weights do not fit `module` (another model, or other sizes)."""
+    stored: dict[str, Tensor] = read(path, what)["state_dict"]
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    resized = sorted(
+        k for k in set(expected) & set(stored) if tuple(expected[k].shape) != tuple(stored[k].shape)
+    )
+    if not (missing or unexpected or resized):
+        return
+    details = []
+    if missing:
+        details.append(f"{len(missing)} weight(s) missing, e.g. {missing[0]}")
+    if unexpected:
+        details.append(f"{len(unexpected)} unknown, e.g. {unexpected[0]}")
+    if resized:
+        key = resized[0]
+        details.append(
+            f"{len(resized)} of another size, e.g. {key} {list(stored[key].shape)} vs {list(expected[key].shape)}"
+        )
+    raise UnreadableCheckpoint(
+        f"{what}={path} holds the weights of a different model than the one configured ({'; '.join(details)}); "
+        "pass a checkpoint of this model, or the model=/data= options it was trained with."
+    )
+
+
+# ---------------------------------------------------------------------------------------------- adding
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -85,22 +191,17 @@ def restore_metric_states(module: LightningModule, states: dict[str, dict[str, A
 
 
 class CheckpointExtras(Callback):
-    """Adds to every checkpoint what Lightning does not save:
+    """Adds each rank's RNG and (mid-epoch) metric states and the config to every checkpoint, and
+    restores this rank's share when training starts, before the first resumed batch.
 
-    - each rank's RNG states and, for a checkpoint taken mid-epoch, its running metric states (so
-      the resumed epoch's train/acc covers the whole epoch). Lightning builds the checkpoint on every
-      rank (rank 0 writes it), so they are gathered there with one collective; each rank restores
-      its own just before the first resumed step;
-    - the resolved config (plain containers), from which `src/eval.py` rebuilds the model.
-
-    It also checks, when training starts on several nodes, that every rank uses the same run dir
-    and sees what rank 0 wrote there: a node-local log dir would leave the checkpoints where a
-    requeued job, or another node, cannot find them.
+    Lightning builds the checkpoint on every rank (rank 0 writes it), so the per-rank states are
+    gathered there with one collective. Metric states are restored only when the train dataloader
+    resumes mid-epoch too (the template's loaders do; a plain DataLoader restarts the epoch, and its
+    restored counts would include batches that are trained again).
     """
 
-    def __init__(self, config: dict[str, Any] | None = None, run_dir: str | Path | None = None) -> None:
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
         self.config = config
-        self.run_dir = Path(run_dir).resolve() if run_dir is not None else None
         self._trainer: Trainer | None = None
         self._pending: dict[str, Any] | None = None
 
@@ -112,8 +213,6 @@ class CheckpointExtras(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
-        if stage == "fit" and trainer.num_nodes > 1 and self.run_dir is not None:
-            check_run_dir_is_shared(trainer, self.run_dir)
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
@@ -129,9 +228,9 @@ class CheckpointExtras(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = state_dict
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After Lightning restored the checkpoint, before the first resumed batch is transferred (and
+        # augmented: the transfer hooks run before on_train_batch_start).
         if self._pending is None:
             return
         per_rank, self._pending = self._pending.get("per_rank", []), None
@@ -139,34 +238,22 @@ class CheckpointExtras(Callback):
             return  # resumed with another number of processes: nothing per rank to restore
         state = per_rank[trainer.global_rank]
         restore_rng_state(state["rng"])
-        if "metrics" in state:
+        if "metrics" not in state:
+            return
+        if resumes_mid_epoch(trainer.train_dataloader):
             restore_metric_states(pl_module, state["metrics"])
+        elif trainer.is_global_zero:
+            log.warning(
+                "resumed mid-epoch with a train dataloader that cannot resume (%s has no state_dict): "
+                "the rest of this epoch is drawn from its start again and its epoch metrics cover only "
+                "the resumed steps; the template's loaders (hpctrain.data.loading.make_loader) resume exactly",
+                type(trainer.train_dataloader).__name__,
+            )
 
 
-def check_run_dir_is_shared(trainer: Trainer, run_dir: Path) -> None:
-    """Every rank must write to rank 0's run dir and see the run.yaml rank 0 wrote there.
-
-    The verdicts are gathered, so every rank stops with the same sentence (none waits in a collective
-    for a rank that already left).
-    """
-    expected = trainer.strategy.broadcast(str(run_dir), src=0)
-    where = f"rank {trainer.global_rank} on {socket.gethostname()}"
-    problem = ""
-    if str(run_dir) != expected:
-        problem = (
-            f"{where} uses the run dir {run_dir} but rank 0 uses {expected}; set paths.log_dir to one "
-            "directory on a filesystem every node mounts (not a node-local path such as $TMPDIR)."
-        )
-    elif not (run_dir / "run.yaml").is_file():
-        problem = (
-            f"{where} cannot see {run_dir}/run.yaml, which rank 0 wrote: the run dir is not on a filesystem "
-            "every node mounts; set paths.log_dir to a shared directory."
-        )
-    verdicts: list[Any] = [None] * trainer.world_size
-    dist.all_gather_object(verdicts, problem)
-    first = next((v for v in verdicts if v), None)
-    if first:
-        raise UserError(first)
+def resumes_mid_epoch(loader: Any) -> bool:
+    """Whether Lightning restores this loader's position within an epoch (it has state_dict/load_state_dict)."""
+    return isinstance(loader, _Stateful)
 
 
 def _mid_epoch(trainer: Trainer) -> bool:

@@ -67,21 +67,42 @@ def restart_count(env: Mapping[str, str] | None = None) -> int:
     return int(_env(env).get("SLURM_RESTART_COUNT", "0") or 0)
 
 
+def torchrun_restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How many times torchrun's agent has restarted the workers (0 on the first attempt)."""
+    return int(_env(env).get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _torchrun_agent_id(env: Mapping[str, str]) -> str | None:
+    """An id of this node's torchrun agent, shared by its workers: the name of its log directory
+    (TORCHELASTIC_ERROR_FILE=/tmp/torchelastic_<random>/<run id>_<random>/attempt_N/<rank>/error.json)."""
+    error_file = env.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return None
+    parts = Path(error_file).parts
+    return next((part for part in parts if part.startswith("torchelastic_")), None)
+
+
 def run_id(env: Mapping[str, str] | None = None, now: float | None = None) -> str:
     """A name for the run dir that every rank computes alike and a requeued job computes again.
 
     Under SLURM it is the job id (plus the step for a second srun in one job), so a requeued job
-    finds its checkpoint; under torchrun the rendezvous id; otherwise a timestamp.
+    finds its checkpoint; under torchrun the rendezvous id (`--rdzv-id`; with the default id `none` on
+    one node, the id of the node's torchrun agent); otherwise a timestamp.
     """
     env = _env(env)
     kind = launcher(env)
     if kind == TORCHRUN:
-        return f"torchrun-{env.get('TORCHELASTIC_RUN_ID', 'none')}"
+        rdzv = env.get("TORCHELASTIC_RUN_ID", "none")
+        if rdzv == "none" and (agent := _torchrun_agent_id(env)) and env.get("GROUP_WORLD_SIZE", "1") == "1":
+            return f"torchrun-{agent.removeprefix('torchelastic_')}"
+        return f"torchrun-{rdzv}"
     if kind in (SLURM, SLURM_BATCH):
         step = env.get("SLURM_STEP_ID", "0")
         suffix = "" if step in ("0", "batch") or kind == SLURM_BATCH else f".{step}"
         return f"slurm-{slurm_job_id(env)}{suffix}"
-    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
+    now = time.time() if now is None else now
+    # milliseconds: two runs started in the same second must not share (and resume from) one run dir
+    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
 
 
 def _int_or_none(value: object) -> int | None:
@@ -91,8 +112,9 @@ def _int_or_none(value: object) -> int | None:
         return None
 
 
-def _visible_gpus(env: Mapping[str, str]) -> int | None:
+def visible_gpus(env: Mapping[str, str] | None = None) -> int | None:
     """GPUs this process may use, from CUDA_VISIBLE_DEVICES; None when it cannot tell without torch."""
+    env = _env(env)
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
@@ -197,7 +219,7 @@ def _check_slurm_step(env: Mapping[str, str], nodes: int | None, per_node: int |
 
 
 def _check_gpus(env: Mapping[str, str], per_node: int, kind: str) -> None:
-    visible = _visible_gpus(env)
+    visible = visible_gpus(env)
     if visible is None or visible >= per_node:
         return
     if visible == 0:
@@ -236,6 +258,40 @@ def lightning_cluster_environment(env: Mapping[str, str] | None = None):
     if kind == SLURM:
         return SLURMEnvironment(auto_requeue=False)
     return LightningEnvironment()
+
+
+def check_run_dir_is_shared(run_dir: str | Path, num_nodes: int) -> None:
+    """Every rank of a multi-node job must write to rank 0's run dir and see the run.yaml rank 0 wrote.
+
+    Call it on every rank once the process group exists. The verdicts are gathered, so every rank
+    stops with the same sentence (none waits in a collective for a rank that already left).
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    if num_nodes <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    run_dir = Path(run_dir).resolve()
+    expected = [str(run_dir)]
+    dist.broadcast_object_list(expected, src=0)
+    where = f"rank {dist.get_rank()} on {socket.gethostname()}"
+    problem = ""
+    if str(run_dir) != expected[0]:
+        problem = (
+            f"{where} uses the run dir {run_dir} but rank 0 uses {expected[0]}; set paths.log_dir to one "
+            "directory on a filesystem every node mounts (not a node-local path such as $TMPDIR)."
+        )
+    elif not (run_dir / "run.yaml").is_file():
+        problem = (
+            f"{where} cannot see {run_dir}/run.yaml, which rank 0 wrote: the run dir is not on a filesystem "
+            "every node mounts; set paths.log_dir to a shared directory."
+        )
+    verdicts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, problem)
+    first = next((v for v in verdicts if v), None)
+    if first:
+        raise UserError(first)
 
 
 def requeue_job(env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:

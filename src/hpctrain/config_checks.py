@@ -1,89 +1,30 @@
-"""Type and value checks on the composed config, before anything heavy runs.
+"""Checks on the composed config, before anything heavy runs.
 
-Hydra rejects unknown keys itself; these rules catch a wrong type or value (`trainer.max_epochs=ten`,
-`data.batch_size=0`) and missing optional packages, and say so in one sentence instead of a stack
-trace from deep inside Lightning ten seconds later.
+Hydra rejects unknown keys and options itself (made one sentence by `hpctrain.errors`); these checks
+catch what composes but cannot work, and say so in one sentence instead of a stack trace from deep
+inside Lightning ten seconds later:
+- a value of the wrong type or out of range (the table in `hpctrain.schema`);
+- a required value left out (`???`) or an interpolation that points nowhere;
+- a precision this accelerator cannot run, a logger whose package is missing, a secret in the config.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import signal
-from collections.abc import Callable
-from dataclasses import dataclass
+import re
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
+from hpctrain import cluster
 from hpctrain.errors import UserError
+from hpctrain.schema import KEYS, validate
 
-PRECISIONS = (
-    "64",
-    "64-true",
-    "32",
-    "32-true",
-    "16",
-    "16-mixed",
-    "16-true",
-    "bf16",
-    "bf16-mixed",
-    "bf16-true",
-    "transformer-engine",
-)
 # packages an optional logger needs, recognised in its _target_ (TensorBoardLogger, mlflow_logger, ...)
 LOGGER_PACKAGES = ("tensorboard", "mlflow", "wandb")
-
-
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(value: Any) -> bool:
-    return _int(value) and value > 0
-
-
-def _positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-
-
-def _devices(value: Any) -> bool:
-    if value == "auto" or _positive_int(value) or value == -1:
-        return True
-    if isinstance(value, str):
-        return all(part.strip().isdigit() for part in value.split(",") if part.strip())
-    return OmegaConf.is_list(value) and all(_int(v) for v in value)
-
-
-def _signal(value: Any) -> bool:
-    return isinstance(value, str) and value in signal.Signals.__members__
-
-
-@dataclass(frozen=True)
-class Rule:
-    key: str
-    expected: str
-    ok: Callable[[Any], bool]
-    example: str
-
-
-RULES = (
-    Rule("seed", "an integer", _int, "42"),
-    Rule("trainer.max_epochs", "an integer (-1 for no limit)", _int, "10"),
-    Rule("trainer.min_epochs", "an integer", _int, "1"),
-    Rule("trainer.num_nodes", "a positive integer", _positive_int, "2"),
-    Rule("trainer.devices", "a positive integer, a list of device ids, or auto", _devices, "2"),
-    Rule(
-        "trainer.precision", f"one of {', '.join(PRECISIONS)}", lambda v: str(v) in PRECISIONS, "bf16-mixed"
-    ),
-    Rule("trainer.log_every_n_steps", "a positive integer", _positive_int, "50"),
-    Rule("data.batch_size", "a positive integer", _positive_int, "64"),
-    Rule("data.num_workers", "a non-negative integer", lambda v: _int(v) and v >= 0, "4"),
-    Rule("model.optimizer.lr", "a positive number", _positive_number, "0.001"),
-    Rule("dist.timeout_min", "a positive number of minutes", _positive_number, "30"),
-    Rule("requeue.signal", "a signal name", _signal, "SIGUSR1"),
-    Rule("requeue.check_every_n_steps", "a positive integer", _positive_int, "1"),
-)
+SECRET = re.compile(r"(api_?key|token|password|secret)", re.IGNORECASE)
+SECRET_ENV = {"wandb": "WANDB_API_KEY", "mlflow": "MLFLOW_TRACKING_TOKEN"}
 
 _ABSENT = object()
 
@@ -91,21 +32,40 @@ _ABSENT = object()
 def _value(cfg: DictConfig, key: str) -> Any:
     try:
         return OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=True)
+    except MissingMandatoryValue as err:
+        raise UserError(f"{key} is required; pass {key}=<value>.") from err
     except OmegaConfBaseException as err:
         message = str(err).splitlines()[0]
         raise UserError(f"{key} cannot be resolved ({message}); check the value you passed for it.") from err
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Raise UserError for the first value that breaks a rule, or a logger whose package is missing."""
-    for rule in RULES:
-        value = _value(cfg, rule.key)
-        if value is _ABSENT or value is None:
-            continue
-        if not rule.ok(value):
-            raise UserError(
-                f"{rule.key}={value!r} is not {rule.expected}; pass e.g. {rule.key}={rule.example}."
-            )
+def _resolve_everything(cfg: DictConfig) -> None:
+    """Resolve every value now, so a dangling ${...} or a `???` fails here, naming its key."""
+    try:
+        for key in sorted(OmegaConf.missing_keys(cfg)):
+            raise UserError(f"{key} is required; pass {key}=<value>.")
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as err:
+        key = getattr(err, "full_key", "") or "a value"
+        detail = " ".join(str(err).split("\n")[0].split())
+        raise UserError(
+            f"{key} cannot be resolved ({detail}); add the missing key to the config it refers to, or set "
+            f"{key}=<value> directly."
+        ) from err
+
+
+def _check_precision(cfg: DictConfig) -> None:
+    precision = str(_value(cfg, "trainer.precision"))
+    accelerator = str(_value(cfg, "trainer.accelerator") or "auto")
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and cluster.visible_gpus() == 0)
+    if on_cpu and precision in ("16", "16-mixed"):
+        raise UserError(
+            f"trainer.precision={precision} needs a GPU: on CPU, Lightning would silently train in bf16-mixed "
+            "instead; pass trainer.precision=bf16-mixed on CPU (or train on GPUs)."
+        )
+
+
+def _check_loggers(cfg: DictConfig) -> None:
     for name, entry in (cfg.get("logger") or {}).items():
         target = str((entry or {}).get("_target_", "")).lower()
         for package in LOGGER_PACKAGES:
@@ -114,3 +74,27 @@ def check_config(cfg: DictConfig) -> None:
                     f"logger={name} needs the {package} package, which is not installed; "
                     f"pip install -e '.[{package}]' (or pass logger=csv)."
                 )
+        for key, value in (entry or {}).items():
+            if SECRET.search(str(key)) and value not in (None, ""):
+                variable = SECRET_ENV.get(name, "the logger's environment variable")
+                raise UserError(
+                    f"logger.{name}.{key} is set in the config, which is saved with every run (config.yaml, "
+                    f"checkpoints); remove it and set {variable} in the environment instead."
+                )
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise UserError for the first problem found (see the module docstring)."""
+    for key in KEYS:
+        value = _value(cfg, key.path)
+        if value is _ABSENT:
+            continue
+        if OmegaConf.is_list(value) or OmegaConf.is_dict(value):
+            value = OmegaConf.to_container(value)
+        if not validate(value, key.schema):
+            shown = value if not isinstance(value, str) else f"'{value}'"
+            raise UserError(f"{key.path}={shown} is not {key.expected}; pass e.g. {key.path}={key.example}.")
+    _resolve_everything(cfg)
+    if OmegaConf.select(cfg, "trainer.precision") is not None:
+        _check_precision(cfg)
+    _check_loggers(cfg)

@@ -48,7 +48,7 @@ def report(run_dir: str, trainer: Any, checkpoint: str | None) -> dict[str, floa
 
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
     log.info("processes: %d (process group backend: %s)", trainer.world_size, backend)
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k.startswith(("test/", "val/")))
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k.startswith(("test", "val")))
     log.info("finished: %s", shown or "no metrics")
     if checkpoint:
         log.info("best checkpoint: %s", checkpoint)
@@ -68,10 +68,14 @@ class _DropMessages(logging.Filter):
 def quiet_lightning() -> None:
     """Drop Lightning's advertising and the notices that do not apply here.
 
-    The srun hint is covered by `hpctrain.cluster.preflight`, which fails instead of hinting.
+    The srun hint is covered by `hpctrain.cluster.preflight`, which fails instead of hinting; the
+    non-resumable dataloader notice by `hpctrain.checkpointing`, which says what it means here.
     """
     logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(
         _DropMessages(("💡 Tip", "Trainer already configured with model summary"))
     )
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.filterwarnings(
+        "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
+    )

@@ -1,10 +1,22 @@
-"""Bad input is reported as one sentence and a non-zero exit, never as a stack trace."""
+"""Bad input is reported as one sentence and a non-zero exit, never as a stack trace.
+
+Two sources of bad input, one form (`error: <sentence>` on stderr, exit status 2):
+- mistakes the template recognises (`UserError`, raised anywhere; `reported_as_one_sentence`);
+- mistakes Hydra finds while composing the config: an unknown key or group option, an override it
+  cannot parse, a run dir it cannot create. Hydra prints those as several lines (a search-path dump
+  for a missing option) and exits 1; `hydra_errors_as_one_sentence` makes them one line that keeps
+  the list of valid options and suggests the closest one.
+"""
 
 from __future__ import annotations
 
+import difflib
+import os
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 EXIT_USER_ERROR = 2
 
@@ -24,3 +36,146 @@ def reported_as_one_sentence() -> Iterator[None]:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
+
+
+# ------------------------------------------------------------------------------- Hydra's composition errors
+
+
+def hydra_errors_as_one_sentence(config_name: str) -> None:
+    """Make `@hydra.main` report composition mistakes as one `error:` line and exit 2.
+
+    Hydra 1.3 reports through `hydra._internal.utils.run_and_report`, looked up at call time; it is
+    wrapped here (tests/test_errors.py fails if that function moves). Exceptions raised inside the
+    task function never reach it as config errors: the entry points handle those themselves.
+    """
+    import hydra._internal.utils as hydra_utils
+
+    original = hydra_utils.run_and_report
+    if getattr(original, "one_sentence", False):
+        return
+
+    def run_and_report(func: Callable[[], Any]) -> Any:
+        try:
+            return func()
+        except Exception as err:
+            sentence = (
+                None if os.environ.get("HYDRA_FULL_ERROR") == "1" else describe_hydra_error(err, config_name)
+            )
+            if sentence is None:
+                failure = err
+
+                def reraise() -> Any:
+                    raise failure
+
+                return original(reraise)
+            print(f"error: {sentence}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+
+    run_and_report.one_sentence = True  # type: ignore[attr-defined]
+    hydra_utils.run_and_report = run_and_report
+
+
+def _command_line_overrides() -> list[str]:
+    return [arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg]
+
+
+def _closest(word: str, candidates: list[str]) -> str | None:
+    found = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _config_keys(config_name: str, skip: str) -> list[str]:
+    """Every dotted key of the config composed without the bad override (or with none, if that fails)."""
+    from omegaconf import DictConfig, ListConfig
+
+    from hpctrain.config import compose
+
+    overrides = [o for o in _command_line_overrides() if not o.lstrip("+~").startswith(f"{skip}=")]
+    for attempt in (overrides, []):
+        try:
+            cfg = compose(config_name, attempt)
+            break
+        except Exception:
+            continue
+    else:
+        return []
+    keys: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else []
+        for key, value in items:
+            dotted = f"{prefix}{key}"
+            keys.append(dotted)
+            if isinstance(value, DictConfig) and not isinstance(value, ListConfig):
+                walk(value, f"{dotted}.")
+
+    walk(cfg, "")
+    return keys
+
+
+def _groups() -> list[str]:
+    from hpctrain.config import CONF_DIR
+
+    return sorted(
+        str(p.relative_to(CONF_DIR)) for p in CONF_DIR.rglob("*") if p.is_dir() and any(p.glob("*.yaml"))
+    )
+
+
+def _parses(override: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_override(override)
+    except Exception:
+        return False
+    return True
+
+
+def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
+    """One sentence for a composition mistake, or None for anything else (reported by Hydra as usual)."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    message = str(err).strip()
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
+        group, option = err.missing_cfg_file.rsplit("/", 1)
+        options = sorted(err.options or [])
+        close = _closest(option, options)
+        hint = f"; did you mean {group}={close}?" if close else "."
+        return f"{group}={option} is not an option of the {group} group (options: {', '.join(options)}){hint}"
+    if isinstance(err, MissingConfigException):
+        return f"{message.splitlines()[0]} (python src/{config_name}.py --help lists the config groups)."
+    if isinstance(err, OverrideParseException):
+        bad = next((repr(o) for o in sys.argv[1:] if "=" in o and not _parses(o)), None) or "an override"
+        detail = message.splitlines()[0]
+        return f"cannot parse {bad} ({detail}); quote values with special characters, e.g. 'key=\"a b\"'."
+    found = re.search(r"Could not override '([^']+)'", message)
+    if isinstance(err, ConfigCompositionException) and found:
+        key = found.group(1)
+        value = next(
+            (o.split("=", 1)[1] for o in _command_line_overrides() if o.split("=", 1)[0] == key), "..."
+        )
+        if "No match in the defaults list" in message:
+            close = _closest(key, _groups())
+            hint = f"did you mean {close}={value}?" if close else f"the groups are {', '.join(_groups())}."
+            return f"{key}={value} names no config group; {hint}"
+        candidates = _config_keys(config_name, key) + _groups()
+        close = _closest(key, candidates)
+        hint = f"did you mean {close}={value}? " if close else ""
+        return (
+            f"{key} is not a config key; {hint}(`python src/{config_name}.py --cfg job` shows every key; "
+            f"+{key}={value} adds a new one)."
+        )
+    if isinstance(err, ConfigCompositionException):
+        return f"{message.splitlines()[0]} (python src/{config_name}.py --help lists the config groups)."
+    if isinstance(err, OSError) and err.filename:
+        return (
+            f"cannot create {err.filename} ({err.strerror}); set paths.log_dir (or hydra.run.dir) to a "
+            "directory you can write."
+        )
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(err, OmegaConfBaseException):
+        key = getattr(err, "full_key", None)
+        detail = message.splitlines()[0]
+        return f"{key + ': ' if key else ''}{detail}; check the value you passed for it."
+    return None

@@ -4,18 +4,22 @@
     <run dir>/run.yaml             command, overrides, git commit, package versions, one entry per attempt
     <run dir>/metrics.csv          the csv logger's metrics
     <run dir>/checkpoints/         last.ckpt, the best epoch_NNN.ckpt, requeue.ckpt after a preemption
-    <run dir>/.hydra/              Hydra's own record of the composition
+    <run dir>/.hydra/              Hydra's record of the composition (written here, after the checks pass)
 
-Only global rank 0 writes here. No torch import: this runs before the heavy imports.
+The run dir is the run's identity. Only global rank 0 writes here, and only after every check has
+passed: a refused command leaves an existing run dir exactly as it was. No torch import.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -30,15 +34,7 @@ CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 REQUEUE_CHECKPOINT = "requeue.ckpt"
 RESUMABLE = (REQUEUE_CHECKPOINT, LAST_CHECKPOINT)
-RECORDED_PACKAGES = (
-    "torch",
-    "torchvision",
-    "pytorch-lightning",
-    "torchmetrics",
-    "hydra-core",
-    "omegaconf",
-    "hpctrain",
-)
+RECORDED_PACKAGES = ("torch", "torchvision", "pytorch-lightning", "torchmetrics", "hydra-core", "omegaconf")
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -51,21 +47,80 @@ def newest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def checkpoint_to_resume(ckpt_path: str | None, run_dir: str | Path, runs_root: str | Path) -> Path | None:
-    """What `trainer.fit` starts from.
+def read_run_record(run_dir: str | Path) -> dict[str, Any]:
+    record_file = Path(run_dir) / "run.yaml"
+    if not record_file.is_file():
+        return {}
+    try:
+        return yaml.safe_load(record_file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserError(
+            f"{record_file} is not valid YAML ({err.__class__.__name__}); move the run dir aside."
+        ) from err
 
-    1. This run dir's own newest checkpoint: the run dir is keyed by the SLURM job id, so this is a
-       requeued job continuing (and a fresh job can never pick up another job's checkpoint).
-    2. `ckpt_path=last`: the newest last.ckpt / requeue.ckpt of this task's earlier runs.
-    3. `ckpt_path=<file>`.
+
+@dataclass(frozen=True)
+class StartPoint:
+    checkpoint: Path | None
+    reason: str
+
+    def describe(self) -> str:
+        return (
+            f"starting from {self.checkpoint} ({self.reason})"
+            if self.checkpoint
+            else f"starting fresh ({self.reason})"
+        )
+
+
+def is_restart(record: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process continues the run recorded in run.yaml: the same SLURM job, requeued, or
+    the same torchrun run, restarted by its agent."""
+    attempts = record.get("attempts") or []
+    job = cluster.slurm_job_id(env)
+    if job is not None and any(str(a.get("slurm_job_id")) == job for a in attempts):
+        return True
+    restarts = cluster.torchrun_restart_count(env)
+    run = cluster.run_id(env)
+    return restarts > 0 and any(a.get("run_id") == run for a in attempts)
+
+
+def start_point(
+    ckpt_path: str | None, run_dir: str | Path, runs_root: str | Path, env: Mapping[str, str] | None = None
+) -> StartPoint:
+    """What `trainer.fit` starts from; refuses, in one sentence, everything ambiguous.
+
+    1. A restarted job (the same SLURM job id, requeued) continues from its run dir's newest checkpoint,
+       whatever `ckpt_path` its first attempt was given.
+    2. Otherwise a run dir that already holds checkpoints belongs to another run: it is refused, unless
+       `ckpt_path` names one of those very checkpoints (continuing that run, in its dir, on purpose).
+    3. `ckpt_path=last`: the newest last.ckpt / requeue.ckpt of this task's earlier runs.
+    4. `ckpt_path=<file>`, which must exist; none: a fresh start.
     """
+    run_dir = Path(run_dir)
     own = newest_checkpoint(run_dir)
+    given = None if ckpt_path in (None, "", "null") else str(ckpt_path)
     if own is not None:
-        return own
-    if ckpt_path in (None, "", "null"):
-        return None
-    if ckpt_path == "last":
-        here = Path(run_dir).resolve()
+        record = read_run_record(run_dir)
+        if is_restart(record, env):
+            return StartPoint(
+                own,
+                f"restart {cluster.restart_count(env) or cluster.torchrun_restart_count(env)} of this job",
+            )
+        if given is not None and given != "last":
+            path = existing_checkpoint(given)
+            if path.resolve().parent == checkpoint_dir(run_dir).resolve():
+                return StartPoint(path, f"ckpt_path={given}, in this run dir")
+        previous = (record.get("attempts") or [{}])[-1]
+        started = previous.get("started", "an earlier run")
+        conflict = f"ckpt_path={given} conflicts with the" if given else "this run dir already holds"
+        raise UserError(
+            f"{conflict} checkpoints of another run in {run_dir} (started {started}); pass ckpt_path={own} "
+            "to continue that run there, or start in a new run dir (drop the fixed hydra.run.dir)."
+        )
+    if given is None:
+        return StartPoint(None, "no checkpoint given")
+    if given == "last":
+        here = run_dir.resolve()
         candidates = [
             p
             for name in RESUMABLE
@@ -77,8 +132,10 @@ def checkpoint_to_resume(ckpt_path: str | None, run_dir: str | Path, runs_root: 
                 f"ckpt_path=last but no earlier run under {runs_root} has a last.ckpt; "
                 "train once without ckpt_path, or pass ckpt_path=<path/to/file.ckpt>."
             )
-        return max(candidates, key=lambda p: p.stat().st_mtime)
-    return existing_checkpoint(ckpt_path)
+        return StartPoint(
+            max(candidates, key=lambda p: p.stat().st_mtime), "ckpt_path=last: the newest earlier run"
+        )
+    return StartPoint(existing_checkpoint(given), f"ckpt_path={given}")
 
 
 def existing_checkpoint(ckpt_path: str | None) -> Path:
@@ -92,6 +149,21 @@ def existing_checkpoint(ckpt_path: str | None) -> Path:
     return path
 
 
+def check_writable(run_dir: str | Path) -> None:
+    """Refuse a run dir this process cannot write (read-only filesystem, wrong owner, a file in the way)."""
+    run_dir = Path(run_dir)
+    probe = run_dir / f".write-test-{os.getpid()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(
+            f"the run dir {run_dir} is not writable ({err.strerror or err}); set paths.log_dir to a directory "
+            "you can write (on a cluster: one every node mounts)."
+        ) from err
+
+
 def _git(args: list[str], cwd: Path) -> str | None:
     try:
         out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5, check=True)
@@ -102,7 +174,7 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 def _versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
-    for package in RECORDED_PACKAGES:
+    for package in (*RECORDED_PACKAGES, __package__):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
@@ -110,18 +182,34 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write_run_record(
-    cfg: DictConfig, run_dir: str | Path, overrides: list[str], project_root: str | Path, world_size: int
+    cfg: DictConfig,
+    run_dir: str | Path,
+    overrides: list[str],
+    project_root: str | Path,
+    world_size: int,
+    hydra_cfg: DictConfig | None = None,
 ) -> None:
-    """Write config.yaml (once) and add this attempt to run.yaml. Call on global rank 0 only."""
+    """Write config.yaml and Hydra's record (once) and add this attempt to run.yaml. Global rank 0 only."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
     if not config_file.exists():
-        config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        _write_atomically(config_file, OmegaConf.to_yaml(cfg, resolve=True))
+    hydra_dir = run_dir / ".hydra"
+    if hydra_cfg is not None and not (hydra_dir / "config.yaml").exists():
+        hydra_dir.mkdir(exist_ok=True)
+        _write_atomically(hydra_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        _write_atomically(hydra_dir / "overrides.yaml", yaml.safe_dump(list(overrides)))
+        _write_atomically(hydra_dir / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})))
 
-    record_file = run_dir / "run.yaml"
-    record: dict[str, Any] = yaml.safe_load(record_file.read_text()) if record_file.exists() else {}
+    record = read_run_record(run_dir)
     root = Path(project_root)
     commit = _git(["rev-parse", "HEAD"], root)
     record.setdefault("command", shlex.join([Path(sys.argv[0]).name, *overrides]))
@@ -135,11 +223,10 @@ def write_run_record(
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": platform.node(),
             "launcher": cluster.launcher(),
+            "run_id": cluster.run_id(),
             "world_size": world_size,
             "slurm_job_id": cluster.slurm_job_id(),
             "slurm_restart_count": cluster.restart_count(),
         }
     )
-    tmp = record_file.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(record, sort_keys=False))
-    tmp.replace(record_file)
+    _write_atomically(run_dir / "run.yaml", yaml.safe_dump(record, sort_keys=False))

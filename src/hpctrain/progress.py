@@ -111,6 +111,9 @@ class LogProgress(ProgressBar):
     def enable(self) -> None:
         self._enabled = True
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.on_train_epoch_start(trainer, pl_module)  # a run resumed mid-epoch starts without that hook
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last = self._window_start = time.monotonic()
         self._window_samples = 0

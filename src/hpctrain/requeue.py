@@ -1,29 +1,15 @@
 """Preemption: checkpoint at a step boundary that every rank agrees on, then requeue and exit.
 
-Lightning's own SLURM auto-requeue saves the checkpoint inside the signal handler. Python runs a
-handler between bytecodes, so one rank enters `save_checkpoint` (a barrier) in the middle of its
-backward pass while another sits in the training loop's broadcast: the collectives do not match and
-a multi-node job hangs until its time limit, with nothing saved. Here the handler only records the
-signal; every `check_every_n_steps` training batches all ranks combine their flags in one tiny
-all-reduce and, if any rank was signalled, all of them:
-
-1. save one checkpoint together (weights, optimizer, loop counters, dataloader position and every
-   rank's RNG and metric states) to <run dir>/checkpoints/requeue.ckpt, written to a temporary
-   file and renamed;
-2. let Lightning log that step, flush the loggers at the start of the next one;
-3. leave `trainer.fit` through `TrainingInterrupted`; on the requeue signal global rank 0 then runs
-   `scontrol requeue <job>` and every rank waits for SLURM to terminate it (a rank that exits by
-   itself can race the requeue and leave the job FAILED instead of pending).
-
-SLURM restarts the job with the same job id, hence the same run dir, where `checkpoint_to_resume`
-finds requeue.ckpt. SIGTERM (scancel, preemption) gets steps 1-3 without the requeue: if the
-cluster requeues preempted jobs itself, the restart resumes from that checkpoint too.
+The protocol (why Lightning's own auto-requeue is off, what is saved, how the job comes back) is
+described once, in slurm/README.md, "Preemption, requeue and exact resume". In short: the signal
+handler only records the signal; every `check_every_n_steps` training batches all ranks combine their
+flags in one tiny all-reduce; if any rank was signalled, all of them save requeue.ckpt together,
+leave `trainer.fit` through `TrainingInterrupted`, and `requeue_and_wait` asks SLURM to requeue the job.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from pathlib import Path
@@ -128,15 +114,14 @@ class CheckpointOnSignal(Callback):
         self._group = None  # let destroy_process_group free it
 
     def _save(self, trainer: Trainer) -> None:
-        tmp = self.checkpoint_path.with_name(f".{self.checkpoint_path.name}.tmp")
-        trainer.save_checkpoint(tmp)  # every rank takes part; rank 0 writes; ends with a barrier
+        # Every rank takes part, rank 0 writes (atomically, see AtomicCheckpointIO), then all wait for it.
+        trainer.save_checkpoint(self.checkpoint_path)
         if trainer.is_global_zero:
-            os.replace(tmp, self.checkpoint_path)
             log.info("signal received: saved %s at step %d", self.checkpoint_path, trainer.global_step)
         trainer.strategy.barrier("checkpoint_on_signal")
 
 
-def finish(interrupted: TrainingInterrupted, wait_s: float = REQUEUE_WAIT_S) -> None:
+def requeue_and_wait(interrupted: TrainingInterrupted, wait_s: float = REQUEUE_WAIT_S) -> None:
     """After fit has unwound: global rank 0 asks SLURM to requeue the job, and every rank waits for
     SLURM to end this run of it.
 

@@ -5,8 +5,9 @@
   ${rank_zero_only:<value>}      <value> on global rank 0, null on the other ranks
   ${rank_zero_file:<path>}       <path> on global rank 0, os.devnull on the other ranks
 
-They must be registered before `@hydra.main` composes the config, so the entry points call
-`register_resolvers` at import time; nothing here imports torch.
+They are registered when the package is imported (`hpctrain/__init__.py`): a config rebuilt from a
+pickle in another process (a SLURM job started by the submitit launcher) resolves them too.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -30,4 +31,5 @@ def register_resolvers(project_root: Path) -> None:
         "rank_zero_file": lambda path: path if cluster.is_rank_zero() else os.devnull,
     }
     for name, resolver in resolvers.items():
-        OmegaConf.register_new_resolver(name, resolver, replace=True)
+        if not OmegaConf.has_resolver(name) or name == "project_root":
+            OmegaConf.register_new_resolver(name, resolver, replace=True)

@@ -12,11 +12,18 @@ from hpctrain.data.loading import TensorDataset
 class DigitsDataModule(ImageDataModule):
     """Each 8x8 digit is resized to 20x20 and centred in 28x28, as MNIST digits are, so MNIST models take it."""
 
-    mean = 0.1310
-    std = 0.2920
+    default_mean = (0.1310,)
+    default_std = (0.2920,)
 
-    def __init__(self, val_fraction: float = 0.1, test_fraction: float = 0.2, **loader_args) -> None:
-        super().__init__(**loader_args)
+    def __init__(
+        self,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.2,
+        num_classes: int = 10,
+        image_shape: tuple[int, ...] = (1, 28, 28),
+        **image_args,
+    ) -> None:
+        super().__init__(num_classes=num_classes, image_shape=image_shape, **image_args)
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
 

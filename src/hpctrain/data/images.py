@@ -1,7 +1,9 @@
-"""The base of every datamodule here: uint8 images held in memory, normalised per batch on the device."""
+"""The base of the image datamodules here: uint8 images held in memory, augmented and normalised per
+batch on the device."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,35 +28,78 @@ def split(dataset: TensorDataset, holdout: int, seed: int = 0) -> tuple[TensorDa
 class ImageDataModule(LightningDataModule):
     """Subclasses implement `load` (and, if they read files, `check_available` and `prepare_data`).
 
-    Images stay uint8 (N, C, H, W) on the host, are indexed a batch at a time, and are converted to
-    normalised float only after the transfer to the device: 4x less host-to-device traffic and no
-    per-sample Python work. `batch_size` is per process (per GPU), as in Lightning.
+    Images stay uint8 (N, C, H, W) on the host, are indexed a batch at a time, and become normalised
+    float only after the transfer to the device: 4x less host-to-device traffic and no per-sample
+    Python work. Training batches pass through `augment` first (uint8, on the device). `batch_size`
+    is per process (per GPU), as in Lightning.
+
+    `num_classes` and `image_shape` are what models read from the config (`${data.num_classes}`); they
+    are checked against the loaded data, so a model can never be built for the wrong sizes. `mean` and
+    `std` (per channel, of pixels in [0, 1]) default to the dataset's own (`default_mean`, `default_std`).
     """
 
-    mean: float = 0.5
-    std: float = 0.5
-    num_classes: int = 10
+    default_mean: tuple[float, ...] = (0.5,)
+    default_std: tuple[float, ...] = (0.5,)
 
     def __init__(
-        self, batch_size: int = 128, num_workers: int = 0, pin_memory: bool = False, seed: int = 0
+        self,
+        num_classes: int,
+        image_shape: Sequence[int],
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        batch_size: int = 128,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
+        self.num_classes = int(num_classes)
+        self.image_shape = tuple(int(d) for d in image_shape)
+        self.mean = tuple(float(m) for m in (self.default_mean if mean is None else mean))
+        self.std = tuple(float(s) for s in (self.default_std if std is None else std))
+        if len(self.mean) not in (1, self.image_shape[0]) or len(self.std) != len(self.mean):
+            raise UserError(
+                f"data.mean={list(self.mean)} and data.std={list(self.std)} need one value, or one per channel "
+                f"of data.image_shape={list(self.image_shape)}; pass lists of {self.image_shape[0]} values."
+            )
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.seed = seed
         self.splits: tuple[TensorDataset, TensorDataset, TensorDataset] | None = None
+        self._normalisers: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
     def load(self) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
-        """Return (train, val, test) datasets of uint8 images and int64 labels."""
+        """Return (train, val, test) datasets of uint8 images (N, C, H, W) and int64 labels."""
         raise NotImplementedError
 
-    def check_available(self) -> None:
-        """Raise DataUnavailable now, on every rank and before any process group, if `setup` would fail."""
+    def augment(self, images: Tensor) -> Tensor:
+        """Augment a training batch: uint8 (B, C, H, W) on the device, before normalisation.
+
+        Only training batches come here. Draw randomness from torch's default generator (on the batch's
+        device): checkpoints store its state, so a resumed run draws the same augmentations.
+        """
+        return images
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
             self.splits = self.load()
+            self._check_sizes(self.splits)
+
+    def _check_sizes(self, splits: tuple[TensorDataset, ...]) -> None:
+        name = type(self).__name__
+        for part in splits:
+            shape = tuple(part.images.shape[1:])
+            if shape != self.image_shape:
+                raise UserError(
+                    f"data.image_shape={list(self.image_shape)} but {name} holds {'x'.join(map(str, shape))} "
+                    f"images; pass data.image_shape={list(shape)}."
+                )
+            if len(part) and int(part.labels.max()) >= self.num_classes:
+                raise UserError(
+                    f"data.num_classes={self.num_classes} but {name} has label {int(part.labels.max())}; "
+                    f"pass data.num_classes={int(part.labels.max()) + 1}."
+                )
 
     def _loader(self, index: int, shuffle: bool) -> ResumableDataLoader:
         if self.splits is None:
@@ -66,8 +111,16 @@ class ImageDataModule(LightningDataModule):
             shuffle=shuffle,
             seed=self.seed,
             num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
+            pin_memory=self._pin_memory(),
+            split=("train", "val", "test")[index],
         )
+
+    def _pin_memory(self) -> bool:
+        """`pin_memory: null` means: pinned when the trainer runs on CUDA GPUs (faster, asynchronous copies)."""
+        if self.pin_memory is not None:
+            return bool(self.pin_memory)
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
 
     def train_dataloader(self) -> ResumableDataLoader:
         return self._loader(0, shuffle=True)
@@ -88,6 +141,25 @@ class ImageDataModule(LightningDataModule):
 
     def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
         images, labels = batch
-        if images.dtype == torch.uint8:
-            images = images.float().sub_(255.0 * self.mean).mul_(1.0 / (255.0 * self.std))
+        if images.dtype != torch.uint8:
+            return images, labels
+        trainer = self.trainer
+        if trainer is not None and trainer.training:
+            images = self.augment(images)
+        images = self.normalise(images)
+        if trainer is not None:
+            # Lightning converts the input dtype before this hook, while the batch is still uint8; a
+            # `*-true` precision (bf16-true, 16-true, 64-true) needs the float images converted now.
+            images = trainer.precision_plugin.convert_input(images)
         return images, labels
+
+    def normalise(self, images: Tensor) -> Tensor:
+        """uint8 images -> float32, (x / 255 - mean) / std per channel."""
+        key = (images.device, torch.float32)
+        if key not in self._normalisers:
+            shape = (1, -1, 1, 1)
+            mean = torch.tensor(self.mean, dtype=torch.float32).mul_(255.0).view(shape)
+            scale = torch.tensor(self.std, dtype=torch.float32).mul_(255.0).reciprocal_().view(shape)
+            self._normalisers[key] = (mean.to(images.device), scale.to(images.device))
+        mean, scale = self._normalisers[key]
+        return images.float().sub_(mean).mul_(scale)

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from hpctrain.errors import UserError
+
 
 class TensorDataset(Dataset):
     """Images and labels held as tensors; indexing with a tensor of indices returns a whole batch."""
@@ -138,9 +140,21 @@ def make_loader(
     num_workers: int = 0,
     pin_memory: bool = False,
     drop_last: bool = False,
+    split: str = "train",
 ) -> ResumableDataLoader:
-    """The loader every datamodule of this template returns (train: shuffle=True, eval: False)."""
+    """The loader every datamodule of this template returns (train: shuffle=True, eval: False).
+
+    An evaluation split smaller than the number of processes would leave some ranks without a single
+    sample: Lightning skips the loop on those ranks while the others wait for them to sync metrics,
+    so it is refused here, on every rank alike, with the fix.
+    """
     sampler = ShardedBatchSampler(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    size, world = len(dataset), sampler.num_replicas  # type: ignore[arg-type]
+    if not sampler.pad and 0 < size < world:
+        raise UserError(
+            f"the {split} split has {size} sample(s) but the job runs {world} processes, so ranks {size}-{world - 1} "
+            f"would get none; use at most {size} processes or a larger {split} split."
+        )
     return ResumableDataLoader(
         dataset,
         sampler,

@@ -35,11 +35,19 @@ class MNISTDataModule(ImageDataModule):
     """60,000 training images (split into train and `val_size` validation) and 10,000 test images."""
 
     dataset_class: type[datasets.MNIST] = datasets.MNIST
-    mean = 0.1307
-    std = 0.3081
+    default_mean = (0.1307,)
+    default_std = (0.3081,)
 
-    def __init__(self, data_dir: str, download: bool = True, val_size: int = 5_000, **loader_args) -> None:
-        super().__init__(**loader_args)
+    def __init__(
+        self,
+        data_dir: str,
+        download: bool = True,
+        val_size: int = 5_000,
+        num_classes: int = 10,
+        image_shape: tuple[int, ...] = (1, 28, 28),
+        **image_args,
+    ) -> None:
+        super().__init__(num_classes=num_classes, image_shape=image_shape, **image_args)
         self.data_dir = Path(data_dir)
         self.download = download
         self.val_size = val_size
@@ -135,5 +143,5 @@ class FashionMNISTDataModule(MNISTDataModule):
     """Zalando's Fashion-MNIST: the same format and sizes as MNIST, ten kinds of clothing."""
 
     dataset_class = datasets.FashionMNIST
-    mean = 0.2860
-    std = 0.3530
+    default_mean = (0.2860,)
+    default_std = (0.3530,)

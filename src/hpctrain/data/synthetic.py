@@ -14,14 +14,12 @@ class RandomDataModule(ImageDataModule):
         num_samples: int = 10_000,
         val_samples: int = 1_000,
         test_samples: int = 1_000,
-        image_shape: tuple[int, ...] = (1, 28, 28),
         num_classes: int = 10,
-        **loader_args,
+        image_shape: tuple[int, ...] = (1, 28, 28),
+        **image_args,
     ) -> None:
-        super().__init__(**loader_args)
+        super().__init__(num_classes=num_classes, image_shape=image_shape, **image_args)
         self.sizes = (num_samples, val_samples, test_samples)
-        self.image_shape = tuple(image_shape)
-        self.num_classes = num_classes
 
     def load(self) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
         generator = torch.Generator().manual_seed(self.seed)

@@ -1,4 +1,4 @@
-"""One LightningModule for image classification; the network, optimizer and scheduler come from config."""
+"""One LightningModule for image classification; the network, optimizer and schedule come from config."""
 
 from __future__ import annotations
 
@@ -9,18 +9,20 @@ import torch.nn.functional as F
 from pytorch_lightning import LightningModule
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torchmetrics import MaxMetric, MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics import MaxMetric
+
+from hpctrain.models import optim
+from hpctrain.models.metrics import Accuracy, Mean
 
 
 class ImageClassifier(LightningModule):
     """Trains `net` with cross-entropy and logs train/loss (every log_every_n_steps), train/acc,
     val/loss, val/acc, val/acc_best, test/loss and test/acc (once per epoch).
 
-    Accuracy and loss are torchmetrics states summed across ranks when an epoch ends, so with DDP
-    every sample counts once and no collective runs per step. `val/acc_best` is part of the state
-    dict, so it survives a resume. Hyperparameters are not pickled into checkpoints (the network is
-    an nn.Module); the resolved config is stored there instead, and checkpoints load with
+    Accuracy and loss are metric states summed across ranks when an epoch ends, so with DDP every
+    sample counts once and no collective runs per step. `val/acc_best` is part of the state dict, so
+    it survives a resume. Hyperparameters are not pickled into checkpoints (the network is an
+    nn.Module); the resolved config is stored there instead, and checkpoints load with
     `weights_only=True`.
     """
 
@@ -31,18 +33,17 @@ class ImageClassifier(LightningModule):
         scheduler: Callable[..., Any] | None = None,
         scheduler_interval: str = "epoch",
         num_classes: int = 10,
+        label_smoothing: float = 0.0,
     ) -> None:
         super().__init__()
         self.net = net
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.scheduler_interval = scheduler_interval
-        # validate_args=False: input checks cost a device sync per step; the shapes are ours.
-        self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
-        self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
-        self.test_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
-        self.val_loss = MeanMetric()
-        self.test_loss = MeanMetric()
+        self.num_classes = num_classes
+        self.label_smoothing = label_smoothing
+        self.train_acc, self.val_acc, self.test_acc = Accuracy(), Accuracy(), Accuracy()
+        self.val_loss, self.test_loss = Mean(), Mean()
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)
 
@@ -52,7 +53,8 @@ class ImageClassifier(LightningModule):
     def _loss_and_predictions(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         x, y = batch
         logits = self(x)
-        return F.cross_entropy(logits, y), logits.argmax(dim=1), y
+        smoothing = self.label_smoothing if self.training else 0.0
+        return F.cross_entropy(logits, y, label_smoothing=smoothing), logits.argmax(dim=1), y
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, preds, y = self._loss_and_predictions(batch)
@@ -60,43 +62,40 @@ class ImageClassifier(LightningModule):
         # Each self.log call costs Lightning about half a millisecond, as much as a whole MLP step on
         # a CPU core; log the loss only on the steps the loggers write (every log_every_n_steps).
         if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
-            self.log("train/loss", loss, prog_bar=True)
+            self.log("train/loss", loss)
         return loss
 
     def on_train_epoch_end(self) -> None:
-        self.log("train/acc", self.train_acc.compute())  # summed across ranks by torchmetrics
-        self.train_acc.reset()
+        # Logging the metric object: Lightning computes it (summed across ranks) and resets it.
+        self.log("train/acc", self.train_acc)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, preds, y = self._loss_and_predictions(batch)
-        self.val_loss.update(loss, weight=len(y))
+        self.val_loss.update(loss, len(y))
         self.val_acc.update(preds, y)
-        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            return
-        self.val_acc_best.update(self.val_acc.compute())
-        self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True, sync_dist=True)
+        acc = self.val_acc.compute()
+        if self.trainer.sanity_checking:  # logged, so it can be monitored, but not counted as a best
+            best = acc
+        else:
+            self.val_acc_best.update(acc)
+            best = self.val_acc_best.compute()
+        # the same value on every rank; sync_dist only tells Lightning so (one tiny all-reduce per epoch)
+        self.log("val/acc_best", best, sync_dist=True)
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/acc", self.val_acc, prog_bar=True)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, preds, y = self._loss_and_predictions(batch)
-        self.test_loss.update(loss, weight=len(y))
+        self.test_loss.update(loss, len(y))
         self.test_acc.update(preds, y)
-        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
-        self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test/loss", self.test_loss)
+        self.log("test/acc", self.test_acc)
 
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(params=self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        scheduler = self.scheduler_factory(optimizer=optimizer)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {
-                "scheduler": scheduler,
-                "interval": self.scheduler_interval,
-                "monitor": "val/loss",
-            },
-        }
+        return optim.configure(
+            self, self.parameters(), self.optimizer_factory, self.scheduler_factory, self.scheduler_interval
+        )

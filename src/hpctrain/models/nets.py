@@ -1,20 +1,36 @@
-"""Plain nn.Modules. They know nothing of devices, ranks or parallelism: the Trainer does that."""
+"""Plain nn.Modules. They know nothing of devices, ranks or parallelism: the Trainer does that.
+
+Sizes come from the data's config (`image_shape: ${data.image_shape}`, `num_classes: ${data.num_classes}`),
+so the same network config fits MNIST, digits or CIFAR-10.
+"""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 
 class MNISTCNN(nn.Module):
-    """The classic MNIST network: two 5x5 convolutions with max-pooling, then two linear layers."""
+    """The classic MNIST network: two 5x5 convolutions with max-pooling, then two linear layers
+    (320 features into the first linear layer for 1x28x28 images)."""
 
-    def __init__(self, num_classes: int = 10, dropout: float = 0.5) -> None:
+    def __init__(
+        self, image_shape: Sequence[int] = (1, 28, 28), num_classes: int = 10, dropout: float = 0.5
+    ) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
+        channels, height, width = image_shape
+        self.conv1 = nn.Conv2d(channels, 10, kernel_size=5)
         self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
         self.conv2_drop = nn.Dropout2d()
-        self.fc1 = nn.Linear(320, 50)
+
+        def after_convs(size: int) -> int:  # two (5x5 conv, 2x2 max-pool) stages
+            return ((size - 4) // 2 - 4) // 2
+
+        features = 20 * after_convs(height) * after_convs(width)
+        self.fc1 = nn.Linear(features, 50)
         self.dropout = nn.Dropout(dropout)
         self.fc2 = nn.Linear(50, num_classes)
 
@@ -30,15 +46,15 @@ class MLP(nn.Module):
 
     def __init__(
         self,
-        input_size: int = 784,
-        hidden_sizes: tuple[int, ...] = (256, 256, 256),
+        image_shape: Sequence[int] = (1, 28, 28),
+        hidden_sizes: Sequence[int] = (256, 256, 256),
         num_classes: int = 10,
         batch_norm: bool = True,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
-        width = input_size
+        width = math.prod(image_shape)
         for hidden in hidden_sizes:
             layers += [
                 nn.Linear(width, hidden),

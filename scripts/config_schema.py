@@ -1,0 +1,72 @@
+"""Write the JSON Schemas editors use to complete and validate conf/*.yaml (from hpctrain.schema).
+
+    python scripts/config_schema.py          # writes conf/schema/*.schema.json and .vscode/settings.json
+    python scripts/config_schema.py --check  # exit 1 if they are not up to date (the tests run this)
+
+In VS Code, install Red Hat's YAML extension (redhat.vscode-yaml); .vscode/settings.json maps each
+schema to the config files it describes, so keys complete and wrong values are underlined as you type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from hpctrain.schema import FILE_PREFIXES, json_schema  # noqa: E402
+
+# which conf/ files each schema describes (files of @package _global_ groups describe the whole config)
+FILES = {
+    "train": [
+        "conf/train.yaml",
+        "conf/eval.yaml",
+        "conf/experiment/*.yaml",
+        "conf/debug/*.yaml",
+        "conf/local/*.yaml",
+    ],
+    "trainer": ["conf/trainer/*.yaml"],
+    "data": ["conf/data/*.yaml"],
+    "model": ["conf/model/*.yaml"],
+    "model/optimizer": ["conf/model/optimizer/*.yaml"],
+    "paths": ["conf/paths/*.yaml"],
+}
+
+
+def schema_file(group: str) -> str:
+    return f"conf/schema/{group.replace('/', '.')}.schema.json"
+
+
+def rendered() -> dict[str, str]:
+    files = {schema_file(g): json.dumps(json_schema(FILE_PREFIXES[g]), indent=2) + "\n" for g in FILES}
+    settings = {"yaml.schemas": {schema_file(g): globs for g, globs in FILES.items()}}
+    files[".vscode/settings.json"] = json.dumps(settings, indent=2) + "\n"
+    return files
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only check that the files are up to date")
+    args = parser.parse_args()
+    stale = []
+    for name, text in rendered().items():
+        path = ROOT / name
+        if path.is_file() and path.read_text() == text:
+            continue
+        if args.check:
+            stale.append(name)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {name}")
+    if stale:
+        print(f"error: {', '.join(stale)} out of date; run python scripts/config_schema.py.", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The monitored metric (`monitor.metric`, `monitor.mode`): checked as soon as metrics exist, tracked
+for sweepers, and the checkpoint and early-stopping callbacks that follow it.
+
+A module that never logs the monitored metric (or a typo in `monitor.metric`) would otherwise train a
+whole epoch and then crash inside ModelCheckpoint or EarlyStopping; here the run stops at the end of
+the sanity check (or at the first validation, or when training ends if there is none) with one
+sentence naming the metric, what was logged, and the override that fixes it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning import Callback, LightningModule, Trainer
+
+from hpctrain import cluster
+from hpctrain.errors import UserError
+
+
+class MonitoredMetricMissing(UserError):
+    def __init__(self, metric: str, logged: Iterable[str]) -> None:
+        names = sorted(logged)
+        close = difflib.get_close_matches(metric, names, n=1)
+        hint = f"did you mean monitor.metric={close[0]}?" if close else "pass monitor.metric=<one of them>"
+        shown = ", ".join(names) if names else "nothing"
+        super().__init__(
+            f"monitor.metric={metric} is never logged by the model (it logged: {shown}); {hint} "
+            "(and monitor.mode=min or max)."
+        )
+
+
+class MonitoredMetric(Callback):
+    """Checks once that `metric` is logged and keeps its best value under `mode` (what train.py returns)."""
+
+    def __init__(self, metric: str, mode: str = "max") -> None:
+        if mode not in ("min", "max"):
+            raise UserError(
+                f"monitor.mode={mode} is not min or max; pass monitor.mode=max or monitor.mode=min."
+            )
+        self.metric = metric
+        self.mode = mode
+        self.best: float | None = None
+        self._checked = False
+        self._validated = False
+
+    def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._check(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        self._validated = True
+        self._check(trainer)
+        self._record(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._check(trainer)
+        if not self._validated:  # no validation: the value the last epoch ended with
+            self._record(trainer)
+
+    def _check(self, trainer: Trainer) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        if self.metric not in trainer.callback_metrics:
+            raise MonitoredMetricMissing(self.metric, trainer.callback_metrics)
+
+    def _record(self, trainer: Trainer) -> None:
+        value = trainer.callback_metrics.get(self.metric)
+        if value is None or value.numel() != 1:
+            return
+        value = float(value)
+        if math.isnan(value):
+            return
+        if self.best is None or (value > self.best if self.mode == "max" else value < self.best):
+            self.best = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best = state_dict.get("best")
+
+
+class _CachedStateKey:
+    """Lightning formats a callback's state key on every hook call (it names the profiler region);
+    these callbacks' keys never change after construction, so compute them once."""
+
+    _cached_state_key: str | None = None
+
+    @property
+    def state_key(self) -> str:
+        if self._cached_state_key is None:
+            self._cached_state_key = super().state_key  # type: ignore[misc]
+        return self._cached_state_key
+
+
+class ModelCheckpoint(_CachedStateKey, pl.callbacks.ModelCheckpoint):
+    """Lightning's ModelCheckpoint; a monitored metric that is missing after validation is one sentence."""
+
+    def _save_topk_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
+        if (
+            self.monitor is not None
+            and self.save_top_k != 0
+            and self.monitor not in monitor_candidates
+            and trainer.fit_loop.epoch_loop.val_loop._has_run
+        ):
+            raise MonitoredMetricMissing(self.monitor, monitor_candidates)
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+
+class EarlyStopping(_CachedStateKey, pl.callbacks.EarlyStopping):
+    """Lightning's EarlyStopping; a monitored metric that is missing is one sentence."""
+
+    def _validate_condition_metric(self, logs: dict[str, Any]) -> bool:
+        if self.strict and self.monitor not in logs:
+            raise MonitoredMetricMissing(self.monitor, logs)
+        return super()._validate_condition_metric(logs)
+
+
+class SharedRunDirCheck(Callback):
+    """When fit starts on several nodes, check that every rank writes to the same, shared run dir: a
+    node-local log dir would leave checkpoints where a requeued job, or another node, cannot find them."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            cluster.check_run_dir_is_shared(self.run_dir, trainer.num_nodes)

@@ -1,0 +1,26 @@
+"""Where the configs live, and composing them outside `@hydra.main` (scripts, tests, benchmarks).
+
+Everything that composes a config goes through `compose`, so scripts and tests see exactly what
+`python src/train.py` sees: the same search path, the same resolvers. No torch import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the directory holding conf/ and src/
+CONF_DIR = PROJECT_ROOT / "conf"
+
+
+def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:
+    """The config `python src/<config_name>.py <overrides>` would run with (Hydra's runtime keys unset)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()  # e.g. when called while @hydra.main reports an error
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name, overrides=list(overrides))

@@ -1,0 +1,219 @@
+"""The schema of the user-facing config keys: one table that both checks a composed config (before
+torch is imported) and becomes the JSON Schema editors use to complete and validate conf/*.yaml.
+
+Each key has a JSON Schema fragment (type, range, allowed values), the sentence that says what is
+allowed, and an example value. `validate` implements the part of JSON Schema the table uses, so the
+runtime check and the editor schema cannot disagree; `scripts/config_schema.py` writes conf/schema/.
+Keys the table does not name are Lightning's or your classes' own and are checked where they are used.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+# Lightning's precision values (lightning_fabric's _PRECISION_INPUT, without transformer-engine, which
+# needs NVIDIA's library); tests/test_schema.py fails if Lightning's list changes.
+PRECISIONS = (
+    "64",
+    "64-true",
+    "32",
+    "32-true",
+    "16",
+    "16-mixed",
+    "16-true",
+    "bf16",
+    "bf16-mixed",
+    "bf16-true",
+)
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+INTERPOLATION = {"type": "string", "pattern": r"^\$\{.*\}$"}  # ${...}: resolved later, checked then
+
+
+def _int(minimum: int | None = None) -> dict[str, Any]:
+    return {"type": "integer"} | ({"minimum": minimum} if minimum is not None else {})
+
+
+POSITIVE_NUMBER = {"type": "number", "exclusiveMinimum": 0}
+
+
+@dataclass(frozen=True)
+class Key:
+    path: str
+    schema: dict[str, Any]
+    expected: str
+    example: str
+    description: str = ""
+
+
+KEYS: tuple[Key, ...] = (
+    Key("seed", _int(0), "a non-negative integer", "42", "seeds torch, numpy, python and dataloader workers"),
+    Key("train", {"type": "boolean"}, "true or false", "true", "fit the model"),
+    Key("test", {"type": "boolean"}, "true or false", "false", "test the best checkpoint after fit"),
+    Key(
+        "ckpt_path",
+        {"type": ["string", "null"]},
+        "a checkpoint file, last, or null",
+        "last",
+        "start from this checkpoint (last: the newest last.ckpt of this task's runs)",
+    ),
+    Key("monitor.metric", {"type": ["string", "null"]}, "a metric name the model logs", "val/acc"),
+    Key(
+        "monitor.mode",
+        {"enum": ["min", "max"]},
+        "min or max",
+        "max",
+        "whether a larger monitored value is better",
+    ),
+    Key("trainer.num_nodes", _int(1), "a positive integer", "2", "nodes (SLURM: --nodes)"),
+    Key(
+        "trainer.devices",
+        {
+            "anyOf": [
+                _int(1),
+                {"const": -1},
+                {"const": "auto"},
+                {"type": "string", "pattern": r"^\s*\d+\s*(,\s*\d+\s*)*,?\s*$"},
+                {"type": "array", "items": _int(0), "minItems": 1},
+            ]
+        },
+        "a positive integer, -1, auto, or a list of device ids",
+        "2",
+        "processes per node: GPUs per node (SLURM: --ntasks-per-node)",
+    ),
+    Key("trainer.accelerator", {"enum": list(ACCELERATORS)}, f"one of {', '.join(ACCELERATORS)}", "cpu"),
+    Key(
+        "trainer.precision",
+        {"enum": [*PRECISIONS, 64, 32, 16]},
+        f"one of {', '.join(PRECISIONS)}",
+        "bf16-mixed",
+        "32-true; bf16-mixed or 16-mixed on GPUs",
+    ),
+    Key("trainer.max_epochs", _int(-1), "an integer, -1 or more (-1: no limit)", "10"),
+    Key("trainer.min_epochs", {"type": ["integer", "null"], "minimum": 0}, "a non-negative integer", "1"),
+    Key("trainer.max_steps", _int(-1), "an integer, -1 or more (-1: no limit)", "1000"),
+    Key("trainer.log_every_n_steps", _int(1), "a positive integer", "50"),
+    Key(
+        "trainer.accumulate_grad_batches",
+        _int(1),
+        "a positive integer",
+        "4",
+        "optimizer step every N batches",
+    ),
+    Key(
+        "trainer.gradient_clip_val",
+        {"type": ["number", "null"], "minimum": 0},
+        "a non-negative number or null",
+        "1.0",
+        "clip gradients to this norm",
+    ),
+    Key("trainer.num_sanity_val_steps", _int(-1), "an integer, -1 or more", "2"),
+    Key(
+        "trainer.check_val_every_n_epoch",
+        {"type": ["integer", "null"], "minimum": 1},
+        "a positive integer",
+        "1",
+    ),
+    Key("trainer.deterministic", {"enum": [True, False, "warn", None]}, "true, false or warn", "true"),
+    Key("data.batch_size", _int(1), "a positive integer", "64", "per process (per GPU)"),
+    Key("data.num_workers", _int(0), "a non-negative integer", "4"),
+    Key("data.pin_memory", {"type": ["boolean", "null"]}, "true, false or null", "true", "null: on for GPUs"),
+    Key("model.optimizer.lr", POSITIVE_NUMBER, "a positive number", "0.001", "learning rate"),
+    Key("requeue.enabled", {"type": "boolean"}, "true or false", "true"),
+    Key(
+        "requeue.signal",
+        {"enum": sorted(s.name for s in signal.Signals)},
+        "a signal name such as SIGUSR1",
+        "SIGUSR1",
+        "must match #SBATCH --signal",
+    ),
+    Key(
+        "requeue.check_every_n_steps",
+        {"anyOf": [_int(1), {"const": "auto"}]},
+        "a positive integer or auto",
+        "auto",
+        "how often ranks agree on signals; auto: about once a second",
+    ),
+    Key("dist.backend", {"enum": [None, "nccl", "gloo", "mpi"]}, "nccl, gloo, mpi or null", "gloo"),
+    Key("dist.timeout_min", POSITIVE_NUMBER, "a positive number of minutes", "30"),
+    Key("paths.data_dir", {"type": "string"}, "a directory", "/shared/datasets"),
+    Key("paths.log_dir", {"type": "string"}, "a directory", "/shared/logs"),
+)
+
+
+def _type_ok(value: Any, name: str) -> bool:
+    if name == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {
+        "string": isinstance(value, str),
+        "boolean": isinstance(value, bool),
+        "null": value is None,
+        "array": isinstance(value, (list, tuple)),
+        "object": isinstance(value, dict),
+    }[name]
+
+
+def validate(value: Any, schema: dict[str, Any]) -> bool:
+    """Whether `value` satisfies `schema` (the JSON Schema keywords used in KEYS)."""
+    if "anyOf" in schema:
+        return any(validate(value, option) for option in schema["anyOf"])
+    if "const" in schema and value != schema["const"]:
+        return False
+    if "enum" in schema and not any(value == v and type(value) is type(v) for v in schema["enum"]):
+        return False
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_type_ok(value, t) for t in types):
+            return False
+    numeric = _type_ok(value, "number")
+    if numeric and "minimum" in schema and value < schema["minimum"]:
+        return False
+    if numeric and "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+        return False
+    if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
+        return False
+    if isinstance(value, (list, tuple)):
+        if len(value) < schema.get("minItems", 0):
+            return False
+        if "items" in schema and not all(validate(v, schema["items"]) for v in value):
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------ JSON Schema
+
+# Which part of the config each conf/ file describes: its directory (the config group) -> key prefix.
+# Files of `@package _global_` groups (experiment, debug, local) and train.yaml describe the whole config.
+FILE_PREFIXES = {
+    "train": "",
+    "trainer": "trainer.",
+    "data": "data.",
+    "model": "model.",
+    "model/optimizer": "model.optimizer.",
+    "paths": "paths.",
+}
+
+
+def json_schema(prefix: str = "") -> dict[str, Any]:
+    """A JSON Schema for a config file that holds the keys under `prefix` ("" for the whole config)."""
+    root: dict[str, Any] = {"type": "object", "properties": {}}
+    for key in KEYS:
+        if not key.path.startswith(prefix):
+            continue
+        *parents, leaf = key.path[len(prefix) :].split(".")
+        node = root
+        for part in parents:
+            node = node["properties"].setdefault(part, {"type": "object", "properties": {}})
+        description = f"{key.description}; {key.expected}" if key.description else key.expected
+        node["properties"][leaf] = {
+            "description": description,
+            "anyOf": [key.schema, INTERPOLATION],
+            "examples": [key.example],
+        }
+    root["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    root["title"] = f"{prefix.rstrip('.') or 'the whole'} config (conf/)"
+    return root

@@ -1,0 +1,181 @@
+"""README "Bring your own model": each worked case (src/hpctrain/examples/) trains with DDP on CPU,
+resumes from ckpt_path and is evaluated by eval.py, with exactly the commands the README shows; a
+misnamed monitored metric and a module from the `lightning` namespace each stop with one sentence."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, ROOT, assert_ok, local_env, read_metrics, run_dirs, run_entry, train
+
+pytestmark = pytest.mark.slow
+
+# The README's commands for the three cases (plus this test's log dir and a short run).
+CASES = {
+    "plain_net": ("model/net=small_convnet", "data=digits"),
+    "lightning_module": ("model=autoencoder", "data=digits"),
+    "plain_datamodule": ("data=plain_digits",),
+}
+QUICK = ("trainer.max_epochs=1", "trainer.limit_train_batches=5", "trainer.limit_val_batches=2")
+
+
+def _one_sentence_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stdout[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_worked_case_trains_with_ddp_resumes_and_evaluates(case: str, tmp_path: Path):
+    assert_ok(train(tmp_path, *CASES[case], "trainer=ddp_cpu", *QUICK))
+    (first,) = run_dirs(tmp_path)
+    last = first / "checkpoints" / "last.ckpt"
+
+    resumed = train(
+        tmp_path, *CASES[case], "trainer=ddp_cpu", *QUICK, "trainer.max_epochs=2", f"ckpt_path={last}"
+    )
+    assert_ok(resumed)
+    assert f"starting from {last}" in resumed.stdout
+    second = next(r for r in run_dirs(tmp_path) if r != first)
+    trained = {
+        row["epoch"]
+        for row in read_metrics(second)
+        if any(k.startswith("train") and v for k, v in row.items())
+    }
+    assert trained == {"1"}  # continued at epoch 1
+
+    evaluated = run_entry(
+        "eval.py", f"paths.log_dir={tmp_path}", f"ckpt_path={second / 'checkpoints' / 'last.ckpt'}"
+    )
+    assert_ok(evaluated)
+    (eval_run,) = run_dirs(tmp_path, task="eval")
+    assert any(
+        key.startswith("test") and value for row in read_metrics(eval_run) for key, value in row.items()
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sentence"),
+    [
+        (
+            ("model=autoencoder", "monitor.metric=val_los"),
+            "error: monitor.metric=val_los is never logged by the model (it logged: val_loss); "
+            "did you mean monitor.metric=val_loss?",
+        ),
+        (("monitor.metric=val/accuracy",), "error: monitor.metric=val/accuracy is never logged by the model"),
+    ],
+)
+def test_a_metric_that_is_never_logged_stops_the_run_after_the_sanity_check(
+    tmp_path: Path, overrides, sentence
+):
+    started = time.monotonic()
+    result = train(tmp_path, "data=digits", "trainer=cpu", "callbacks.progress.log_every_n_s=0", *overrides)
+    message = _one_sentence_error(result)
+    assert message.startswith(sentence), message
+    assert "epoch 0/" not in result.stdout  # stopped before the first training step
+    assert time.monotonic() - started < 60
+    (run,) = run_dirs(tmp_path)
+    assert not (run / "checkpoints").exists()
+
+
+def test_without_a_sanity_check_it_stops_at_the_first_validation(tmp_path: Path):
+    result = train(
+        tmp_path, "data=digits", "trainer=cpu", "monitor.metric=val_acc", "trainer.num_sanity_val_steps=0"
+    )
+    assert "monitor.metric=val_acc is never logged" in _one_sentence_error(result)
+    assert "epoch 1/" not in result.stdout
+
+
+def test_a_module_from_the_lightning_namespace_is_one_sentence(tmp_path: Path):
+    package = tmp_path / "user_code"
+    package.mkdir()
+    (package / "lit_user.py").write_text(
+        textwrap.dedent(
+            """
+            import lightning.pytorch as pl
+            import torch
+
+            class LitUser(pl.LightningModule):  # written as the `lightning` package's docs write it
+                def __init__(self):
+                    super().__init__()
+                    self.layer = torch.nn.Linear(784, 10)
+            """
+        )
+    )
+    conf = tmp_path / "conf" / "model"
+    conf.mkdir(parents=True)
+    (conf / "lit_user.yaml").write_text("_target_: lit_user.LitUser\n")
+    result = train(
+        tmp_path,
+        f"--config-dir={tmp_path / 'conf'}",
+        "model=lit_user",
+        "data=digits",
+        env={"PYTHONPATH": str(package)},
+    )
+    message = _one_sentence_error(result)
+    assert "model: lit_user.LitUser is a lightning.pytorch.LightningModule" in message
+    assert "import pytorch_lightning as pl" in message
+
+
+def test_a_plain_dataloader_resumes_from_the_last_step_and_says_so(tmp_path: Path):
+    """SIGTERM mid-epoch saves requeue.ckpt; resuming a plain DataLoader restarts the epoch's data
+    without restoring the epoch's metric counts, and warns once."""
+    args = [
+        PYTHON,
+        "src/train.py",
+        f"paths.log_dir={tmp_path}",
+        "data=plain_digits",
+        "data.batch_size=8",
+        "trainer=cpu",
+        "trainer.max_epochs=2",
+        "callbacks.progress.log_every_n_s=0",
+        "extras.print_config=false",
+    ]
+    process = subprocess.Popen(
+        args, cwd=ROOT, env=local_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output = []
+    for line in process.stdout:  # type: ignore[union-attr]
+        output.append(line)
+        if "epoch 0/2  step 30/" in line:
+            process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+    (run,) = run_dirs(tmp_path)
+    saved = run / "checkpoints" / "requeue.ckpt"
+    assert saved.is_file(), "".join(output)[-3000:]
+
+    result = train(
+        tmp_path,
+        "data=plain_digits",
+        "data.batch_size=8",
+        "trainer=cpu",
+        "trainer.max_epochs=2",
+        f"ckpt_path={saved}",
+    )
+    assert_ok(result)
+    assert (
+        result.stdout.count("resumed mid-epoch with a train dataloader that cannot resume (DataLoader") == 1
+    )
+    assert (
+        "Consider using an end-of-epoch checkpoint" not in result.stdout
+    )  # Lightning's own warning is ours now
+
+
+def test_prepare_data_takes_any_datamodule():
+    result = subprocess.run(
+        [PYTHON, "scripts/prepare_data.py", "data=plain_digits"],
+        cwd=ROOT,
+        env=local_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "PlainDigitsDataModule: 1257 train, 180 val, 360 test samples ready" in result.stdout
