@@ -9,14 +9,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # `python src/eval.py` works without `pip install -e .`
 
-from hpctrain import cluster, console, outputs  # noqa: E402
+from hpctrain import signals  # noqa: E402
+
+signals.install_early()  # SLURM's signals are recorded from the first moment (by default they kill)
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from hpctrain import cluster, console, outputs, watchdog  # noqa: E402
 from hpctrain.config_checks import check_config  # noqa: E402
 from hpctrain.errors import hydra_errors_as_one_sentence, reported_as_one_sentence  # noqa: E402
 
@@ -25,7 +29,10 @@ hydra_errors_as_one_sentence("eval")
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
-    with reported_as_one_sentence():
+    with reported_as_one_sentence(), watchdog.failures_reported():
+        signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)
+        if cluster.launcher() == cluster.CHILD:
+            watchdog.die_with_parent()
         check_config(cfg)
         checkpoint = outputs.existing_checkpoint(cfg.get("ckpt_path"))
         cluster.preflight(cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator)
@@ -35,6 +42,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
         from hpctrain import build, checkpointing, launch
         from hpctrain.evaluation import config_from_checkpoint
+        from hpctrain.requeue import Interrupted, requeue_and_wait
 
         cfg = config_from_checkpoint(cfg, checkpoint, HydraConfig.get().overrides.task)
         check_config(cfg)
@@ -47,11 +55,16 @@ def main(cfg: DictConfig) -> dict[str, float]:
             outputs.write_run_record(
                 cfg, run_dir, list(hydra_cfg.overrides.task), ROOT, run.trainer.world_size, hydra_cfg
             )
+        completed = False
         try:
             run.trainer.test(run.model, run.datamodule, ckpt_path=str(checkpoint), weights_only=True)
+            completed = True
             return console.report(run_dir, run.trainer, None)
+        except Interrupted as interrupted:
+            requeue_and_wait(interrupted)  # under SLURM the job is requeued and tests again
+            return {}
         finally:
-            launch.end_distributed_job(run.trainer)
+            launch.end_distributed_job(run.trainer, completed)
 
 
 if __name__ == "__main__":

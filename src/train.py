@@ -10,14 +10,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # `python src/train.py` works without `pip install -e .`
 
-from hpctrain import cluster, console, outputs  # noqa: E402
+from hpctrain import signals  # noqa: E402
+
+signals.install_early()  # SLURM's signals are recorded from the first moment (by default they kill)
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from hpctrain import cluster, console, outputs, watchdog  # noqa: E402
 from hpctrain.config_checks import check_config  # noqa: E402
 from hpctrain.errors import hydra_errors_as_one_sentence, reported_as_one_sentence  # noqa: E402
 
@@ -26,8 +30,11 @@ hydra_errors_as_one_sentence("train")
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    with reported_as_one_sentence():
+    with reported_as_one_sentence(), watchdog.failures_reported():
         # 1. Preflight: config types, launcher vs trainer topology, the run dir and where to start. No torch yet.
+        signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)  # recorded, acted on below
+        if cluster.launcher() == cluster.CHILD:
+            watchdog.die_with_parent()
         check_config(cfg)
         cluster.preflight(
             cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, cfg.requeue.enabled
@@ -40,7 +47,7 @@ def main(cfg: DictConfig) -> float | None:
 
         # 2. Build: data (checked on every rank before any process group), model, callbacks, loggers, trainer.
         from hpctrain import build, checkpointing, launch
-        from hpctrain.requeue import TrainingInterrupted, requeue_and_wait
+        from hpctrain.requeue import Interrupted, requeue_and_wait
 
         build.configure_process(cfg)
         run = build.run_objects(cfg, run_dir)
@@ -48,28 +55,33 @@ def main(cfg: DictConfig) -> float | None:
             checkpointing.check_matches_model(start.checkpoint, run.model)
         if cluster.is_rank_zero():
             hydra_cfg = HydraConfig.get()
-            outputs.write_run_record(
-                cfg, run_dir, list(hydra_cfg.overrides.task), ROOT, run.trainer.world_size, hydra_cfg
-            )
+            overrides = list(hydra_cfg.overrides.task)
+            outputs.write_run_record(cfg, run_dir, overrides, ROOT, run.trainer.world_size, hydra_cfg)
+            outputs.remove_partial_saves(run_dir)
             build.log_hyperparameters(run.trainer, cfg)
             console.log.info(start.describe())
 
+        completed = False
         try:
-            # 3. Fit (from the start point), then test the best checkpoint.
+            # 3. Fit (from the start point), then test the best checkpoint. A signal stops either at a
+            #    point every rank agrees on (hpctrain.requeue).
             if cfg.train:
                 run.trainer.fit(run.model, run.datamodule, ckpt_path=start.checkpoint, weights_only=True)
+                if run.preemption is not None:
+                    run.preemption.after_fit(run.trainer)
             best = build.best_checkpoint(run.trainer)
             if cfg.test:
                 run.trainer.test(run.model, run.datamodule, ckpt_path=best, weights_only=True)
 
             # 4. Report where everything went; sweepers get the best value of `monitor.metric`.
             console.report(run_dir, run.trainer, best)
+            completed = True
             return run.monitor.best if run.monitor is not None else None
-        except TrainingInterrupted as interrupted:
-            requeue_and_wait(interrupted)  # rank 0 requeues the SLURM job, which then ends every rank
+        except Interrupted as interrupted:
+            requeue_and_wait(interrupted)  # SLURM requeues the job and ends every rank; SIGTERM: exit 143
             return None
         finally:
-            launch.end_distributed_job(run.trainer)
+            launch.end_distributed_job(run.trainer, completed)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ from pytorch_lightning import Callback, LightningDataModule, LightningModule, Tr
 from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import Logger
 
-from hpctrain import cluster
-from hpctrain.callbacks import MonitoredMetric, SharedRunDirCheck
+from hpctrain import cluster, signals
+from hpctrain.callbacks import MonitoredMetric, RankWatchdog, SharedRunDirCheck
 from hpctrain.checkpointing import AtomicCheckpointIO, CheckpointExtras
 from hpctrain.errors import UserError
 from hpctrain.launch import HydraDDPStrategy
@@ -42,6 +42,7 @@ class Run:
     model: LightningModule
     trainer: Trainer
     monitor: MonitoredMetric | None
+    preemption: CheckpointOnSignal | None
 
 
 def configure_process(cfg: DictConfig) -> None:
@@ -61,7 +62,8 @@ def run_objects(cfg: DictConfig, run_dir: str | Path, training: bool = True) -> 
     module = model(cfg)
     trainer_ = trainer(cfg, run_dir, training=training)
     monitor = next((c for c in trainer_.callbacks if isinstance(c, MonitoredMetric)), None)
-    return Run(data, module, trainer_, monitor)
+    preemption = next((c for c in trainer_.callbacks if isinstance(c, CheckpointOnSignal)), None)
+    return Run(data, module, trainer_, monitor, preemption)
 
 
 def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
@@ -131,23 +133,24 @@ def loggers(cfg: DictConfig) -> list[Logger]:
 def callbacks(
     cfg: DictConfig, run_dir: str | Path, has_logger: bool, training: bool = True
 ) -> list[Callback]:
+    """The config's callbacks, then the template's own (see the module docstring)."""
     chosen = _instantiate_group(cfg.get("callbacks"), "callbacks")
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
-    if not training:
-        return chosen
-    stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data") if k in cfg}
-    chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir))]
-    monitor = cfg.get("monitor")
-    if monitor is not None and monitor.get("metric"):
-        chosen.append(MonitoredMetric(monitor.metric, monitor.get("mode", "max")))
+    chosen.append(RankWatchdog())
+    if training:
+        stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data") if k in cfg}
+        chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir))]
+        monitor = cfg.get("monitor")
+        if monitor is not None and monitor.get("metric"):
+            chosen.append(MonitoredMetric(monitor.metric, monitor.get("mode", "max")))
     requeue = cfg.get("requeue")
     if requeue is not None and requeue.enabled:
         chosen.append(
             CheckpointOnSignal(
                 checkpoint_dir(run_dir) / REQUEUE_CHECKPOINT,
-                requeue_signal=requeue.signal,
                 check_every_n_steps=requeue.check_every_n_steps,
+                timeout_min=(cfg.get("dist") or {}).get("timeout_min", 30),
             )
         )
     return chosen
@@ -183,7 +186,9 @@ def trainer(cfg: DictConfig, run_dir: str | Path, training: bool = True, **overr
         "plugins": [cluster.lightning_cluster_environment(), AtomicCheckpointIO()],
     }
     kwargs.update(overrides)
-    return _instantiate(cfg.trainer, **kwargs)
+    built = _instantiate(cfg.trainer, **kwargs)
+    signals.take_over_from_lightning(built)
+    return built
 
 
 def log_hyperparameters(trainer: Trainer, cfg: DictConfig) -> None:

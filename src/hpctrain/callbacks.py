@@ -17,7 +17,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from hpctrain import cluster
+from hpctrain import cluster, watchdog
 from hpctrain.errors import UserError
 
 
@@ -132,3 +132,15 @@ class SharedRunDirCheck(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             cluster.check_run_dir_is_shared(self.run_dir, trainer.num_nodes)
+
+
+class RankWatchdog(Callback):
+    """Starts `hpctrain.watchdog` once the process group exists; Lightning's exception path (which
+    ends local child ranks itself) is an orderly stop, not a rank failure."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        watchdog.start()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        watchdog.note_failure(exception)  # now, while the other ranks can still be told
+        watchdog.stop()

@@ -65,12 +65,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             tmp.unlink(missing_ok=True)
 
 
-def remove_partial_saves(directory: Path) -> None:
-    """Delete what saves killed mid-write left behind (never a complete checkpoint)."""
-    for leftover in Path(directory).glob(".*.ckpt.tmp-*"):
-        leftover.unlink(missing_ok=True)
-
-
 # ---------------------------------------------------------------------------------------------- reading
 
 

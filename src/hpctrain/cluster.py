@@ -54,6 +54,17 @@ def is_rank_zero(env: Mapping[str, str] | None = None) -> bool:
     return env.get("LOCAL_RANK", "0") == "0" and env.get("NODE_RANK", "0") == "0"
 
 
+def global_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's global rank as the launcher set it (0 for a plain process)."""
+    env = _env(env)
+    kind = launcher(env)
+    if kind == TORCHRUN:
+        return int(env["RANK"])
+    if kind == SLURM:
+        return int(env.get("SLURM_PROCID", "0"))
+    return int(env.get("RANK", env.get("LOCAL_RANK", "0")))
+
+
 def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
     """The id `scontrol requeue` takes: `<array job>_<task>` for array jobs, else the job id."""
     env = _env(env)

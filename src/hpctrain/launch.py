@@ -15,6 +15,8 @@ import sys
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from hpctrain import watchdog
+
 # Hydra flags that are not overrides but choose the config; children need them too.
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 # Hydra overrides a child must not inherit: it runs one job in the parent job's dir.
@@ -84,6 +86,7 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         for local_rank in range(1, self.num_processes):
             env = {**os.environ, "LOCAL_RANK": str(local_rank)}
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+        watchdog.watch_children(self.procs)
 
 
 class HydraDDPStrategy(DDPStrategy):
@@ -95,15 +98,20 @@ class HydraDDPStrategy(DDPStrategy):
             self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
 
-def end_distributed_job(trainer) -> None:
+def end_distributed_job(trainer, completed: bool = True) -> None:
     """Close the process group and reap local ranks: a clean exit, and a fresh start for a sweep's next job.
 
-    Without it, a process that exits with a live process group can abort in a C++ destructor
-    ("terminate called without an active exception"), failing a job that trained fine.
+    After a completed run every rank stops its watchdog and then meets the others in a barrier, so no
+    rank still watching sees rank 0's process end and takes it for a failure. Without closing the
+    group, a process that exits with a live process group can abort in a C++ destructor ("terminate
+    called without an active exception"), failing a job that trained fine.
     """
     import torch.distributed as dist
 
+    watchdog.stop()
     if dist.is_available() and dist.is_initialized():
+        if completed and trainer is not None:
+            trainer.strategy.barrier("end_of_run")
         dist.destroy_process_group()
     launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
     if isinstance(launcher, HydraJobLauncher) and launcher.procs:

@@ -149,6 +149,12 @@ def existing_checkpoint(ckpt_path: str | None) -> Path:
     return path
 
 
+def remove_partial_saves(run_dir: str | Path) -> None:
+    """Delete what checkpoint saves killed mid-write left behind (never a complete checkpoint)."""
+    for leftover in checkpoint_dir(run_dir).glob(".*.ckpt.tmp-*"):
+        leftover.unlink(missing_ok=True)
+
+
 def check_writable(run_dir: str | Path) -> None:
     """Refuse a run dir this process cannot write (read-only filesystem, wrong owner, a file in the way)."""
     run_dir = Path(run_dir)

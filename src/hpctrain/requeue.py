@@ -1,17 +1,27 @@
-"""Preemption: checkpoint at a step boundary that every rank agrees on, then requeue and exit.
+"""Preemption and the time limit: act on a recorded signal where every rank agrees, then requeue or stop.
 
 The protocol (why Lightning's own auto-requeue is off, what is saved, how the job comes back) is
-described once, in slurm/README.md, "Preemption, requeue and exact resume". In short: the signal
-handler only records the signal; every `check_every_n_steps` training batches all ranks combine their
-flags in one tiny all-reduce; if any rank was signalled, all of them save requeue.ckpt together,
-leave `trainer.fit` through `TrainingInterrupted`, and `requeue_and_wait` asks SLURM to requeue the job.
+described once, in slurm/README.md, "Preemption, requeue and exact resume". In short: the handlers
+of `hpctrain.signals` only record; all ranks combine their records in one tiny all-reduce at agreed
+points, and if any rank was signalled, all of them act:
+
+- during training, at a step boundary (every `check_every_n_steps` steps; `auto`: about once a
+  second, agreed from the measured step time): save requeue.ckpt together and leave fit;
+- after fit (a signal during the last validation): save requeue.ckpt, skip the test;
+- during testing, at a test-batch boundary every rank reaches: stop the test (the restarted job
+  tests again; training is complete in its checkpoint).
+
+Then `requeue_and_wait`: on the requeue signal under SLURM, rank 0 runs `scontrol requeue` and every
+rank waits for SLURM to end it; on SIGTERM the process exits with status 143.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
+import signal as signal_module
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,71 +29,89 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from hpctrain import cluster
+from hpctrain import cluster, signals, watchdog
 
-log = logging.getLogger("hpctrain")
+log = logging.getLogger(__package__)
 
-NO_SIGNAL, TERMINATE, REQUEUE = 0, 1, 2
 REQUEUE_WAIT_S = 120  # longer than SLURM needs to terminate a requeued job's tasks
+CALIBRATION_STEPS = 10  # with check_every_n_steps=auto: check every step until this many, then agree on k
+CHECK_EVERY_S = 1.0  # the aim of auto: one check about every second
+TEST_CHECK_EVERY = 10  # test batches between checks when no training step time is known
 
 
-class TrainingInterrupted(Exception):
-    """Training stopped on a signal after saving `checkpoint`; `requeue` asks SLURM to restart the job."""
+class Interrupted(signals.Interrupted):
+    """The run stopped on a signal; `checkpoint` (if any) holds everything to continue from."""
 
-    def __init__(self, signal_name: str, checkpoint: Path, requeue: bool) -> None:
-        super().__init__(f"{signal_name}: saved {checkpoint}" + (", requeueing" if requeue else ""))
-        self.signal_name = signal_name
+    def __init__(self, code: int, checkpoint: Path | None, where: str) -> None:
+        name = signals.requeue_signal_name() if code == signals.REQUEUE else "SIGTERM"
+        super().__init__(f"{name} {where}" + (f": saved {checkpoint}" if checkpoint else ""))
+        self.code = code
         self.checkpoint = checkpoint
-        self.requeue = requeue
+        self.requeue = code == signals.REQUEUE and cluster.slurm_job_id() is not None
 
 
 class CheckpointOnSignal(Callback):
     def __init__(
-        self,
-        checkpoint_path: str | Path,
-        requeue_signal: str | None = "SIGUSR1",
-        check_every_n_steps: int = 1,
+        self, checkpoint_path: str | Path, check_every_n_steps: int | str = "auto", timeout_min: float = 30
     ) -> None:
         self.checkpoint_path = Path(checkpoint_path)
-        self.requeue_signal = signal.Signals[requeue_signal] if requeue_signal else None
-        self.check_every_n_steps = max(1, int(check_every_n_steps))
-        self.received = NO_SIGNAL
+        self.every: int | None = None if check_every_n_steps == "auto" else max(1, int(check_every_n_steps))
+        self.timeout = timedelta(minutes=float(timeout_min))
         self._batches = 0
+        self._first_step_at: float | None = None
         self._group: Any = None
-        self._stop: TrainingInterrupted | None = None
+        self._test_limit = 0
+        self._stop: Interrupted | None = None
 
-    def _record(self, signum: int, frame: Any) -> None:
-        code = REQUEUE if signum == self.requeue_signal else TERMINATE
-        self.received = max(self.received, code)
+    # ------------------------------------------------------------------------------------ agreement
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # Early, so a time-limit signal during startup is recorded rather than killing the process.
-        if self.requeue_signal is not None:
-            signal.signal(self.requeue_signal, self._record)
+        if self._group is None and dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            # The flag travels over gloo on the CPU: no device sync is added to a GPU training step. The
+            # configured timeout replaces gloo's 30-minute default (a node whose address the others
+            # cannot reach then fails within dist.timeout_min, naming the collective).
+            if dist.get_backend() == "gloo":
+                self._group = dist.group.WORLD
+            else:
+                self._group = dist.new_group(backend="gloo", timeout=self.timeout)
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning installed its own SIGTERM handler (which broadcasts from inside the handler); replace
-        # it for the duration of fit. Lightning restores the previous handlers when fit ends.
-        signal.signal(signal.SIGTERM, self._record)
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            # The flag travels over gloo on the CPU: no device sync is added to a GPU training step.
-            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    def _agree(self, *values: float) -> list[float]:
+        """The largest of each value over all ranks: the recorded signal first, then any measurements."""
+        local = [float(signals.received()), *values]
+        if self._group is None:
+            return local
+        flags = torch.tensor(local, dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return flags.tolist()
+
+    # ------------------------------------------------------------------------------------ training
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._batches += 1
+        if self._batches == 1:
+            self._first_step_at = time.perf_counter()  # time from the end of the first (warm-up) step
         # Never stop on an epoch's last batch: its validation has not run yet, and a checkpoint taken
         # there would resume into the next epoch without it. The next step boundary comes soon.
-        if self._batches % self.check_every_n_steps or batch_idx + 1 >= trainer.num_training_batches:
+        if batch_idx + 1 >= trainer.num_training_batches:
             return
-        agreed = self._agree(trainer)
-        if agreed == NO_SIGNAL:
+        if self.every is not None and self._batches % self.every:
             return
-        self._save(trainer)
-        requeue = agreed == REQUEUE and cluster.slurm_job_id() is not None
-        name = self.requeue_signal.name if agreed == REQUEUE and self.requeue_signal else "SIGTERM"
-        self._stop = TrainingInterrupted(name, self.checkpoint_path, requeue)
+        if self.every is None and self._batches >= CALIBRATION_STEPS:
+            step_s = (time.perf_counter() - (self._first_step_at or 0.0)) / (self._batches - 1)
+            code, slowest = self._agree(step_s)
+            self.every = max(1, min(10_000, round(CHECK_EVERY_S / max(slowest, 1e-6))))
+            if trainer.is_global_zero:
+                log.info(
+                    "signals are checked every %d training steps (about every %.1f s)",
+                    self.every,
+                    self.every * slowest,
+                )
+        else:
+            (code,) = self._agree()
+        if code != signals.NO_SIGNAL:
+            self._stop = self._save(trainer, int(code), "during training")
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -97,40 +125,64 @@ class CheckpointOnSignal(Callback):
                 logger.save()
         raise self._stop
 
-    def _agree(self, trainer: Trainer) -> int:
-        """The largest signal any rank has recorded: one all-reduce of a single integer.
+    def after_fit(self, trainer: Trainer) -> None:
+        """A signal recorded during the last validation (or otherwise after the last check): save and stop."""
+        (code,) = self._agree()
+        if code != signals.NO_SIGNAL:
+            raise self._save(trainer, int(code), "after training")
 
-        (An asynchronous all-reduce read one check later would hide its latency, but gloo work still
-        in flight at interpreter exit aborted processes now and then; the blocking one costs less
-        than the noise of the benchmark.)
-        """
-        if self._group is None:
-            return self.received
-        flag = torch.tensor([self.received], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return int(flag.item())
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._group = None  # let destroy_process_group free it
-
-    def _save(self, trainer: Trainer) -> None:
+    def _save(self, trainer: Trainer, code: int, where: str) -> Interrupted:
         # Every rank takes part, rank 0 writes (atomically, see AtomicCheckpointIO), then all wait for it.
         trainer.save_checkpoint(self.checkpoint_path)
         if trainer.is_global_zero:
-            log.info("signal received: saved %s at step %d", self.checkpoint_path, trainer.global_step)
+            log.info(
+                "signal received %s: saved %s at step %d", where, self.checkpoint_path, trainer.global_step
+            )
         trainer.strategy.barrier("checkpoint_on_signal")
+        return Interrupted(code, self.checkpoint_path, where)
+
+    # ------------------------------------------------------------------------------------ testing
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Evaluation shards are not padded, so ranks may run different numbers of test batches: checks
+        # happen only below the smallest count, where every rank gets to.
+        batches = int(sum(trainer.num_test_batches))
+        if self._group is not None:
+            smallest = torch.tensor([batches], dtype=torch.int64)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self._group)
+            batches = int(smallest.item())
+        self._test_limit = batches
+
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        done = batch_idx + 1
+        if done >= self._test_limit or done % (self.every or TEST_CHECK_EVERY):
+            return
+        (code,) = self._agree()
+        if code != signals.NO_SIGNAL:
+            raise Interrupted(int(code), None, "during testing")
 
 
-def requeue_and_wait(interrupted: TrainingInterrupted, wait_s: float = REQUEUE_WAIT_S) -> None:
-    """After fit has unwound: global rank 0 asks SLURM to requeue the job, and every rank waits for
-    SLURM to end this run of it.
+def requeue_and_wait(interrupted: Interrupted, wait_s: float = REQUEUE_WAIT_S) -> None:
+    """After the run has unwound: on the requeue signal under SLURM, global rank 0 asks SLURM to requeue
+    the job and every rank waits for SLURM to end this run of it; otherwise the process exits (143).
 
     A task that exits by itself races the requeue: its step and then the batch script finish, and
     SLURM can record the job as FAILED instead of pending again. So no rank exits; SLURM's requeue
     terminates them all (the wait only runs out if the requeue failed).
     """
+    watchdog.stop()  # ranks now end in any order: not a failure
     if not interrupted.requeue:
-        return
+        if cluster.is_rank_zero():
+            log.info("stopped on %s", interrupted)
+        sys.exit(128 + signal_module.SIGTERM)
     if cluster.is_rank_zero():
         result = cluster.requeue_job()
         if result.returncode != 0:
@@ -139,7 +191,7 @@ def requeue_and_wait(interrupted: TrainingInterrupted, wait_s: float = REQUEUE_W
                 cluster.slurm_job_id(),
                 (result.stderr or result.stdout).strip(),
             )
-            return
-        log.info("requeued SLURM job %s; it resumes from %s", cluster.slurm_job_id(), interrupted.checkpoint)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            sys.exit(1)
+        log.info("requeued SLURM job %s (%s)", cluster.slurm_job_id(), interrupted)
+    signal_module.signal(signal_module.SIGTERM, signal_module.SIG_DFL)
     time.sleep(wait_s)

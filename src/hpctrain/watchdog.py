@@ -1,0 +1,231 @@
+"""When one rank dies, the whole job ends within seconds, naming that rank.
+
+DDP ranks wait for each other in every collective. A rank that raises, is OOM-killed or SIGKILLed
+leaves the others waiting: gloo notices a closed connection at once, but names no rank, and NCCL
+may wait out its whole collective timeout (30 minutes by default). Three mechanisms close that gap:
+
+- A rank whose code raises prints its traceback and one line, `error: rank R on HOST failed: ...`,
+  and records that line in the job's key-value store (the TCPStore every process group has, served
+  by rank 0's process) before it exits (`report_failure`).
+- Every rank runs a `Watchdog` thread once its process group exists: every second it looks for that
+  record (one small request to the store) and, when it finds one, prints who failed and exits. If
+  the store itself stops answering (rank 0's process is gone), it exits too, saying so.
+- Under the template's own local launcher, rank 0 also watches the processes it started (a child
+  killed by SIGKILL or the OOM killer never records anything), and each child dies with its parent.
+
+Under SLURM, srun's `--kill-on-bad-exit=1` (slurm/train.sbatch) ends every task as soon as one exits
+badly and names the task; under torchrun, its agent does the same. The watchdog adds the sentence
+and covers the local launcher, where nothing else would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from hpctrain.errors import UserError
+
+log = logging.getLogger(__package__)
+
+FAILED_KEY = f"{__package__}/failed-rank"
+PARENT_DIED = "error: rank 0 (the process that started rank {rank}) has died; ending rank {rank} too."
+STORE_LOST = "rank 0's process, which serves the job's store, stopped answering (it has died)"
+POLL_S = 1.0
+LOST_AFTER = 3  # consecutive failed polls of the store before concluding rank 0's process is gone
+
+_state: dict[str, Any] = {"watchdog": None, "children": [], "stopping": False}
+
+
+def _rank() -> int:
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    from hpctrain import cluster
+
+    return cluster.global_rank()
+
+
+def _store() -> Any | None:
+    if "torch.distributed" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # a process group without a store (not the case for env:// or TCP init)
+        return None
+
+
+def _exit(line: str, code: int = 1) -> None:
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+def die_with_parent() -> None:
+    """In a local child rank: end this process, with a sentence, when its parent (rank 0) dies, however
+    it dies (Linux: the kernel sends SIGHUP); if the parent is already gone, end now."""
+
+    def parent_died(signum: int, frame: Any) -> None:
+        _exit(PARENT_DIED.format(rank=_rank()))
+
+    signal.signal(signal.SIGHUP, parent_died)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGHUP)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: the watchdog still notices rank 0's store going away
+    if os.getppid() == 1:  # already re-parented: the parent died before the call above
+        parent_died(signal.SIGHUP, None)
+
+
+def stop() -> None:
+    """The job is ending normally (or requeueing): stop watching, so an orderly exit is not a failure."""
+    _state["stopping"] = True
+    watchdog = _state["watchdog"]
+    if watchdog is not None:
+        watchdog.stop()
+        _state["watchdog"] = None
+
+
+def watch_children(procs: list[Any]) -> None:
+    """Rank 0 of the local launcher: the child processes (local ranks 1..N-1) to watch."""
+    _state["children"] = procs
+
+
+def _dead_child() -> str | None:
+    for local_rank, proc in enumerate(_state["children"], start=1):
+        code = proc.poll()
+        if code is None or code == 0:
+            continue
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        return f"rank {local_rank} (pid {proc.pid}) {how}"
+    return None
+
+
+def first_failure(wait_s: float = 0.0) -> str | None:
+    """Another rank's recorded failure (or a dead child of the local launcher, or a dead rank 0), if any,
+    waiting up to `wait_s` for one to show."""
+    store = _store()
+    deadline = time.monotonic() + wait_s
+    while True:
+        if store is not None:  # a recorded failure says more than an exit status
+            try:
+                if store.check([FAILED_KEY]):
+                    return store.get(FAILED_KEY).decode(errors="replace")
+            except Exception:
+                return STORE_LOST
+        dead = _dead_child()
+        if dead:
+            return dead
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
+
+
+class Watchdog(threading.Thread):
+    def __init__(self, rank: int) -> None:
+        super().__init__(name="rank-watchdog", daemon=True)
+        self.rank = rank
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def run(self) -> None:
+        store = _store()
+        misses = 0
+        while not self._stopped.wait(POLL_S):
+            dead = _dead_child()
+            if dead and not _state["stopping"]:
+                _announce(store, f"{dead}")
+                _exit(f"error: {dead} on {socket.gethostname()}; ending the job.")
+            if store is None:
+                continue
+            try:
+                failed = store.check([FAILED_KEY]) and store.get(FAILED_KEY).decode(errors="replace")
+                misses = 0
+            except Exception:
+                misses += 1
+                if misses >= LOST_AFTER and not self._stopped.is_set() and not _state["stopping"]:
+                    _exit(f"error: {STORE_LOST}; ending rank {self.rank} on {socket.gethostname()} too.")
+                continue
+            if failed and not self._stopped.is_set():
+                _exit(f"error: {failed}; rank {self.rank} stops too.")
+
+
+def start() -> None:
+    """Start watching (once the process group exists; a no-op for a single process)."""
+    if _state["watchdog"] is not None or _store() is None:
+        return
+    _state["stopping"] = False
+    watchdog = Watchdog(_rank())
+    _state["watchdog"] = watchdog
+    watchdog.start()
+
+
+def _announce(store: Any | None, line: str) -> None:
+    if store is None:
+        return
+    try:
+        if not store.check([FAILED_KEY]):
+            store.set(FAILED_KEY, line)
+    except Exception:
+        pass
+
+
+def _expected(err: BaseException) -> bool:
+    """Ways a run ends on purpose: a user error (one sentence), a signal, an exit, Ctrl-C."""
+    from hpctrain.signals import Interrupted
+
+    return isinstance(err, (UserError, Interrupted, SystemExit, KeyboardInterrupt))
+
+
+def note_failure(err: BaseException) -> None:
+    """Called while the process group is still up (Lightning's on_exception): decide who failed first,
+    and record this rank's failure for the others if it was this one."""
+    _state["stopping"] = True
+    if _expected(err) or "verdict" in _state:
+        return
+    other = first_failure(wait_s=2.0)
+    summary = " ".join(f"{type(err).__name__}: {err}".split())
+    if other:
+        _state["verdict"] = (
+            f"{other}; rank {_rank()} on {socket.gethostname()} stopped too ({summary[:80]}...)."
+        )
+    else:
+        line = f"rank {_rank()} on {socket.gethostname()} failed: {summary[:300]}"
+        _announce(_store(), line)
+        _state["verdict"] = f"{line} (traceback above)."
+
+
+@contextmanager
+def failures_reported() -> Iterator[None]:
+    """Around a rank's whole run: an unexpected exception is printed with a line naming the rank that
+    failed first (this one, or another whose failure made this one's collective break), recorded for
+    the other ranks, and ends the process with status 1 without waiting for anything."""
+    try:
+        yield
+    except BaseException as err:
+        if _expected(err):
+            stop()
+            raise
+        traceback.print_exc()
+        note_failure(err)
+        _exit(f"error: {_state['verdict']}")
