@@ -30,10 +30,10 @@ hydra_errors_as_one_sentence("eval")
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
     with reported_as_one_sentence(), watchdog.failures_reported():
-        signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)
         if cluster.launcher() == cluster.CHILD:
             watchdog.die_with_parent()
         check_config(cfg)
+        signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)
         checkpoint = outputs.existing_checkpoint(cfg.get("ckpt_path"))
         cluster.preflight(cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator)
         run_dir = HydraConfig.get().runtime.output_dir

@@ -32,10 +32,10 @@ hydra_errors_as_one_sentence("train")
 def main(cfg: DictConfig) -> float | None:
     with reported_as_one_sentence(), watchdog.failures_reported():
         # 1. Preflight: config types, launcher vs trainer topology, the run dir and where to start. No torch yet.
-        signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)  # recorded, acted on below
         if cluster.launcher() == cluster.CHILD:
             watchdog.die_with_parent()
         check_config(cfg)
+        signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)  # recorded, acted on below
         cluster.preflight(
             cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, cfg.requeue.enabled
         )

@@ -15,6 +15,9 @@ from typing import Any
 
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+from pytorch_lightning.loggers.logger import DummyLogger, rank_zero_experiment
+
+from hpctrain import cluster
 
 
 def stable_run_key(run_dir: str | os.PathLike[str]) -> str:
@@ -40,6 +43,7 @@ class ResumableCSVLogger(CSVLogger):
         )
 
     @property
+    @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
@@ -47,8 +51,15 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
 
-def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, **kwargs: Any):
-    """An MLFlowLogger whose run is found again by a tag holding the run dir's key."""
+def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, tags: Any = None, **kwargs: Any):
+    """An MLFlowLogger whose run is found again by a tag holding the run dir's key.
+
+    Only global rank 0 touches the tracking store: creating a client opens it, and ranks of a
+    multi-node job that open a fresh SQLite store together race to create its tables (and fail). The
+    other ranks get a logger that does nothing, which is all they would do with one anyway.
+    """
+    if not cluster.is_rank_zero():
+        return DummyLogger()
     import mlflow
     from pytorch_lightning.loggers import MLFlowLogger
 
@@ -61,10 +72,14 @@ def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, **kwarg
             [experiment.experiment_id], filter_string=f"tags.run_key = '{key}'", max_results=1
         )
         run_id = runs[0].info.run_id if runs else None
-    tags = {"run_key": key, "run_dir": str(run_dir), **kwargs.pop("tags", {})}
+    labels = dict(tags) if isinstance(tags, dict) else {str(tag): "true" for tag in tags or []}
     kwargs.setdefault("run_name", Path(run_dir).name)
     return MLFlowLogger(
-        experiment_name=experiment_name, tracking_uri=tracking_uri, run_id=run_id, tags=tags, **kwargs
+        experiment_name=experiment_name,
+        tracking_uri=tracking_uri,
+        run_id=run_id,
+        tags={"run_key": key, "run_dir": str(run_dir), **labels},
+        **kwargs,
     )
 
 

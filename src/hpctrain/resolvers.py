@@ -1,6 +1,7 @@
 """OmegaConf resolvers the configs use to pick paths that every rank agrees on.
 
   ${project_root:}               the directory that holds conf/ and src/
+  ${project_name:}               the package's name (the W&B project, for instance)
   ${run_id:}                     slurm-<job id>, torchrun-<rdzv id> or a timestamp (hpctrain.cluster.run_id)
   ${rank_zero_only:<value>}      <value> on global rank 0, null on the other ranks
   ${rank_zero_file:<path>}       <path> on global rank 0, os.devnull on the other ranks
@@ -25,6 +26,7 @@ def register_resolvers(project_root: Path) -> None:
     root = str(Path(project_root).resolve())
     resolvers = {
         "project_root": lambda: root,
+        "project_name": lambda: __name__.split(".")[0],
         # Cached for the whole process: outside SLURM the id is a timestamp and must not tick over.
         "run_id": functools.cache(cluster.run_id),
         "rank_zero_only": lambda value: value if cluster.is_rank_zero() else None,
