@@ -12,6 +12,7 @@ overrides, as separate arguments: nothing goes through a shell.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import shutil
 import subprocess
@@ -95,6 +96,94 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
     return command + overrides
 
 
+# ------------------------------------------------------------------ requests that can never start
+
+
+def file_defaults(path: Path = SBATCH_FILE) -> dict[str, str]:
+    """The `#SBATCH --flag=value` lines of the sbatch file (what a flag not given on the command line is)."""
+    found = re.findall(r"^#SBATCH\s+--([\w-]+)(?:=(\S+))?", path.read_text(), flags=re.MULTILINE)
+    return {flag: value for flag, value in found}
+
+
+def requested(command: list[str]) -> dict[str, str]:
+    """The flags sbatch will see: the file's, overridden by the command line's."""
+    flags = file_defaults()
+    for arg in command:
+        if arg.startswith("--") and "=" in arg:
+            flag, value = arg[2:].split("=", 1)
+            flags[flag] = value
+    return flags
+
+
+def megabytes(value: str) -> int:
+    """sbatch --mem: a number of MB, or with a K/M/G/T suffix; 0 means all of a node's memory."""
+    number, unit = re.fullmatch(r"(\d+)([KMGT]?)B?", value.upper()).groups()  # type: ignore[union-attr]
+    return int(int(number) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}[unit])
+
+
+def gpus(gres: str) -> int:
+    """GPUs in a gres string such as gpu:8, gpu:a100:4 or gpu:4(S:0-1); 0 for none or (null)."""
+    return sum(int(m) for m in re.findall(r"gpu(?::[\w-]+)?:(\d+)", gres or ""))
+
+
+def partition_nodes(partition: str | None) -> tuple[str, list[dict[str, int]]]:
+    """The partition's name (the default one if None) and, per node, its CPUs, memory (MB) and GPUs."""
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"], capture_output=True, text=True, check=True
+    ).stdout
+    nodes: dict[str, tuple[str, dict[str, int]]] = {}
+    for line in out.splitlines():
+        name, part, cpus, memory, gres = line.strip().split("|")
+        default = part.endswith("*")
+        part = part.rstrip("*")
+        if (partition is None and default) or part == partition:
+            nodes[name] = (part, {"cpus": int(cpus), "memory": int(memory), "gpus": gpus(gres)})
+    chosen = next(iter(nodes.values()))[0] if nodes else (partition or "default")
+    return chosen, [info for _, info in nodes.values()]
+
+
+def never_fits(flags: dict[str, str], partition: str, nodes: list[dict[str, int]]) -> str | None:
+    """The sentence saying why this request can never start in the partition (it would pend forever)."""
+    if not nodes:
+        return (
+            f"partition {partition} has no nodes (sinfo shows none); pass --partition=<one that sinfo lists>."
+        )
+    wanted_nodes = int(flags.get("nodes", "1"))
+    per_node = int(flags.get("ntasks-per-node", "1"))
+    cores = per_node * int(flags.get("cpus-per-task", "1"))
+    memory = megabytes(flags.get("mem", "0"))
+    gpus_per_node = gpus(flags.get("gres", ""))
+    if wanted_nodes > len(nodes):
+        return f"--nodes={wanted_nodes} but partition {partition} has {len(nodes)} node(s); pass --nodes={len(nodes)} or fewer."
+    most = {
+        key: sorted((n[key] for n in nodes), reverse=True)[wanted_nodes - 1]
+        for key in ("cpus", "memory", "gpus")
+    }
+    if gpus_per_node > most["gpus"]:
+        have = f"at most {most['gpus']} GPU(s) per node" if most["gpus"] else "no GPUs"
+        fix = (
+            "pass --cpu for a CPU-only cluster"
+            if not most["gpus"]
+            else f"pass --gpus-per-node={most['gpus']} or fewer"
+        )
+        return (
+            f"--gres={flags['gres']} but partition {partition} has {have}; {fix} (or choose a GPU partition)."
+        )
+    if cores > most["cpus"]:
+        fewer = max(1, most["cpus"] // per_node)
+        return (
+            f"--cpus-per-task={flags.get('cpus-per-task', '1')} x --ntasks-per-node={per_node} needs {cores} cores on "
+            f"each of {wanted_nodes} node(s), but partition {partition} has nodes of at most {most['cpus']}; "
+            f"pass --cpus-per-task={fewer} or fewer."
+        )
+    if memory > most["memory"]:
+        return (
+            f"--mem={flags['mem']} per node, but partition {partition}'s nodes have at most {most['memory']} MB; "
+            f"pass --mem={most['memory']}M or less (--mem=0 takes all of each node's memory)."
+        )
+    return None
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     command = sbatch_command(args)
@@ -106,6 +195,12 @@ def main(argv: list[str]) -> int:
             "error: sbatch is not on PATH; run this on a SLURM login node (or use --dry-run).",
             file=sys.stderr,
         )
+        return 2
+    flags = requested(command)
+    partition, nodes = partition_nodes(flags.get("partition"))
+    problem = never_fits(flags, partition, nodes)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     (ROOT / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
     return subprocess.run(command, check=False).returncode

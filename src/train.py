@@ -60,6 +60,8 @@ def main(cfg: DictConfig) -> float | None:
             outputs.remove_partial_saves(run_dir)
             build.log_hyperparameters(run.trainer, cfg)
             console.log.info(start.describe())
+            if run.trainer.world_size > 1:
+                console.log.info(cluster.network_summary(run.trainer.num_nodes))
 
         completed = False
         try:

@@ -129,13 +129,17 @@ class LocalSlurmCluster:
         while time.monotonic() < deadline and any(_alive(p) for p in self.root.glob("*.pid")):
             time.sleep(0.2)
 
-    def run(self, *command: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-        """Run a client command (sbatch, scancel, scontrol, ...) against this cluster."""
-        return subprocess.run(command, env=self.env, cwd=cwd, capture_output=True, text=True, check=False)
+    def run(
+        self, *command: str, cwd: Path | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a client command (sbatch, scancel, scontrol, ...) against this cluster; `env` adds
+        variables (a job submitted with sbatch's default --export=ALL sees them)."""
+        full_env = {**self.env, **(env or {})}
+        return subprocess.run(command, env=full_env, cwd=cwd, capture_output=True, text=True, check=False)
 
-    def sbatch(self, *args: str, cwd: Path) -> str:
+    def sbatch(self, *args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
         """Submit and return the job id."""
-        result = self.run("sbatch", "--parsable", *args, cwd=cwd)
+        result = self.run("sbatch", "--parsable", *args, cwd=cwd, env=env)
         if result.returncode != 0:
             raise RuntimeError(f"sbatch {' '.join(args)} failed: {result.stderr.strip()}")
         return result.stdout.strip().split(";")[0]

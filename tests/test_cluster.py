@@ -75,22 +75,58 @@ def test_plain_python_cannot_span_nodes():
     cluster.preflight(2, 1, "cpu", env={"MASTER_ADDR": "10.0.0.1", "NODE_RANK": "1"})  # hand-launched nodes
 
 
-def test_gpu_visibility():
-    with pytest.raises(UserError, match=r"sees only 1 GPU\(s\).*--gpus-per-task"):
-        cluster.preflight(
-            1,
-            8,
-            "gpu",
-            env={
-                "SLURM_JOB_ID": "5",
-                "SLURM_STEP_ID": "0",
-                "SLURM_NTASKS": "8",
-                "SLURM_STEP_NUM_TASKS": "8",
-                "SLURM_NTASKS_PER_NODE": "8",
-                "SLURM_JOB_NUM_NODES": "1",
-                "CUDA_VISIBLE_DEVICES": "3",
-            },
-        )
+SLURM_8_TASKS = {
+    "SLURM_JOB_ID": "5",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NTASKS": "8",
+    "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_NTASKS_PER_NODE": "8",
+    "SLURM_JOB_NUM_NODES": "1",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "5",
+    "SLURM_NODEID": "0",
+}
+
+
+def test_every_task_sees_all_gpus_of_its_node():
+    env = {**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    cluster.preflight(1, 8, "gpu", env=env)
+    assert not cluster.one_gpu_per_task(env)
+
+
+def test_one_gpu_bound_to_each_task_is_used_whatever_its_local_id(monkeypatch):
+    env = {**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "5"}  # --gpus-per-task=1 or --gpu-bind=closest
+    cluster.preflight(1, 8, "gpu", env=env)
+    assert cluster.one_gpu_per_task(env)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    environment = cluster.lightning_cluster_environment(env)
+    assert environment.local_rank() == 0  # cuda:0, the task's only GPU, not cuda:5
+    assert (environment.global_rank(), environment.world_size()) == (5, 8)
+    environment.validate_settings(num_devices=1, num_nodes=1)  # the trainer runs with devices=1 per task
+
+
+def test_a_partial_gpu_binding_that_cannot_match_tasks_is_refused():
+    with pytest.raises(
+        UserError, match=r"trainer.devices=8 \(tasks per node\) but this process sees 2 GPU\(s\)"
+    ):
+        cluster.preflight(1, 8, "gpu", env={**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_gpu_visibility_outside_slurm():
     with pytest.raises(UserError, match="sees no GPU"):
         cluster.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": ""})
+    with pytest.raises(UserError, match=r"sees only 1 GPU\(s\).*trainer.devices=1"):
+        cluster.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": "0"})
     cluster.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_the_network_line_names_each_backends_interface_and_warns_of_loopback():
+    line = cluster.network_summary(2, env={"MASTER_ADDR": "n1", "MASTER_PORT": "5000"}, hostname="localhost")
+    assert line.startswith("network: rank 0 at n1:5000; gloo uses the address of localhost (127.0.0.1)")
+    assert "loopback address other nodes cannot reach: set GLOO_SOCKET_IFNAME" in line
+    chosen = cluster.network_summary(2, env={"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"})
+    assert (
+        "gloo uses GLOO_SOCKET_IFNAME=ib0; nccl uses NCCL_SOCKET_IFNAME=ib0" in chosen
+        and "warning" not in chosen
+    )

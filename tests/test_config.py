@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from hpctrain import build
 from hpctrain.config import CONF_DIR, compose
 from hpctrain.config_checks import check_config
+from hpctrain.schema import PRECISIONS
 from tests.helpers import compose_train
 
 GROUPS = (
@@ -166,3 +167,28 @@ def test_the_net_takes_its_sizes_from_the_data(tmp_path: Path, data_dir: Path):
 def test_eval_config_composes(tmp_path: Path):
     cfg = compose("eval", [f"paths.output_dir={tmp_path}", "ckpt_path=x.ckpt"])
     assert cfg.ckpt_path == "x.ckpt" and "progress" in cfg.callbacks
+
+
+# Pure half precision needs an optimizer that tolerates it: Adam's eps=1e-8 rounds to 0 in float16.
+HALF_SAFE = {"16-true": ("model/optimizer=sgd", "model.optimizer.lr=0.01")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "data", ["digits", "plain_digits"]
+)  # uint8 batches normalised on the device; float batches
+@pytest.mark.parametrize("precision", [p for p in PRECISIONS if p not in ("16", "16-mixed")])
+def test_every_precision_lightning_runs_on_cpu_trains(
+    precision: str, data: str, tmp_path: Path, data_dir: Path
+):
+    cfg = compose_train(
+        tmp_path,
+        data_dir,
+        f"data={data}",
+        "debug=fdr",
+        "trainer=cpu",
+        f"trainer.precision={precision}",
+        *HALF_SAFE.get(precision, ()),
+    )
+    check_config(cfg)
+    _one_batch_of_everything(cfg, tmp_path)

@@ -7,6 +7,7 @@ scontrol, and their outputs read back.
 from __future__ import annotations
 
 import csv
+import re
 import socket
 import time
 from pathlib import Path
@@ -19,7 +20,13 @@ from tests.helpers import PYTHON, ROOT, last_value, read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
-CPU_JOB = ("--nodes=2", "--ntasks-per-node=1", "--gres=none")  # the CPU-cluster form
+CPU_JOB = (
+    "--nodes=2",
+    "--ntasks-per-node=1",
+    "--cpus-per-task=2",
+    "--mem=2G",
+    "--gres=none",
+)  # README's CPU form
 SBATCH_FILE = "slurm/train.sbatch"
 
 
@@ -76,15 +83,9 @@ PREFLIGHT_CASES = {
         ("--ntasks=2", f"--wrap=srun {PYTHON} src/train.py trainer=ddp_cpu"),
         "error: the SLURM job has 2 task(s) but no --ntasks-per-node",
     ),
-    "gpus_per_task": (
-        (
-            "--nodes=1",
-            "--ntasks-per-node=2",
-            "--gres=none",
-            "--export=ALL,CUDA_VISIBLE_DEVICES=0",
-            SBATCH_FILE,
-        ),
-        "error: trainer.devices=2 but this process sees only 1 GPU(s) (CUDA_VISIBLE_DEVICES=0)",
+    "gpus_not_matching_tasks": (
+        ("--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=1", "--mem=1G", "--gres=none", SBATCH_FILE),
+        "error: trainer.devices=4 (tasks per node) but this process sees 2 GPU(s) (CUDA_VISIBLE_DEVICES=0,1)",
     ),
 }
 
@@ -93,11 +94,12 @@ PREFLIGHT_CASES = {
 def test_preflight_mismatch_fails_fast_with_one_sentence(slurm_cluster, tmp_path: Path, case: str):
     args, sentence = PREFLIGHT_CASES[case]
     started = time.monotonic()
-    job = _submit(
-        slurm_cluster,
-        tmp_path,
+    job = slurm_cluster.sbatch(
+        f"--output={tmp_path}/%x-%j.out",
         *args,
         f"paths.log_dir={tmp_path}" if SBATCH_FILE in args else "--job-name=bare",
+        cwd=ROOT,
+        env={"CUDA_VISIBLE_DEVICES": "0,1"} if case == "gpus_not_matching_tasks" else None,
     )
     info = slurm_cluster.wait(job, timeout_s=120)  # a hang would time out here
     output = _output(tmp_path, job)
@@ -129,6 +131,7 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         "trainer.max_epochs=3",
         "callbacks.progress.log_every_n_s=0",
         "trainer.log_every_n_steps=1",  # every step's loss is compared, and every step is a logging step
+        "logger=[csv,mlflow,wandb]",  # the requeued job must continue the same MLflow and W&B runs
         f"paths.log_dir={tmp_path}",
         "extras.print_config=false",
     )
@@ -200,6 +203,23 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         k for k in final if not torch.equal(final[k], expected[k])
     ]
     assert _metrics_without_speed(resumed) == _metrics_without_speed(uninterrupted)
+
+    # The loggers continued their runs: one MLflow run holding every step of both attempts, one W&B id.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{resumed}/mlflow.db")
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
+    steps = [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")]
+    assert len(steps) == len(set(steps)) == 3 * 79  # every step of both attempts, once
+    wandb_runs = list((resumed / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and len({r.name.rsplit("-", 1)[-1] for r in wandb_runs}) == 1
+
+    # Each job's rank 0 listened on a port its batch script found free, not one derived from the job id.
+    ports = {
+        job: re.search(r"rank 0 at \S+:(\d+)", _output(tmp_path, job)).group(1)
+        for job in (interrupted, reference)
+    }
+    assert ports[interrupted] != ports[reference]
 
 
 def test_node_local_log_dir_fails_fast(slurm_cluster, tmp_path: Path):

@@ -52,3 +52,23 @@ def test_arguments_reach_sbatch_verbatim_without_a_shell(tmp_path):
 def test_counts_cannot_be_overridden_twice():
     result = _dry_run("--nodes", "2", "--", "trainer.num_nodes=4")
     assert result.returncode == 2 and "trainer.num_nodes=4 is set from --nodes" in result.stderr
+
+
+def _never_fits(**flags: str) -> str | None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("submit", ROOT / "scripts" / "submit.py")
+    submit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(submit)
+    nodes = [{"cpus": 16, "memory": 8000, "gpus": 0}, {"cpus": 32, "memory": 64000, "gpus": 4}]
+    request = {"nodes": "1", "ntasks-per-node": "1", "cpus-per-task": "1", "mem": "0", "gres": "none"}
+    return submit.never_fits({**request, **flags}, "gpu", nodes)
+
+
+def test_requests_that_no_node_can_hold_are_named():
+    assert _never_fits(**{"cpus-per-task": "8"}) is None
+    assert "pass --cpus-per-task=32 or fewer" in _never_fits(**{"cpus-per-task": "40"})
+    assert "needs 32 cores on each of 2 node(s)" in _never_fits(nodes="2", **{"cpus-per-task": "32"})
+    assert "at most 4 GPU(s) per node; pass --gpus-per-node=4" in _never_fits(gres="gpu:8")
+    assert "nodes have at most 64000 MB" in _never_fits(mem="100G")
+    assert "--nodes=3 but partition gpu has 2 node(s)" in _never_fits(nodes="3")

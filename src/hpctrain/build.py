@@ -119,11 +119,12 @@ def _instantiate_group(group: DictConfig | None, key: str) -> list[Any]:
     """Instantiate every non-null entry of a group like `callbacks` or `logger`."""
     if not group:
         return []
-    return [
+    built = [
         _checked_lightning_object(_instantiate(entry), f"{key}.{name}")
         for name, entry in group.items()
         if entry is not None and "_target_" in entry
     ]
+    return [obj for obj in built if obj is not None]  # a factory may decline on this rank (mlflow_logger)
 
 
 def loggers(cfg: DictConfig) -> list[Logger]:
@@ -185,6 +186,8 @@ def trainer(cfg: DictConfig, run_dir: str | Path, training: bool = True, **overr
         "strategy": strategy(cfg.trainer, cfg.get("dist")),
         "plugins": [cluster.lightning_cluster_environment(), AtomicCheckpointIO()],
     }
+    if cluster.one_gpu_per_task() and str(cfg.trainer.get("accelerator")) in cluster.GPU_ACCELERATORS:
+        kwargs["devices"] = 1  # each task drives the one GPU SLURM bound to it (cluster.one_gpu_per_task)
     kwargs.update(overrides)
     built = _instantiate(cfg.trainer, **kwargs)
     signals.take_over_from_lightning(built)

@@ -229,32 +229,75 @@ def _check_slurm_step(env: Mapping[str, str], nodes: int | None, per_node: int |
         )
 
 
+def one_gpu_per_task(env: Mapping[str, str] | None = None) -> bool:
+    """Whether SLURM binds one GPU to each task (--gpus-per-task=1, --gpu-bind, or CUDA_VISIBLE_DEVICES
+    set per task): each process sees exactly one GPU, whatever its SLURM_LOCALID."""
+    env = _env(env)
+    tasks_per_node = _int_or_none(env.get("SLURM_NTASKS_PER_NODE")) or 1
+    return launcher(env) == SLURM and visible_gpus(env) == 1 and tasks_per_node > 1
+
+
 def _check_gpus(env: Mapping[str, str], per_node: int, kind: str) -> None:
     visible = visible_gpus(env)
     if visible is None or visible >= per_node:
         return
+    shown = f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}"
     if visible == 0:
         raise UserError(
             f"trainer.accelerator=gpu with trainer.devices={per_node} but this process sees no GPU "
-            f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}); request GPUs "
-            f"(e.g. --gres=gpu:{per_node}) or train on CPU with trainer=ddp_cpu."
+            f"({shown}); request GPUs (e.g. --gres=gpu:{per_node}) or train on CPU with trainer=ddp_cpu."
         )
-    hint = (
-        "every task must see all GPUs of its node: use --gres=gpu:N without --gpus-per-task or --gpu-bind"
-        if kind == SLURM
-        else f"make {per_node} GPUs visible or pass trainer.devices={visible}"
-    )
+    if kind == SLURM and visible == 1:
+        return  # one GPU bound to each task: the process uses it (see one_gpu_per_task)
+    if kind == SLURM:
+        raise UserError(
+            f"trainer.devices={per_node} (tasks per node) but this process sees {visible} GPU(s) ({shown}), so "
+            f"tasks cannot be matched to GPUs; give every task all of its node's GPUs (--gres=gpu:{per_node}) "
+            "or exactly one (--gpus-per-task=1)."
+        )
     raise UserError(
-        f"trainer.devices={per_node} but this process sees only {visible} GPU(s) "
-        f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}); {hint}."
+        f"trainer.devices={per_node} but this process sees only {visible} GPU(s) ({shown}); "
+        f"make {per_node} GPUs visible or pass trainer.devices={visible}."
     )
+
+
+def network_summary(num_nodes: int, env: Mapping[str, str] | None = None, hostname: str | None = None) -> str:
+    """One line saying where rank 0 listens and which interface each backend uses, with a warning when a
+    multi-node job's gloo would use a loopback address (the others could not reach it: a silent wait)."""
+    import socket
+
+    env = _env(env)
+    host = hostname or socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        address = "unresolved"
+    master = f"{env.get('MASTER_ADDR', 'the first node')}:{env.get('MASTER_PORT', 'a port chosen at start')}"
+    gloo = (
+        f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']}"
+        if env.get("GLOO_SOCKET_IFNAME")
+        else f"the address of {host} ({address})"
+    )
+    nccl = (
+        f"NCCL_SOCKET_IFNAME={env['NCCL_SOCKET_IFNAME']}"
+        if env.get("NCCL_SOCKET_IFNAME")
+        else "its own choice (InfiniBand first, else a non-loopback interface)"
+    )
+    line = f"network: rank 0 at {master}; gloo uses {gloo}; nccl uses {nccl}"
+    if num_nodes > 1 and not env.get("GLOO_SOCKET_IFNAME") and address.startswith("127."):
+        line += (
+            f"; warning: {host} resolves to {address}, a loopback address other nodes cannot reach: "
+            "set GLOO_SOCKET_IFNAME (slurm/train.sbatch) unless every node is this machine"
+        )
+    return line
 
 
 def lightning_cluster_environment(env: Mapping[str, str] | None = None):
     """The Lightning cluster environment for this launcher, chosen here rather than auto-detected.
 
     SLURM gets `auto_requeue=False`: requeue on the time-limit signal is `hpctrain.requeue`'s job
-    (Lightning's own handler saves a checkpoint inside the signal handler and deadlocks multi-node DDP).
+    (Lightning's own handler saves a checkpoint inside the signal handler and deadlocks multi-node DDP),
+    and a version that uses the task's one GPU when SLURM binds one GPU to each task.
     A bare sbatch script or salloc shell is treated as a plain local run.
     """
     from lightning_fabric.plugins.environments import (
@@ -266,6 +309,10 @@ def lightning_cluster_environment(env: Mapping[str, str] | None = None):
     kind = launcher(env)
     if kind == TORCHRUN:
         return TorchElasticEnvironment()
+    if kind == SLURM and one_gpu_per_task(env):
+        from hpctrain.launch import OneGPUPerTaskSLURMEnvironment
+
+        return OneGPUPerTaskSLURMEnvironment(auto_requeue=False)
     if kind == SLURM:
         return SLURMEnvironment(auto_requeue=False)
     return LightningEnvironment()

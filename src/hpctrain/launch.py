@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
@@ -89,8 +90,26 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         watchdog.watch_children(self.procs)
 
 
+class OneGPUPerTaskSLURMEnvironment(SLURMEnvironment):
+    """SLURM with one GPU bound to each task (--gpus-per-task=1, --gpu-bind=...): every process sees a
+    single GPU, index 0, whatever its SLURM_LOCALID. The trainer then runs with devices=1 per process
+    (see build.trainer); ranks and world size still come from SLURM, and the preflight has already
+    matched the tasks per node against trainer.devices."""
+
+    def local_rank(self) -> int:
+        return 0  # the index of this task's only visible GPU
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        return None
+
+
 class HydraDDPStrategy(DDPStrategy):
     """Lightning's DDP ("ddp", not "ddp_spawn") with a Hydra-aware launcher for local ranks."""
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # the world size, not devices x nodes: with one GPU per task the trainer has devices=1 per process
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()

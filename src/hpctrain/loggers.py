@@ -15,7 +15,7 @@ from typing import Any
 
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
-from pytorch_lightning.loggers.logger import DummyLogger, rank_zero_experiment
+from pytorch_lightning.loggers.logger import rank_zero_experiment
 
 from hpctrain import cluster
 
@@ -56,10 +56,10 @@ def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, tags: A
 
     Only global rank 0 touches the tracking store: creating a client opens it, and ranks of a
     multi-node job that open a fresh SQLite store together race to create its tables (and fail). The
-    other ranks get a logger that does nothing, which is all they would do with one anyway.
+    other ranks get no MLflow logger (None, left out of the trainer's loggers): they would log nothing.
     """
     if not cluster.is_rank_zero():
-        return DummyLogger()
+        return None
     import mlflow
     from pytorch_lightning.loggers import MLFlowLogger
 

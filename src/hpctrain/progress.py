@@ -94,6 +94,25 @@ class ThroughputLog(Callback):
             self._started = None
 
 
+def shown_metrics(trainer: Trainer, shown: dict[str, Any]) -> dict[str, Any]:
+    """What a progress display shows: the values the loggers were last given (already plain numbers:
+    reading them costs no device synchronisation, unlike `prog_bar=True`, which makes Lightning call
+    `.item()` on the value at every step it is logged), plus whatever was logged with prog_bar."""
+    logged = {
+        k: v
+        for k, v in trainer.logged_metrics.items()
+        if isinstance(v, (int, float)) and k not in ("epoch", "step")
+    }
+    return {**shown, **logged}
+
+
+class RichProgress(RichProgressBar):
+    """Lightning's rich bar, showing what the loggers have (see `shown_metrics`)."""
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        return shown_metrics(trainer, super().get_metrics(trainer, pl_module))
+
+
 class LogProgress(ProgressBar):
     """One log line every `every_n_s` seconds during training and one after each validation, on rank 0."""
 
@@ -151,7 +170,7 @@ class LogProgress(ProgressBar):
             )
 
     def _format(self, trainer: Trainer, pl_module: LightningModule, prefix: str) -> str:
-        metrics = self.get_metrics(trainer, pl_module)
+        metrics = shown_metrics(trainer, self.get_metrics(trainer, pl_module))
         return "  ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
             for k, v in metrics.items()
@@ -164,5 +183,5 @@ def progress_bar(mode: str = "auto", refresh_rate: int = 5, log_every_n_s: float
     if mode not in ("auto", "rich", "log"):
         raise ValueError(f"progress mode {mode!r} is not one of auto, rich, log")
     if mode == "rich" or (mode == "auto" and sys.stdout.isatty()):
-        return RichProgressBar(refresh_rate=refresh_rate, leave=True)
+        return RichProgress(refresh_rate=refresh_rate, leave=True)
     return LogProgress(every_n_s=log_every_n_s)

@@ -1,0 +1,51 @@
+"""The template owns the signals: Lightning's own handlers and its per-step SIGTERM broadcast are off
+for the template's trainers. These tests fail when a Lightning release moves what is switched off."""
+
+from __future__ import annotations
+
+import inspect
+import signal
+from pathlib import Path
+
+import pytest
+from pytorch_lightning import Callback
+from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
+from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
+
+from hpctrain import build, signals
+from tests.helpers import compose_train
+
+
+def test_lightning_still_has_what_the_template_switches_off():
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    assert "dist.broadcast" in inspect.getsource(_SignalConnector._sigterm_notifier_fn)
+    assert callable(_SignalConnector.register_signal_handlers)
+
+
+class _HandlersDuringFit(Callback):
+    seen: dict[str, object] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen["SIGTERM"] = signal.getsignal(signal.SIGTERM)
+        self.seen["SIGUSR1"] = signal.getsignal(signal.SIGUSR1)
+        self.seen["broadcast"] = trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor
+
+
+@pytest.mark.slow
+def test_during_fit_the_handlers_are_the_templates(tmp_path: Path, data_dir: Path):
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        signals.install("SIGUSR1")
+        cfg = compose_train(tmp_path, data_dir, "data=digits", "debug=fdr", "trainer=cpu")
+        spy = _HandlersDuringFit()
+        trainer = build.trainer(cfg, tmp_path, logger=False)
+        trainer.callbacks.append(spy)
+        trainer.fit(build.model(cfg), build.datamodule(cfg))
+        assert spy.seen["SIGTERM"] is signals._record and spy.seen["SIGUSR1"] is signals._record
+        assert (
+            getattr(spy.seen["broadcast"], "__func__", None)
+            is not _TrainingEpochLoop._broadcast_sigterm_tensor
+        )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
