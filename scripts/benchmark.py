@@ -304,23 +304,40 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     for model in args.models:
         for world in args.world_sizes:
             rates = _launch(model, world, args)
+            step_ms = {name: args.batch_size * world / rate * 1000 for name, rate in rates.items()}
             row = {
                 "model": model,
                 "world_size": world,
                 "raw_samples_per_s": round(rates["raw"], 1),
+                "lightning_samples_per_s": round(rates["lightning"], 1),
                 "template_samples_per_s": round(rates["template"], 1),
                 "ratio": round(rates["template"] / rates["raw"], 3),
-                "lightning_samples_per_s": round(rates["lightning"], 1),
                 "lightning_ratio": round(rates["lightning"] / rates["raw"], 3),
+                "template_over_lightning": round(rates["template"] / rates["lightning"], 3),
+                # per-step costs from the same medians: Lightning's over the raw loop, the template's over Lightning
+                "lightning_overhead_ms": round(step_ms["lightning"] - step_ms["raw"], 3),
+                "template_overhead_ms": round(step_ms["template"] - step_ms["lightning"], 3),
+                "raw_step_ms": round(step_ms["raw"], 3),
             }
             print(
                 f"  {model:10s} x{world}: raw {row['raw_samples_per_s']:8.0f}  lightning {row['lightning_samples_per_s']:8.0f}"
-                f"  template {row['template_samples_per_s']:8.0f}  template/raw {row['ratio']:.3f}"
-                f"  (bare Lightning/raw {row['lightning_ratio']:.3f})",
+                f"  template {row['template_samples_per_s']:8.0f}  template/lightning {row['template_over_lightning']:.3f}"
+                f"  (step {row['raw_step_ms']:.2f} ms; Lightning +{row['lightning_overhead_ms']:.3f} ms,"
+                f" template +{row['template_overhead_ms']:.3f} ms)",
                 flush=True,
             )
             results.append(row)
     return results
+
+
+def import_cost(module: str, repeats: int) -> float:
+    """Median wall time of `python -c "import <module>"`: the floor under any command that needs it."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        subprocess.run([PYTHON, "-c", f"import {module}"], check=True, cwd=ROOT)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def help_cost(repeats: int) -> tuple[float, float]:
@@ -392,10 +409,15 @@ def main() -> None:
         args.models, args.samples, args.epochs, args.repeats = ["mlp"], 128 * 8, 2, 1
 
     print("startup:", flush=True)
-    help_s, help_rss = help_cost(1 if args.tiny else 5)
+    repeats = 1 if args.tiny else 5
+    import_hydra = import_cost("hydra", repeats)
+    help_s, help_rss = help_cost(repeats)
     print(f"  python src/train.py --help: {help_s:.3f} s, peak RSS {help_rss:.0f} MB", flush=True)
+    print(f"  python -c 'import hydra':   {import_hydra:.3f} s", flush=True)
+    import_lightning = import_cost("pytorch_lightning", 1 if args.tiny else 3)
     first_step = first_step_seconds(1 if args.tiny else 3)
     print(f"  debug=fdr first training step: {first_step:.2f} s after process start", flush=True)
+    print(f"  python -c 'import pytorch_lightning': {import_lightning:.2f} s", flush=True)
     print(
         f"throughput, samples/s (batch {args.batch_size}, {args.samples} samples per epoch, median of the epochs after"
         f" the first of each run, {args.repeats} rounds):",
@@ -405,8 +427,10 @@ def main() -> None:
     report = {
         "results": results,
         "help_s": round(help_s, 3),
-        "first_step_s": round(first_step, 2),
         "help_peak_rss_mb": round(help_rss, 1),
+        "import_hydra_s": round(import_hydra, 3),
+        "first_step_s": round(first_step, 2),
+        "import_lightning_s": round(import_lightning, 2),
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -28,10 +28,18 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
     report = json.loads(out.read_text())
     assert {(r["model"], r["world_size"]) for r in report["results"]} == {("mlp", 1), ("mlp", 2)}
     for row in report["results"]:
-        assert row["raw_samples_per_s"] > 0 and row["template_samples_per_s"] > 0
-        assert row["ratio"] == pytest.approx(
-            row["template_samples_per_s"] / row["raw_samples_per_s"], abs=1e-3
-        )
+        raw, bare, ours = (row[f"{v}_samples_per_s"] for v in ("raw", "lightning", "template"))
+        assert raw > 0 and bare > 0 and ours > 0
+        assert row["ratio"] == pytest.approx(ours / raw, abs=1e-3)
+        assert row["lightning_ratio"] == pytest.approx(bare / raw, abs=1e-3)
+        assert row["template_over_lightning"] == pytest.approx(ours / bare, abs=1e-3)
+        global_batch = 128 * row["world_size"]  # the per-step costs come from the same medians
+        step_ms = {
+            name: global_batch / rate * 1000 for name, rate in (("raw", raw), ("bare", bare), ("ours", ours))
+        }
+        assert row["template_overhead_ms"] == pytest.approx(step_ms["ours"] - step_ms["bare"], abs=2e-3)
+        assert row["lightning_overhead_ms"] == pytest.approx(step_ms["bare"] - step_ms["raw"], abs=2e-3)
     assert 0 < report["help_s"] < 30 and 0 < report["help_peak_rss_mb"] < 2000
+    assert 0 < report["import_hydra_s"] < 30 and 0 < report["import_lightning_s"] < 60
     assert 0 < report["first_step_s"] < 120
-    assert "template/raw" in result.stdout  # the printed table
+    assert "template/lightning" in result.stdout  # the printed table

@@ -27,7 +27,7 @@ from pytorch_lightning import Callback, LightningDataModule, LightningModule, Tr
 from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import Logger
 
-from hpctrain import cluster, signals
+from hpctrain import cluster, dispatch, signals
 from hpctrain.callbacks import MonitoredMetric, RankWatchdog, SharedRunDirCheck
 from hpctrain.checkpointing import AtomicCheckpointIO, CheckpointExtras
 from hpctrain.errors import UserError
@@ -191,6 +191,7 @@ def trainer(cfg: DictConfig, run_dir: str | Path, training: bool = True, **overr
     kwargs.update(overrides)
     built = _instantiate(cfg.trainer, **kwargs)
     signals.take_over_from_lightning(built)
+    dispatch.fast_callback_hooks(built)
     return built
 
 

@@ -102,6 +102,14 @@ class _CachedStateKey:
 class ModelCheckpoint(_CachedStateKey, pl.callbacks.ModelCheckpoint):
     """Lightning's ModelCheckpoint; a monitored metric that is missing after validation is one sentence."""
 
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        # Lightning's version works out at every step whether to save by step count or by time; when
+        # neither is configured (checkpoints at validation), that answer is always no.
+        if self._every_n_train_steps >= 1 or self._train_time_interval is not None:
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+
     def _save_topk_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
         if (
             self.monitor is not None

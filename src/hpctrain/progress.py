@@ -123,6 +123,7 @@ class LogProgress(ProgressBar):
         self._last = 0.0
         self._window_samples = 0
         self._window_start = 0.0
+        self._total: int | float = 0
 
     def disable(self) -> None:
         self._enabled = False
@@ -136,19 +137,19 @@ class LogProgress(ProgressBar):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last = self._window_start = time.monotonic()
         self._window_samples = 0
+        self._total = self.total_train_batches  # a property that does real work: once per epoch
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._window_samples += batch_size_of(batch)
         now = time.monotonic()
-        last_batch = batch_idx + 1 >= self.total_train_batches
-        if not (self._enabled and trainer.is_global_zero) or (
-            now - self._last < self.every_n_s and not last_batch
-        ):
+        if now - self._last < self.every_n_s and batch_idx + 1 < self._total:
+            return
+        if not (self._enabled and trainer.is_global_zero):
             return
         rate = self._window_samples * trainer.world_size / max(now - self._window_start, 1e-9)
-        total = self.total_train_batches
+        total = self._total
         share = f" ({100 * (batch_idx + 1) / total:.0f}%)" if isinstance(total, int) and total else ""
         log.info(
             "epoch %d/%s  step %d/%s%s  %s  %.0f samples/s",

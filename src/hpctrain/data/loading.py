@@ -121,8 +121,18 @@ class ResumableDataLoader(DataLoader):
         self._resume = None
         self.sampler.skip_next(start)
         self._yielded = start
-        for batch in super().__iter__():
+        # Without workers, index the dataset directly: a batch is one tensor index, and DataLoader's
+        # single-process iterator (fetcher, default_convert, pin thread) would cost more than the indexing.
+        batches = self._direct() if self.num_workers == 0 else super().__iter__()
+        for batch in batches:
             self._yielded += 1
+            yield batch
+
+    def _direct(self) -> Iterator[Any]:
+        for index in self.sampler:
+            batch = self.dataset[index]
+            if self.pin_memory:
+                batch = tuple(t.pin_memory() for t in batch)
             yield batch
 
     def state_dict(self) -> dict[str, int]:

@@ -23,8 +23,9 @@ class Accuracy(Metric):
         self.add_state("total", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, preds: Tensor, target: Tensor) -> None:
-        self.correct += (preds == target).sum()
-        self.total += target.numel()
+        # in place: `self.correct += ...` would also go through Metric.__setattr__ at every step
+        self.correct.add_((preds == target).sum())
+        self.total.add_(target.numel())
 
     def compute(self) -> Tensor:
         return self.correct.float() / self.total.clamp(min=1)
@@ -41,8 +42,8 @@ class Mean(Metric):
         self.add_state("count", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, batch_mean: Tensor, batch_size: int) -> None:
-        self.weighted_sum += batch_mean.detach().float() * batch_size
-        self.count += batch_size
+        self.weighted_sum.add_(batch_mean.detach().float(), alpha=batch_size)
+        self.count.add_(batch_size)
 
     def compute(self) -> Tensor:
         return self.weighted_sum / self.count.clamp(min=1)
