@@ -2,6 +2,7 @@
 
     python scripts/submit.py --nodes 10 --gpus-per-node 8 -- experiment=mnist_cnn model.optimizer.lr=0.01
     python scripts/submit.py --nodes 2 --cpu --dry-run -- experiment=quickstart
+    python scripts/submit.py --sweep --parallel 2 --nodes 2 -- model.optimizer.lr=0.1,0.01 data.batch_size=64,128
 
 GPU jobs get --ntasks-per-node = --gres=gpu:N = --gpus-per-node (one task per GPU); CPU jobs get
 --gres=none, --processes-per-node tasks per node and trainer=ddp_cpu. The sbatch command is printed
@@ -21,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH_FILE = ROOT / "slurm" / "train.sbatch"
+SWEEP_FILE = ROOT / "slurm" / "sweep.sbatch"
 # Counts that the submit flags set; passing them as overrides too could only create a mismatch.
 DERIVED = ("trainer.num_nodes=", "trainer.devices=")
 
@@ -53,10 +55,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
         metavar="ARG",
         help="any other sbatch flag, repeatable: --sbatch-arg=--constraint=a100",
     )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the overrides are a Hydra sweep grid (lr=0.1,0.01 ...): one array task per point (slurm/sweep.sbatch)",
+    )
+    parser.add_argument("--parallel", type=int, help="with --sweep: array tasks that may run at once")
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch command, do not submit")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for src/train.py (after --)")
     args = parser.parse_args(argv)
-    for name in ("nodes", "gpus_per_node", "processes_per_node", "cpus_per_task"):
+    for name in ("nodes", "gpus_per_node", "processes_per_node", "cpus_per_task", "parallel"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}={value} must be at least 1")
@@ -68,6 +76,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    """The jobs of the Hydra sweep grid in `overrides`, in Hydra's order."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from hpctrain.sweeps.grid import expand
+
+    return expand(overrides)
+
+
 def sbatch_command(args: argparse.Namespace) -> list[str]:
     per_node = args.processes_per_node if args.cpu else args.gpus_per_node
     command = [
@@ -76,8 +92,12 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
         f"--ntasks-per-node={per_node}",
         "--gres=none" if args.cpu else f"--gres=gpu:{per_node}",
         f"--chdir={ROOT}",
-        f"--output={ROOT / 'slurm' / 'logs'}/%x-%j.out",
+        f"--output={ROOT / 'slurm' / 'logs'}/%x-{'%A_%a' if args.sweep else '%j'}.out",
     ]
+    if args.sweep:
+        points = len(sweep_points(args.overrides))
+        limit = f"%{args.parallel}" if args.parallel else ""
+        command.append(f"--array=0-{points - 1}{limit}")
     optional = {
         "--cpus-per-task": args.cpus_per_task,
         "--time": args.time,
@@ -89,7 +109,7 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
     }
     command += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
     command += args.sbatch_arg
-    command.append(str(SBATCH_FILE))
+    command.append(str(SWEEP_FILE if args.sweep else SBATCH_FILE))
     overrides = list(args.overrides)
     if args.cpu and not any(o.startswith("trainer=") for o in overrides):
         overrides.insert(0, "trainer=ddp_cpu")

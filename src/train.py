@@ -24,13 +24,22 @@ from omegaconf import DictConfig  # noqa: E402
 from hpctrain import cluster, console, outputs, watchdog  # noqa: E402
 from hpctrain.config_checks import check_config  # noqa: E402
 from hpctrain.errors import hydra_errors_as_one_sentence, reported_as_one_sentence  # noqa: E402
+from hpctrain.sweeps.jobs import run_job  # noqa: E402
 
 hydra_errors_as_one_sentence("train")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    with reported_as_one_sentence(), watchdog.failures_reported():
+    return run_job(train, cfg)  # in a sweep (-m), a failed job is recorded and the sweep goes on
+
+
+def train(cfg: DictConfig) -> float | None:
+    run_dir = HydraConfig.get().runtime.output_dir
+    metric = cfg.monitor.metric if "monitor" in cfg else None
+    overrides = list(HydraConfig.get().overrides.task)
+    recorded = outputs.outcome_recorded(run_dir, metric, overrides)  # outcome.yaml, read by sweep summaries
+    with reported_as_one_sentence(), watchdog.failures_reported(), recorded as outcome:
         # 1. Preflight: config types, launcher vs trainer topology, the run dir and where to start. No torch yet.
         if cluster.launcher() == cluster.CHILD:
             watchdog.die_with_parent()
@@ -39,7 +48,6 @@ def main(cfg: DictConfig) -> float | None:
         cluster.preflight(
             cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, cfg.requeue.enabled
         )
-        run_dir = HydraConfig.get().runtime.output_dir
         if cluster.is_rank_zero():
             outputs.check_writable(run_dir)
         start = outputs.start_point(cfg.ckpt_path, run_dir, cfg.paths.runs_dir)
@@ -55,7 +63,6 @@ def main(cfg: DictConfig) -> float | None:
             checkpointing.check_matches_model(start.checkpoint, run.model)
         if cluster.is_rank_zero():
             hydra_cfg = HydraConfig.get()
-            overrides = list(hydra_cfg.overrides.task)
             outputs.write_run_record(cfg, run_dir, overrides, ROOT, run.trainer.world_size, hydra_cfg)
             outputs.remove_partial_saves(run_dir)
             build.log_hyperparameters(run.trainer, cfg)
@@ -78,7 +85,8 @@ def main(cfg: DictConfig) -> float | None:
             # 4. Report where everything went; sweepers get the best value of `monitor.metric`.
             console.report(run_dir, run.trainer, best)
             completed = True
-            return run.monitor.best if run.monitor is not None else None
+            outcome.value = run.monitor.best if run.monitor is not None else None
+            return outcome.value
         except Interrupted as interrupted:
             requeue_and_wait(interrupted)  # SLURM requeues the job and ends every rank; SIGTERM: exit 143
             return None

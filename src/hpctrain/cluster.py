@@ -352,6 +352,21 @@ def check_run_dir_is_shared(run_dir: str | Path, num_nodes: int) -> None:
         raise UserError(first)
 
 
+def slurm_output_file(env: Mapping[str, str] | None = None) -> str | None:
+    """The file SLURM writes this job's output to (`scontrol show job`'s StdOut), or None outside SLURM."""
+    job = slurm_job_id(env)
+    if job is None or shutil.which("scontrol") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    fields = dict(field.split("=", 1) for field in out.split() if "=" in field)
+    return fields.get("StdOut")
+
+
 def requeue_job(env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Ask SLURM to requeue this job; it restarts later with SLURM_RESTART_COUNT incremented."""
     job = slurm_job_id(env)

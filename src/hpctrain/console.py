@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -52,6 +53,13 @@ def report(run_dir: str, trainer: Any, checkpoint: str | None) -> dict[str, floa
     log.info("finished: %s", shown or "no metrics")
     if checkpoint:
         log.info("best checkpoint: %s", checkpoint)
+    if (Path(run_dir) / "metrics.csv").is_file():
+        from hpctrain.plots import plot_run
+
+        try:
+            log.info("curves: %s (python scripts/plot.py %s redraws them)", plot_run(run_dir), run_dir)
+        except Exception as err:  # a picture must never fail a finished run
+            log.warning("could not plot the curves: %s", err)
     log.info("run dir: %s", run_dir)
     return metrics
 

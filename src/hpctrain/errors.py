@@ -136,6 +136,8 @@ def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
     message = str(err).strip()
+    if isinstance(err, UserError):  # raised by the template's own launcher or sweeper, in the sweep process
+        return message
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, option = err.missing_cfg_file.rsplit("/", 1)
         options = sorted(err.options or [])

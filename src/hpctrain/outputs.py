@@ -18,7 +18,8 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -113,9 +114,14 @@ def start_point(
         previous = (record.get("attempts") or [{}])[-1]
         started = previous.get("started", "an earlier run")
         conflict = f"ckpt_path={given} conflicts with the" if given else "this run dir already holds"
+        fresh = (
+            "pass a new --rdzv-id to torchrun on every node (the run dir is named after it)"
+            if cluster.launcher(env) == cluster.TORCHRUN
+            else "start in a new run dir (drop the fixed hydra.run.dir)"
+        )
         raise UserError(
             f"{conflict} checkpoints of another run in {run_dir} (started {started}); pass ckpt_path={own} "
-            "to continue that run there, or start in a new run dir (drop the fixed hydra.run.dir)."
+            f"to continue that run there, or {fresh}."
         )
     if given is None:
         return StartPoint(None, "no checkpoint given")
@@ -233,6 +239,72 @@ def write_run_record(
             "world_size": world_size,
             "slurm_job_id": cluster.slurm_job_id(),
             "slurm_restart_count": cluster.restart_count(),
+            "slurm_log": cluster.slurm_output_file(),
         }
     )
     _write_atomically(run_dir / "run.yaml", yaml.safe_dump(record, sort_keys=False))
+
+
+OUTCOME_FILE = "outcome.yaml"
+
+
+@dataclass
+class Outcome:
+    """How a run ended, written to <run dir>/outcome.yaml by rank 0 (read by sweep summaries)."""
+
+    metric: str | None = None
+    value: float | None = None
+    status: str = "running"
+    error: str | None = None
+
+
+@contextmanager
+def outcome_recorded(
+    run_dir: str | Path, metric: str | None, overrides: list[str] | None = None
+) -> Iterator[Outcome]:
+    """Record in outcome.yaml how the block ended: completed (with `value`), failed (with the error's
+    sentence), or stopped on a signal. Only where this run may write: a run dir that held no earlier
+    run's record when it started (a refused command leaves an existing run dir untouched)."""
+    run_dir = Path(run_dir)
+    record_file = run_dir / "run.yaml"
+    before = record_file.stat().st_mtime_ns if record_file.exists() else None
+    outcome = Outcome(metric=metric)
+    try:
+        yield outcome
+        outcome.status = "completed"
+    except BaseException as err:
+        outcome.status, outcome.error = _ending(err)
+        raise
+    finally:
+        # this run's dir: new when it started, or its run.yaml gained this attempt
+        owned = before is None or (record_file.exists() and record_file.stat().st_mtime_ns != before)
+        if owned and cluster.is_rank_zero() and run_dir.is_dir():
+            record = {
+                "status": outcome.status,
+                "metric": outcome.metric,
+                "value": outcome.value,
+                "error": outcome.error,
+                "overrides": list(overrides or []),
+                "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            }
+            with suppress(OSError):  # an unwritable run dir has already been reported
+                _write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
+
+
+def _ending(err: BaseException) -> tuple[str, str | None]:
+    from hpctrain.signals import Interrupted
+
+    if isinstance(err, Interrupted):
+        return ("requeued" if getattr(err, "requeue", False) else "stopped"), str(err)
+    if isinstance(err, SystemExit) and err.code in (0, None):
+        return "completed", None
+    text = str(err) if isinstance(err, UserError) else " ".join(f"{type(err).__name__}: {err}".split())
+    return "failed", text[:500]
+
+
+def read_outcome(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / OUTCOME_FILE
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}

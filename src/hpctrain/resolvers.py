@@ -22,13 +22,19 @@ from omegaconf import OmegaConf
 from hpctrain import cluster
 
 
+@functools.cache
+def cached_run_id() -> str:
+    """Cached for the whole process: outside SLURM the id is a timestamp and must not tick over. (A named
+    module-level function, so a config shipped to another process by pickle refers to it by name.)"""
+    return cluster.run_id()
+
+
 def register_resolvers(project_root: Path) -> None:
     root = str(Path(project_root).resolve())
     resolvers = {
         "project_root": lambda: root,
         "project_name": lambda: __name__.split(".")[0],
-        # Cached for the whole process: outside SLURM the id is a timestamp and must not tick over.
-        "run_id": functools.cache(cluster.run_id),
+        "run_id": cached_run_id,
         "rank_zero_only": lambda value: value if cluster.is_rank_zero() else None,
         "rank_zero_file": lambda path: path if cluster.is_rank_zero() else os.devnull,
     }

@@ -20,6 +20,7 @@ and covers the local launcher, where nothing else would.
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import logging
 import os
@@ -72,9 +73,29 @@ def _store() -> Any | None:
         return None
 
 
+class RankFailed(RuntimeError):
+    """In a sweep, a job's rank failed: the sweep process records it and goes on to the next job."""
+
+
+def in_sweep() -> None:
+    """This process runs a sweep's jobs one after another: a failure ends the job, not the process."""
+    _state["in_sweep"] = True
+
+
+def take_verdict() -> str | None:
+    """The failure line the watchdog recorded before interrupting a sweep's job, if it did."""
+    return _state.pop("verdict", None)
+
+
 def _exit(line: str, code: int = 1) -> None:
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
+    if _state.get("in_sweep"):
+        if threading.current_thread() is threading.main_thread():
+            raise RankFailed(line.removeprefix("error: "))
+        _state.setdefault("verdict", line.removeprefix("error: "))
+        _thread.interrupt_main()  # the main thread raises KeyboardInterrupt at its next bytecode
+        return
     logging.shutdown()
     os._exit(code)
 
@@ -228,4 +249,4 @@ def failures_reported() -> Iterator[None]:
             raise
         traceback.print_exc()
         note_failure(err)
-        _exit(f"error: {_state['verdict']}")
+        _exit(f"error: {_state.pop('verdict')}")

@@ -1,0 +1,25 @@
+"""Plot a run's curves (everything its csv logger wrote) to <run dir>/curves.png.
+
+python scripts/plot.py logs/train/runs/<run id>
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from hpctrain.plots import plot_run
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not (Path(argv[0]) / "metrics.csv").is_file():
+        print("usage: python scripts/plot.py <run dir>  (a run dir holding metrics.csv)", file=sys.stderr)
+        return 2
+    print(plot_run(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,17 @@
+# Sourced by slurm/train.sbatch and slurm/sweep.sbatch, in the project root, before anything runs:
+# your site's modules, your environment, and settings every job needs.
+
+# ---- load modules and activate your environment here ---------------------------------------------
+# module load cuda/12.4
+# source ~/miniconda3/etc/profile.d/conda.sh && conda activate my_env
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ] && [ -f .venv/bin/activate ]; then
+    source .venv/bin/activate
+fi
+
+export PYTHONFAULTHANDLER=1                                  # stack traces on crashes and hangs
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"  # a failed collective ends the job
+# Network interfaces, when a node's hostname resolves to an address the other nodes cannot reach
+# (127.0.1.1, a management network): name the interface the nodes share, for both backends.
+# export NCCL_SOCKET_IFNAME=ib0      # nccl: the GPUs' collectives
+# export GLOO_SOCKET_IFNAME=ib0      # gloo: the preemption flag (and CPU jobs' collectives)

@@ -1,0 +1,110 @@
+"""Pictures of what a run or a sweep logged, as PNG files (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+CURVES_FILE = "curves.png"
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def read_series(metrics_csv: Path) -> dict[str, list[tuple[float, float]]]:
+    """metric -> [(step, value)] from a csv logger's metrics.csv (empty cells skipped)."""
+    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    with open(metrics_csv, newline="") as file:
+        for row in csv.DictReader(file):
+            step = float(row.get("step") or 0)
+            for key, value in row.items():
+                if key in ("step", "epoch") or value in (None, ""):
+                    continue
+                try:
+                    series[key].append((step, float(value)))
+                except ValueError:
+                    continue
+    return dict(series)
+
+
+def _panel(name: str) -> str:
+    lowered = name.lower()
+    for word in ("loss", "acc", "bpc", "lr"):
+        if word in lowered:
+            return word
+    return name  # anything else gets a panel of its own
+
+
+def plot_run(run_dir: str | Path) -> Path:
+    """Plot every logged metric against the step, losses together, accuracies together; return the file."""
+    run_dir = Path(run_dir)
+    series = read_series(run_dir / "metrics.csv")
+    panels: dict[str, list[str]] = defaultdict(list)
+    for name in sorted(series):
+        panels[_panel(name)].append(name)
+    plt = _pyplot()
+    figure, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * max(len(panels), 1)), squeeze=False)
+    for axis, (panel, names) in zip(axes[:, 0], panels.items(), strict=True):
+        for name in names:
+            steps, values = zip(*series[name], strict=True)
+            axis.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=name)
+        axis.set_ylabel(panel)
+        axis.legend(fontsize=8)
+        axis.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    figure.suptitle(run_dir.name, fontsize=9)
+    figure.tight_layout()
+    path = run_dir / CURVES_FILE
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def plot_sweep(rows: list[dict[str, Any]], varying: list[str], path: Path) -> Path:
+    """The monitored metric per job (bars), or against the one swept number when only one was swept."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
+    done = [r for r in rows if r["value"] not in (None, "")]
+    metric = next((r["metric"] for r in rows if r["metric"]), "value")
+    numbers = _numbers([r["overrides"] for r in done], varying)
+    if numbers is not None and len(done) > 1:
+        pairs = sorted(zip(numbers, (float(r["value"]) for r in done), strict=True))
+        axis.plot(*zip(*pairs, strict=True), marker="o")
+        axis.set_xlabel(varying[0])
+        if min(numbers) > 0 and max(numbers) / min(numbers) >= 100:
+            axis.set_xscale("log")
+    else:
+        labels = [f"{r['job']}: {r['overrides']}" for r in rows]
+        values = [float(r["value"]) if r["value"] not in (None, "") else 0.0 for r in rows]
+        colours = ["tab:blue" if r["status"] == "completed" else "tab:red" for r in rows]
+        axis.bar(range(len(rows)), values, color=colours)
+        axis.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=7)
+    axis.set_ylabel(metric)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _numbers(overrides: list[str], varying: list[str]) -> list[float] | None:
+    if len(varying) != 1:
+        return None
+    found = []
+    for text in overrides:
+        value = next(
+            (part.split("=", 1)[1] for part in text.split() if part.startswith(f"{varying[0]}=")), None
+        )
+        try:
+            found.append(float(value))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+    return found

@@ -1,0 +1,11 @@
+"""Sweeps: many runs from one command, locally, as SLURM jobs or as a SLURM job array.
+
+- `jobs.run_job`: one job of a sweep; its failure is recorded in its run dir, and the sweep goes on.
+- `grid`: a Hydra sweep grid expanded in Hydra's own job order (for slurm/sweep.sbatch's array tasks).
+- `summary`: summary.csv and summary.png of a sweep dir, written when a sweep ends (a Hydra callback)
+  or afterwards (`python scripts/summarize.py <sweep dir>`).
+- `slurm`: the SLURM launcher (`hydra/launcher=slurm`), hydra-submitit-launcher with the template's
+  guarantees; `optuna_sweeper`: Optuna searches (`hparams_search=...`) on Optuna's ask-and-tell API.
+
+Nothing here imports torch at module level.
+"""

@@ -1,0 +1,13 @@
+"""Hydra finds launchers and sweepers only under the `hydra_plugins` package; the template's live in
+its own package (`sweeps/`), and these names are how Hydra reaches them (see conf/hydra/launcher/slurm.yaml
+and conf/hydra/sweeper/optuna.yaml)."""
+
+from hpctrain.sweeps import optuna_sweeper, slurm
+
+
+class SlurmLauncher(slurm.SlurmLauncher):
+    """hpctrain.sweeps.slurm.SlurmLauncher, under the name Hydra accepts."""
+
+
+class OptunaSweeper(optuna_sweeper.OptunaSweeper):
+    """hpctrain.sweeps.optuna_sweeper.OptunaSweeper, under the name Hydra accepts."""

@@ -1,0 +1,202 @@
+"""Sweeps as SLURM jobs on the real two-node cluster: a job-array grid (4 concurrent jobs logging to csv,
+TensorBoard and MLflow), the SLURM launcher (results collected, a preempted job resuming), and an
+Optuna study whose trials are SLURM jobs."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import PYTHON, ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+QUICK = ("experiment=quickstart", "trainer.max_epochs=1", "extras.print_config=false")
+LAUNCHER = ("hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1")
+
+
+def _rows(sweep: Path) -> list[dict[str, str]]:
+    with open(sweep / "summary.csv", newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_a_job_array_sweep_of_four_concurrent_jobs(slurm_cluster, tmp_path: Path):
+    submitted = slurm_cluster.run(
+        PYTHON,
+        "scripts/submit.py",
+        "--sweep",
+        "--parallel",
+        "4",
+        "--nodes",
+        "1",
+        "--cpu",
+        "--cpus-per-task",
+        "1",
+        "--mem",
+        "1G",
+        f"--sbatch-arg=--output={tmp_path}/%x-%A_%a.out",
+        "--",
+        *QUICK,
+        "logger=[many,mlflow]",
+        "model.optimizer.lr=0.003,0.01",
+        "data.batch_size=32,64",
+        f"paths.log_dir={tmp_path}",
+        cwd=ROOT,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    assert "--array=0-3%4" in submitted.stdout
+    array = submitted.stdout.strip().split()[-1]
+    deadline = time.monotonic() + 300
+    while slurm_cluster.run("squeue", "-h", "-j", array).stdout.strip():
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    sweep = tmp_path / "train" / "multiruns" / f"slurm-{array}"
+    result = subprocess.run(
+        [PYTHON, "scripts/summarize.py", str(sweep)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = _rows(sweep)
+    assert [r["status"] for r in rows] == ["completed"] * 4, rows
+    # Hydra's job order: the last swept key varies fastest
+    assert [r["overrides"] for r in rows] == [
+        "model.optimizer.lr=0.003 data.batch_size=32",
+        "model.optimizer.lr=0.003 data.batch_size=64",
+        "model.optimizer.lr=0.01 data.batch_size=32",
+        "model.optimizer.lr=0.01 data.batch_size=64",
+    ]
+    from mlflow.tracking import MlflowClient
+
+    for task, row in enumerate(rows):
+        run = Path(row["run_dir"])
+        assert row["slurm_log"] == f"{tmp_path}/sweep-{array}_{task}.out"
+        assert "database is locked" not in Path(row["slurm_log"]).read_text()
+        client = MlflowClient(
+            tracking_uri=f"sqlite:///{run}/mlflow.db"
+        )  # one store per job: no shared SQLite
+        (logged,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
+        assert logged.data.metrics["val/acc"] == pytest.approx(float(row["value"]))
+        assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_slurm_launcher_runs_a_sweep_and_collects_results(slurm_cluster, tmp_path: Path):
+    result = slurm_cluster.run(
+        PYTHON,
+        "src/train.py",
+        "-m",
+        *LAUNCHER,
+        "trainer=ddp_cpu",
+        "trainer.num_nodes=2",
+        "trainer.devices=1",
+        *QUICK,
+        "model.optimizer.lr=0.003,-1",
+        f"paths.log_dir={tmp_path}",
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
+    rows = _rows(sweep)
+    assert [r["status"] for r in rows] == ["completed", "failed"]
+    assert "model.optimizer.lr=-1 is not a positive number" in rows[1]["error"]
+    attempt = yaml.safe_load((Path(rows[0]["run_dir"]) / "run.yaml").read_text())["attempts"][0]
+    assert (attempt["launcher"], attempt["world_size"]) == ("slurm", 2)  # nodes and tasks from the trainer
+    assert Path(rows[0]["slurm_log"]).is_file()
+    log = result.stderr + result.stdout
+    assert "job 0: SLURM job" in log and f"run dir {sweep}/0" in log  # said as soon as submitted
+    assert "job 1 failed" in log
+
+
+def test_the_slurm_launcher_refuses_sweeping_the_allocation(slurm_cluster, tmp_path: Path):
+    result = slurm_cluster.run(
+        PYTHON,
+        "src/train.py",
+        "-m",
+        *LAUNCHER,
+        "trainer=ddp_cpu",
+        "trainer.num_nodes=1,2",
+        *QUICK,
+        f"paths.log_dir={tmp_path}",
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "error: trainer.num_nodes takes 2 values in this sweep (1, 2)" in result.stderr
+
+
+def test_a_preempted_slurm_launcher_job_resumes_and_finishes(slurm_cluster, tmp_path: Path):
+    launching = subprocess.Popen(
+        [
+            PYTHON,
+            "src/train.py",
+            "-m",
+            *LAUNCHER,
+            "trainer=ddp_cpu",
+            "trainer.num_nodes=2",
+            "trainer.devices=1",
+            "experiment=quickstart",
+            "data.batch_size=8",
+            "trainer.max_epochs=3",
+            "callbacks.progress.log_every_n_s=0",
+            "extras.print_config=false",
+            f"paths.log_dir={tmp_path}",
+            "model.optimizer.lr=0.003",
+        ],
+        cwd=ROOT,
+        env=slurm_cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    logs: list[Path] = []
+    while not logs or "epoch 1/3  step 20/" not in logs[0].read_text():
+        assert time.monotonic() < deadline and launching.poll() is None
+        logs = list(tmp_path.glob("train/multiruns/*/.submitit/*/*_0_log.out"))
+        time.sleep(0.5)
+    job = logs[0].name.split("_0_log")[0]  # <array>_<task>
+    assert slurm_cluster.run("scancel", "--signal=USR1", job).returncode == 0
+    deadline = time.monotonic() + 240
+    while launching.poll() is None:  # SLURM holds a requeued job ~2 minutes; release it
+        info = slurm_cluster.job(job)
+        if info.get("Restarts") == "1" and info.get("Reason") == "BeginTime":
+            slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    output = launching.stdout.read()
+    assert launching.returncode == 0, output[-3000:]
+    (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
+    (row,) = _rows(sweep)
+    assert row["status"] == "completed"
+    run = Path(row["run_dir"])
+    attempts = yaml.safe_load((run / "run.yaml").read_text())["attempts"]
+    assert [a["slurm_restart_count"] for a in attempts] == [0, 1]
+    text = logs[0].read_text()
+    assert (
+        "requeued SLURM job" in text
+        and f"starting from {run}/checkpoints/requeue.ckpt (restart 1 of this job)" in text
+    )
+
+
+def test_an_optuna_study_through_the_slurm_launcher(slurm_cluster, tmp_path: Path):
+    result = slurm_cluster.run(
+        PYTHON,
+        "src/train.py",
+        "-m",
+        "hparams_search=quickstart_optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2",
+        *LAUNCHER,
+        "trainer=ddp_cpu",
+        "trainer.num_nodes=1",
+        "trainer.devices=1",
+        *QUICK,
+        f"paths.log_dir={tmp_path}",
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
+    assert [r["status"] for r in _rows(sweep)] == ["completed", "completed"]
+    assert yaml.safe_load((sweep / "optuna_best.yaml").read_text())["completed"] == 2

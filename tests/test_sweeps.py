@@ -1,0 +1,212 @@
+"""Sweeps and launchers without SLURM: local sweeps write summaries and survive failed jobs, Optuna
+searches tell failures as failed trials, runs plot their curves, and torchrun spans two "nodes" on one
+machine (static and c10d rendezvous), with every mismatch one sentence on every node."""
+
+from __future__ import annotations
+
+import csv
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import PYTHON, ROOT, assert_ok, local_env, run_dirs, train
+
+pytestmark = pytest.mark.slow
+
+QUICK = ("experiment=quickstart", "trainer.max_epochs=1", "extras.print_config=false")
+
+
+def _summary(log_dir: Path) -> tuple[Path, list[dict[str, str]]]:
+    (sweep,) = (log_dir / "train" / "multiruns").iterdir()
+    with open(sweep / "summary.csv", newline="") as file:
+        return sweep, list(csv.DictReader(file))
+
+
+def test_a_local_sweep_survives_a_failed_job_and_summarises(tmp_path: Path):
+    result = train(tmp_path, "-m", *QUICK, "model.optimizer.lr=0.003,-1,0.01")
+    assert_ok(result)
+    sweep, rows = _summary(tmp_path)
+    assert [(r["job"], r["status"]) for r in rows] == [
+        ("0", "completed"),
+        ("1", "failed"),
+        ("2", "completed"),
+    ]
+    assert rows[0]["overrides"] == "model.optimizer.lr=0.003" and rows[0]["metric"] == "val/acc"
+    assert float(rows[0]["value"]) > 0 and rows[1]["value"] == ""
+    assert "model.optimizer.lr=-1 is not a positive number" in rows[1]["error"]
+    assert (sweep / "summary.png").stat().st_size > 1000
+    curves = sweep / "0" / "curves.png"  # every run plots its curves, and says where
+    assert curves.is_file() and f"curves: {curves}" in result.stdout
+
+    redrawn = subprocess.run(
+        [PYTHON, "scripts/plot.py", str(sweep / "2")],
+        cwd=ROOT,
+        env=local_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert redrawn.returncode == 0 and Path(redrawn.stdout.strip()) == sweep / "2" / "curves.png"
+
+
+def test_an_optuna_search_tells_its_trials_and_keeps_its_study(tmp_path: Path):
+    result = train(tmp_path, "-m", "hparams_search=quickstart_optuna", "hydra.sweeper.n_trials=3", *QUICK)
+    assert_ok(result)
+    sweep, rows = _summary(tmp_path)
+    assert len(rows) == 3 and all(r["status"] == "completed" for r in rows)
+    best = yaml.safe_load((sweep / "optuna_best.yaml").read_text())
+    assert best["completed"] == 3 and best["direction"] == "maximize"
+    assert best["value"] == pytest.approx(max(float(r["value"]) for r in rows))
+    assert set(best["params"]) == {"model.optimizer.lr", "data.batch_size", "model.net.dropout"}
+    assert (tmp_path / "train" / "optuna.db").is_file()  # the study outlives the process (SQLite)
+
+
+def test_a_failed_trial_is_reported_not_fatal(tmp_path: Path):
+    bad_space = (
+        "++hydra.sweeper.params={model.optimizer.lr:{type:categorical,choices:[-1.0]}}"  # every trial fails
+    )
+    result = train(
+        tmp_path, "-m", "hparams_search=quickstart_optuna", "hydra.sweeper.n_trials=2", bad_space, *QUICK
+    )
+    assert_ok(result)
+    assert result.stdout.count("failed (no value); the study goes on") == 2
+    sweep, rows = _summary(tmp_path)
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert yaml.safe_load((sweep / "optuna_best.yaml").read_text())["completed"] == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_nodes(commands: list[list[str]], timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
+    """Start one command per "node" at once (each as a user would type it), wait for both."""
+    processes = [
+        subprocess.Popen(
+            command, cwd=ROOT, env=local_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for command in commands
+    ]
+    outputs = [p.communicate(timeout=timeout)[0] for p in processes]
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, out)
+        for p, out in zip(processes, outputs, strict=True)
+    ]
+
+
+def _printed_commands(*args: str) -> list[list[str]]:
+    printed = subprocess.run(
+        [PYTHON, "scripts/torchrun_command.py", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    torchrun = str(Path(PYTHON).with_name("torchrun"))
+    return [[torchrun, *line.split()[1:]] for line in printed.splitlines() if line.startswith("torchrun ")]
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_torchrun_trains_one_model_across_two_nodes(tmp_path: Path, rendezvous: str):
+    flags = ["--c10d"] if rendezvous == "c10d" else []
+    commands = _printed_commands(
+        "--nodes",
+        "2",
+        "--cpu",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "--run-id",
+        f"two-{rendezvous}",
+        *flags,
+        "--",
+        *QUICK,
+        f"paths.log_dir={tmp_path}",
+    )
+    if rendezvous == "c10d":
+        assert len(commands) == 1  # the same command on every node
+        commands = commands * 2
+    results = _two_nodes(commands)
+    for result in results:
+        assert_ok(result)
+    (run,) = run_dirs(tmp_path)  # one run, one run dir, named after the run id
+    assert run.name == f"torchrun-two-{rendezvous}"
+    attempt = yaml.safe_load((run / "run.yaml").read_text())["attempts"][0]
+    assert (attempt["launcher"], attempt["world_size"]) == ("torchrun", 2)
+    assert sum("processes: 2 (process group backend: gloo)" in r.stdout for r in results) == 1
+
+
+def test_the_issues_torchrun_command_without_a_run_id_works(tmp_path: Path):
+    port = str(_free_port())
+    torchrun = str(Path(PYTHON).with_name("torchrun"))
+    commands = [
+        [
+            torchrun,
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={rank}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            "src/train.py",
+            "trainer=ddp_cpu",
+            "trainer.num_nodes=2",
+            "trainer.devices=1",
+            *QUICK,
+            f"paths.log_dir={tmp_path}",
+        ]
+        for rank in (0, 1)
+    ]
+    for result in _two_nodes(commands):
+        assert_ok(result)
+    assert [r.name for r in run_dirs(tmp_path)] == ["torchrun-none"]
+
+
+def test_a_torchrun_mismatch_is_one_sentence_on_every_node(tmp_path: Path):
+    commands = _printed_commands(
+        "--nodes",
+        "2",
+        "--cpu",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "--",
+        *QUICK,
+        f"paths.log_dir={tmp_path}",
+    )
+    wrong = [[*c[:-1], c[-1], "trainer.devices=2"] for c in commands]  # the trainer expects 2 per node
+    started = time.monotonic()
+    results = _two_nodes(wrong, timeout=120)
+    assert time.monotonic() - started < 60
+    for result in results:
+        assert result.returncode != 0
+        assert (
+            "error: trainer.devices=2 but torchrun starts 1 processes per node (--nproc-per-node=1)"
+            in result.stdout
+        )
+
+
+def test_a_sweep_under_torchrun_is_refused(tmp_path: Path):
+    torchrun = str(Path(PYTHON).with_name("torchrun"))
+    result = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node=1",
+            "src/train.py",
+            "-m",
+            *QUICK,
+            "model.optimizer.lr=0.1,0.01",
+            f"paths.log_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=local_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "error: a sweep (-m) under torchrun would run every point in every worker" in result.stdout
