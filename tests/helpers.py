@@ -126,3 +126,53 @@ def write_mnist_raw(
     (raw / "t10k-images-idx3-ubyte").write_bytes(_idx_images(images[test_idx]))
     (raw / "t10k-labels-idx1-ubyte").write_bytes(_idx_labels(targets[test_idx]))
     return raw
+
+
+def write_cifar10_batches(data_dir: Path, per_batch: int = 1100, test_size: int = 200) -> Path:
+    """Write CIFAR-10's python-pickle batches (data_batch_1..5, test_batch, batches.meta) with images a
+    model can learn from: each class a colour and a stripe orientation, plus noise."""
+    import pickle
+
+    rng = np.random.default_rng(0)
+    folder = data_dir / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def batch(n: int, label: str) -> dict:
+        labels = rng.integers(0, 10, n)
+        colours = np.array([[i * 25, 255 - i * 25, (i * 70) % 255] for i in range(10)], dtype=np.float64)
+        images = np.empty((n, 3, 32, 32))
+        for k, cls in enumerate(labels):
+            period = 2 + cls % 4
+            rows, cols = np.arange(32)[:, None], np.arange(32)[None, :]
+            pattern = (
+                (rows // period % 2) * np.ones((1, 32))
+                if cls < 5
+                else (cols // period % 2) * np.ones((32, 1))
+            )
+            images[k] = colours[cls][:, None, None] * (0.5 + 0.5 * pattern)[None]
+        images += rng.normal(0, 20, images.shape)
+        data = np.clip(images, 0, 255).astype(np.uint8).reshape(n, -1)
+        return {
+            b"batch_label": label.encode(),
+            b"labels": labels.tolist(),
+            b"data": data,
+            b"filenames": [b"x.png"] * n,
+        }
+
+    for i in range(1, 6):
+        (folder / f"data_batch_{i}").write_bytes(pickle.dumps(batch(per_batch, f"training batch {i} of 5")))
+    (folder / "test_batch").write_bytes(pickle.dumps(batch(test_size, "testing batch 1 of 1")))
+    names = [
+        b"airplane",
+        b"automobile",
+        b"bird",
+        b"cat",
+        b"deer",
+        b"dog",
+        b"frog",
+        b"horse",
+        b"ship",
+        b"truck",
+    ]
+    (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": names, b"num_vis": 3072}))
+    return folder

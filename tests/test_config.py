@@ -66,6 +66,24 @@ def compatible_pairs() -> list[tuple[str, str]]:
 PAIRS = compatible_pairs()
 
 
+def _net(*overrides: str) -> str | None:
+    return OmegaConf.select(compose("train", list(overrides)), "model.net._target_")
+
+
+def partners(group: str, option: str) -> list[str]:
+    """What an option is composed with: text data with a text model, a net inside a model that uses it."""
+    if group == "data":
+        model = next((m for m, d in PAIRS if d == option), None)
+        return [f"model={model}"] if model else []
+    if group == "model":
+        data = next((d for m, d in PAIRS if m == option), None)
+        return [f"data={data}"] if data else []
+    if group == "model/net":
+        owner = next((m for m in options("model") if _net(f"model={m}") == _net(f"model/net={option}")), None)
+        return [f"model={owner}", f"model/net={option}", *partners("model", owner)] if owner else []
+    return []
+
+
 def test_the_object_graph_has_its_groups():
     assert {g for g, _ in OPTIONS} == set(GROUPS)
     assert ("experiment", "quickstart") in OPTIONS and ("trainer", "ddp_cpu") in OPTIONS
@@ -83,6 +101,7 @@ def test_every_model_fits_some_data():
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path: Path, data_dir: Path):
     overrides = [] if group == "hydra" else [f"{group}={option}"]
+    overrides += partners(group, option)
     if group == "trainer" and option in NEEDS_HARDWARE:
         overrides += ["trainer.accelerator=cpu", "trainer.devices=1"]
     cfg = compose_train(tmp_path, data_dir, *overrides)

@@ -168,7 +168,7 @@ def preflight(
             "plain python process on one machine; submit with `sbatch --nodes="
             f"{nodes} slurm/train.sbatch` (or use torchrun --nnodes={nodes}), or pass trainer.num_nodes=1."
         )
-    if accelerator in GPU_ACCELERATORS and per_node is not None:
+    if accelerator in GPU_ACCELERATORS:
         _check_gpus(env, per_node, kind)
 
 
@@ -237,14 +237,16 @@ def one_gpu_per_task(env: Mapping[str, str] | None = None) -> bool:
     return launcher(env) == SLURM and visible_gpus(env) == 1 and tasks_per_node > 1
 
 
-def _check_gpus(env: Mapping[str, str], per_node: int, kind: str) -> None:
+def _check_gpus(env: Mapping[str, str], devices: int | None, kind: str) -> None:
+    """`devices` None: auto, which needs at least one GPU."""
     visible = visible_gpus(env)
+    per_node = devices if devices is not None else 1
     if visible is None or visible >= per_node:
         return
     shown = f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}"
     if visible == 0:
         raise UserError(
-            f"trainer.accelerator=gpu with trainer.devices={per_node} but this process sees no GPU "
+            f"trainer.accelerator=gpu with trainer.devices={devices or 'auto'} but this process sees no GPU "
             f"({shown}); request GPUs (e.g. --gres=gpu:{per_node}) or train on CPU with trainer=ddp_cpu."
         )
     if kind == SLURM and visible == 1:

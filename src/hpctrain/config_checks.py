@@ -58,6 +58,11 @@ def _check_precision(cfg: DictConfig) -> None:
     precision = str(_value(cfg, "trainer.precision"))
     accelerator = str(_value(cfg, "trainer.accelerator") or "auto")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and cluster.visible_gpus() == 0)
+    if str(_value(cfg, "trainer.strategy")) == "fsdp" and (on_cpu or accelerator == "mps"):
+        raise UserError(
+            f"trainer.strategy=fsdp with trainer.accelerator={accelerator}: Lightning's FSDP runs on GPUs only; "
+            "train on GPUs (trainer=fsdp), or use DDP on CPU (trainer=ddp_cpu)."
+        )
     if on_cpu and precision in ("16", "16-mixed"):
         raise UserError(
             f"trainer.precision={precision} needs a GPU: on CPU, Lightning would silently train in bf16-mixed "

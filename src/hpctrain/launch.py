@@ -9,11 +9,12 @@ job's sweep subdir. `HydraDDPStrategy` starts them with exactly this job's overr
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 from lightning_fabric.plugins.environments import SLURMEnvironment
-from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from hpctrain import watchdog
@@ -103,18 +104,26 @@ class OneGPUPerTaskSLURMEnvironment(SLURMEnvironment):
         return None
 
 
-class HydraDDPStrategy(DDPStrategy):
-    """Lightning's DDP ("ddp", not "ddp_spawn") with a Hydra-aware launcher for local ranks."""
+class _HydraLaunched:
+    """For strategies that start local ranks by re-running the script: start them as this Hydra job."""
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        if type(self._launcher) is _SubprocessScriptLauncher:  # type: ignore[has-type]
+            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)  # type: ignore[attr-defined]
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         # the world size, not devices x nodes: with one GPU per task the trainer has devices=1 per process
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": self.world_size, "rank": self.global_rank}  # type: ignore[attr-defined]
 
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher:
-            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+class HydraFSDPStrategy(_HydraLaunched, FSDPStrategy):
+    """Lightning's FSDP (sharded parameters, gradients and optimizer states) with the Hydra-aware launcher."""
+
+
+class HydraDDPStrategy(_HydraLaunched, DDPStrategy):
+    """Lightning's DDP ("ddp", not "ddp_spawn") with a Hydra-aware launcher for local ranks."""
 
 
 def end_distributed_job(trainer, completed: bool = True) -> None:
@@ -134,6 +143,8 @@ def end_distributed_job(trainer, completed: bool = True) -> None:
         dist.destroy_process_group()
     launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
     if isinstance(launcher, HydraJobLauncher) and launcher.procs:
+        if not completed:  # a failed job of a sweep: its local ranks must not outlive it
+            launcher.kill(signal.SIGKILL)
         for proc in launcher.procs:
             proc.wait(timeout=120)
         for key in _LAUNCH_ENV:

@@ -59,6 +59,9 @@ KEYS: tuple[Key, ...] = (
         "last",
         "start from this checkpoint (last: the newest last.ckpt of this task's runs)",
     ),
+    Key("compile", {"type": "boolean"}, "true or false", "true", "torch.compile the model's networks"),
+    Key("compile_backend", {"type": "string"}, "a torch.compile backend", "inductor"),
+    Key("channels_last", {"type": "boolean"}, "true or false", "true", "channels-last memory order for CNNs"),
     Key("monitor.metric", {"type": ["string", "null"]}, "a metric name the model logs", "val/acc"),
     Key(
         "monitor.mode",

@@ -1,0 +1,38 @@
+"""A callback that shows what a language model writes: a short sample after each validation, on rank 0."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from pytorch_lightning import Callback, LightningModule, Trainer
+
+log = logging.getLogger(__package__.split(".")[0])
+
+
+class TextSample(Callback):
+    """Log `length` bytes generated from `prompt` after every validation (not the sanity check).
+
+    The sampling draws random numbers; they come from a forked generator state, so a run resumed from a
+    checkpoint draws exactly what the uninterrupted run draws (its RNG state is the checkpoint's).
+    """
+
+    def __init__(
+        self, prompt: str = "def ", length: int = 200, temperature: float = 0.8, top_k: int | None = 40
+    ) -> None:
+        self.prompt, self.length, self.temperature, self.top_k = prompt, length, temperature, top_k
+        self.last: str | None = None
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        net = pl_module.net
+        was_training = net.training
+        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            net.eval()
+            start = torch.tensor([list(self.prompt.encode())], device=pl_module.device)
+            out = net.generate(start, self.length, temperature=self.temperature, top_k=self.top_k)
+        net.train(was_training)
+        self.last = bytes(out[0].tolist()).decode(errors="replace")
+        log.info("sample after epoch %d:\n%s", trainer.current_epoch, self.last)
