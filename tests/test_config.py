@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from hpctrain import build
 from hpctrain.config import CONF_DIR, compose
 from hpctrain.config_checks import check_config
+from hpctrain.errors import UserError
 from hpctrain.schema import PRECISIONS
 from tests.helpers import compose_train
 
@@ -105,6 +106,11 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
     if group == "trainer" and option in NEEDS_HARDWARE:
         overrides += ["trainer.accelerator=cpu", "trainer.devices=1"]
     cfg = compose_train(tmp_path, data_dir, *overrides)
+    if (group, option) == ("trainer", "fsdp"):  # Lightning's FSDP needs GPUs: on CPU, one sentence
+        with pytest.raises(UserError, match="Lightning's FSDP runs on GPUs only"):
+            check_config(cfg)
+        assert type(build.strategy(cfg.trainer, cfg.dist)).__name__ == "HydraFSDPStrategy"
+        return
     check_config(cfg)
     if group in ("trainer", "callbacks", "debug", "extras"):
         trainer = build.trainer(cfg, tmp_path, logger=False)
