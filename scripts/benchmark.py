@@ -35,6 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 PYTHON = sys.executable
+# models whose steps take a second on a CPU core: a few steps per epoch are enough to compare
+SMALL_SAMPLES = {"resnet18": 128 * 6}
+IMAGE_SHAPES = {"resnet18": "[3,32,32]"}
 
 
 # ---------------------------------------------------------------- worker (all variants in one process)
@@ -62,6 +65,7 @@ class Setup:
         overrides = [
             f"model={model}",
             "data=random",
+            f"data.image_shape={IMAGE_SHAPES.get(model, '[1,28,28]')}",
             f"data.num_samples={samples}",
             f"data.val_samples={2 * batch_size}",
             f"data.test_samples={batch_size}",
@@ -272,7 +276,7 @@ def _launch(model: str, world: int, args: argparse.Namespace) -> dict[str, float
         "--model",
         model,
         "--samples",
-        str(args.samples),
+        str(SMALL_SAMPLES.get(model, args.samples) if not args.tiny else args.samples),
         "--batch-size",
         str(args.batch_size),
         "--epochs",
@@ -328,6 +332,70 @@ def throughput(args: argparse.Namespace) -> list[dict]:
             )
             results.append(row)
     return results
+
+
+def data_pipeline(batch_size: int, batches: int) -> dict:
+    """Training batches per second of CIFAR-shaped data (no model): the template's pipeline (uint8 in
+    memory, one index per batch, random crop + flip + normalise on whole batches) against the common
+    per-sample one (PIL images, torchvision's RandomCrop, RandomHorizontalFlip, ToTensor, Normalize in a
+    Dataset, with a DataLoader at its best num_workers for this machine), in this process."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torch.utils.data import DataLoader, Dataset
+    from torchvision import transforms
+
+    from hpctrain.data.cifar import CIFAR10DataModule, random_crop_and_flip
+    from hpctrain.data.loading import TensorDataset, make_loader
+
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (batch_size * batches, 3, 32, 32), dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, 10, (len(images),), generator=generator)
+    mean, std = CIFAR10DataModule.default_mean, CIFAR10DataModule.default_std
+    normaliser = CIFAR10DataModule(data_dir="unused", mean=mean, std=std)
+
+    def ours() -> float:
+        loader = make_loader(TensorDataset(images, labels), batch_size, shuffle=True, seed=0)
+        started = time.perf_counter()
+        for x, _ in loader:
+            normaliser.normalise(random_crop_and_flip(x, 4, True))
+        return batches / (time.perf_counter() - started)
+
+    hwc = images.permute(0, 2, 3, 1).contiguous().numpy()
+
+    class PerSample(Dataset):
+        transform = transforms.Compose(
+            [
+                transforms.RandomCrop(32, padding=4),
+                transforms.RandomHorizontalFlip(),
+                transforms.ToTensor(),
+                transforms.Normalize(mean, std),
+            ]
+        )
+
+        def __len__(self) -> int:
+            return len(hwc)
+
+        def __getitem__(self, index: int):
+            return self.transform(Image.fromarray(np.asarray(hwc[index]))), int(labels[index])
+
+    def theirs(workers: int) -> float:
+        loader = DataLoader(PerSample(), batch_size=batch_size, shuffle=True, num_workers=workers)
+        started = time.perf_counter()
+        for _ in loader:
+            pass
+        return batches / (time.perf_counter() - started)
+
+    template = statistics.median(ours() for _ in range(3))
+    per_workers = {w: theirs(w) for w in (0, 1, 2, os.cpu_count() or 2) if w <= (os.cpu_count() or 2)}
+    best = max(per_workers, key=per_workers.get)
+    return {
+        "batch_size": batch_size,
+        "template_batches_per_s": round(template, 1),
+        "torchvision_batches_per_s": round(per_workers[best], 1),
+        "torchvision_num_workers": best,
+        "ratio": round(template / per_workers[best], 1),
+    }
 
 
 def import_cost(module: str, repeats: int) -> float:
@@ -387,7 +455,13 @@ def first_step_seconds(repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["mlp", "mnist_cnn"], choices=["mlp", "mnist_cnn"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["mlp", "mnist_cnn", "resnet18"],
+        choices=["mlp", "mnist_cnn", "resnet18"],
+    )
+    parser.add_argument("--skip-data-pipeline", action="store_true", help="leave out the data-pipeline row")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
     parser.add_argument(
         "--samples", type=int, default=128 * 160, help="training samples per epoch (all processes)"
@@ -424,6 +498,15 @@ def main() -> None:
         flush=True,
     )
     results = throughput(args)
+    pipeline = None
+    if not args.skip_data_pipeline:
+        pipeline = data_pipeline(args.batch_size, 8 if args.tiny else 40)
+        print(
+            f"data pipeline, CIFAR-10 training batches of {pipeline['batch_size']} per second (no model): template"
+            f" {pipeline['template_batches_per_s']:.0f}, torchvision per-sample {pipeline['torchvision_batches_per_s']:.1f}"
+            f" (num_workers={pipeline['torchvision_num_workers']}): {pipeline['ratio']:.1f}x",
+            flush=True,
+        )
     report = {
         "results": results,
         "help_s": round(help_s, 3),
@@ -431,6 +514,7 @@ def main() -> None:
         "import_hydra_s": round(import_hydra, 3),
         "first_step_s": round(first_step, 2),
         "import_lightning_s": round(import_lightning, 2),
+        "data_pipeline": pipeline,
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -209,3 +209,14 @@ def test_prepare_data_covers_every_dataset(data: str, data_dir: Path):
     result = subprocess.run(command, cwd=ROOT, env=local_env(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "samples ready" in result.stdout
+
+
+def test_every_augmented_image_is_a_crop_of_its_padded_image_maybe_mirrored():
+    import torch.nn.functional as F
+
+    images = torch.randint(0, 256, (16, 3, 8, 8), dtype=torch.uint8)
+    out = random_crop_and_flip(images, 2, True)
+    padded = F.pad(images, (2, 2, 2, 2))
+    for k in range(len(images)):
+        candidates = [padded[k, :, y : y + 8, x : x + 8] for y in range(5) for x in range(5)]
+        assert any(torch.equal(out[k], c) or torch.equal(out[k], c.flip(2)) for c in candidates)
