@@ -22,6 +22,7 @@ measured: wall time and peak RSS of `python src/train.py --help`, and how long a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -499,7 +500,7 @@ def main() -> None:
     )
     results = throughput(args)
     pipeline = None
-    if not args.skip_data_pipeline:
+    if not args.skip_data_pipeline and importlib.util.find_spec("hpctrain.data.cifar") is not None:
         pipeline = data_pipeline(args.batch_size, 8 if args.tiny else 40)
         print(
             f"data pipeline, CIFAR-10 training batches of {pipeline['batch_size']} per second (no model): template"

@@ -14,6 +14,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+# A project generated without the examples (copier's `examples` question) has no MNIST, CIFAR-10 or text
+# data and no example models; the few tests with a case for them leave it out there.
+EXAMPLES = (ROOT / "conf" / "data" / "mnist.yaml").is_file()
 
 
 LAUNCH_VARS = (

@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PYTHON, ROOT, assert_ok, local_env, run_dirs, run_entry, train, write_mnist_raw
+from tests.helpers import (
+    EXAMPLES,
+    PYTHON,
+    ROOT,
+    assert_ok,
+    local_env,
+    run_dirs,
+    run_entry,
+    train,
+    write_mnist_raw,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -73,8 +83,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def cases(w: dict[str, Path]) -> dict[str, Case]:
     run = w["run"]
-    mnist = ("data=mnist", "data.download=false", "trainer=cpu")
-    return {
+    return dataset_cases(w) | {
         "unknown key": Case(
             ("trainer.max_epoch=3",), ("trainer.max_epoch is not a config key", "trainer.max_epochs=3")
         ),
@@ -173,6 +182,23 @@ def cases(w: dict[str, Path]) -> dict[str, Case]:
         "run dir not writable": Case(
             ("hydra.run.dir=/proc/not-here",), ("/proc/not-here", "directory you can write")
         ),
+        "torchrun processes vs devices": Case(
+            ("trainer=ddp_cpu",),
+            ("trainer.devices=2 but torchrun starts 1 processes per node (--nproc-per-node=1)",),
+            command=(PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"),
+        ),
+        "plain python on several nodes": Case(
+            ("trainer.num_nodes=2",), ("trainer.num_nodes=2 needs a launcher",)
+        ),
+    }
+
+
+def dataset_cases(w: dict[str, Path]) -> dict[str, Case]:
+    """Bad dataset files (MNIST's, from the examples)."""
+    if not EXAMPLES:
+        return {}
+    mnist = ("data=mnist", "data.download=false", "trainer=cpu")
+    return {
         "missing dataset offline": Case(
             (*mnist, f"paths.data_dir={w['empty_data']}"),
             ("MNIST is not in", "scripts/prepare_data.py data=mnist"),
@@ -190,14 +216,6 @@ def cases(w: dict[str, Path]) -> dict[str, Case]:
         "val_size too large": Case(
             (*mnist, f"paths.data_dir={w['mnist_data']}", "data.val_size=999999"),
             ("data.val_size=999999 must be between 0 and the 5600 training images",),
-        ),
-        "torchrun processes vs devices": Case(
-            ("trainer=ddp_cpu",),
-            ("trainer.devices=2 but torchrun starts 1 processes per node (--nproc-per-node=1)",),
-            command=(PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"),
-        ),
-        "plain python on several nodes": Case(
-            ("trainer.num_nodes=2",), ("trainer.num_nodes=2 needs a launcher",)
         ),
     }
 

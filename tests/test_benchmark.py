@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, ROOT, local_env
+from tests.helpers import EXAMPLES, PYTHON, ROOT, local_env
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,11 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
     assert 0 < report["help_s"] < 30 and 0 < report["help_peak_rss_mb"] < 2000
     assert 0 < report["import_hydra_s"] < 30 and 0 < report["import_lightning_s"] < 60
     assert 0 < report["first_step_s"] < 120
-    pipeline = report["data_pipeline"]
-    assert pipeline["template_batches_per_s"] > 0 and pipeline["torchvision_batches_per_s"] > 0
-    assert pipeline["ratio"] == pytest.approx(
-        pipeline["template_batches_per_s"] / pipeline["torchvision_batches_per_s"], rel=0.05
-    )
+    pipeline = report["data_pipeline"] or {}
+    assert not EXAMPLES or pipeline  # the row needs the CIFAR-10 datamodule of the examples
+    if pipeline:
+        assert pipeline["template_batches_per_s"] > 0 and pipeline["torchvision_batches_per_s"] > 0
+        assert pipeline["ratio"] == pytest.approx(
+            pipeline["template_batches_per_s"] / pipeline["torchvision_batches_per_s"], rel=0.05
+        )
     assert "template/lightning" in result.stdout  # the printed table

@@ -10,9 +10,7 @@ import torch
 from pytorch_lightning import Callback
 
 from hpctrain.data.digits import DigitsDataModule
-from hpctrain.data.images import DataUnavailable
 from hpctrain.data.loading import ShardedBatchSampler, TensorDataset, make_loader
-from hpctrain.data.mnist import FashionMNISTDataModule, MNISTDataModule
 from hpctrain.data.synthetic import RandomDataModule
 
 
@@ -85,36 +83,6 @@ def test_digits_look_like_mnist():
     assert train.images[:, :, :4].max() == 0  # a 4-pixel empty border, as in MNIST
     images, _ = datamodule.on_after_batch_transfer(next(iter(datamodule.train_dataloader())), 0)
     assert images.dtype == torch.float32 and abs(float(images.mean())) < 0.5
-
-
-@pytest.mark.parametrize("cls", [MNISTDataModule, FashionMNISTDataModule])
-def test_mnist_reads_torchvision_raw_files(cls, mnist_dir: Path):
-    datamodule = cls(data_dir=str(mnist_dir), download=False, val_size=100, batch_size=50)
-    datamodule.check_available()
-    datamodule.setup()
-    train, val, test = datamodule.splits
-    assert (len(train), len(val), len(test)) == (5500, 100, 200)
-    assert set(test.labels.tolist()) == set(range(10))
-
-
-def test_missing_mnist_names_the_path_and_the_fix(tmp_path: Path):
-    datamodule = MNISTDataModule(data_dir=str(tmp_path), download=False)
-    with pytest.raises(DataUnavailable) as err:
-        datamodule.check_available()
-    message = str(err.value)
-    assert str(tmp_path / "MNIST" / "raw") in message and "scripts/prepare_data.py data=mnist" in message
-    assert "\n" not in message
-
-
-def test_truncated_mnist_is_reported_not_raised(tmp_path: Path, mnist_dir: Path):
-    import shutil
-
-    shutil.copytree(mnist_dir / "MNIST", tmp_path / "MNIST")
-    images = tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte"
-    images.write_bytes(images.read_bytes()[:5000])
-    with pytest.raises(DataUnavailable) as err:
-        MNISTDataModule(data_dir=str(tmp_path), download=False).check_available()
-    assert "corrupt or truncated" in str(err.value) and "\n" not in str(err.value)
 
 
 class _FlippingData(RandomDataModule):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 from pathlib import Path
 
@@ -76,27 +75,6 @@ def test_wrong_type_is_one_sentence(tmp_path: Path):
     assert "trainer.max_epochs='ten' is not an integer" in message
     message = _one_sentence_error(train(tmp_path, *DIGITS, "data.batch_size=0"))
     assert "data.batch_size=0 is not a positive integer" in message
-
-
-def test_missing_dataset_on_an_offline_node_is_one_sentence(tmp_path: Path):
-    empty = tmp_path / "empty"
-    message = _one_sentence_error(
-        train(tmp_path, "data=mnist", f"paths.data_dir={empty}", "data.download=false")
-    )
-    assert (
-        f"MNIST is not in {empty}/MNIST/raw" in message
-        and "python scripts/prepare_data.py data=mnist" in message
-    )
-
-
-def test_missing_dataset_without_internet_fails_at_once(tmp_path: Path):
-    try:
-        socket.create_connection(("ossci-datasets.s3.amazonaws.com", 443), timeout=3).close()
-        pytest.skip("this machine can download MNIST")
-    except OSError:
-        pass
-    message = _one_sentence_error(train(tmp_path, "data=mnist", f"paths.data_dir={tmp_path / 'empty'}"))
-    assert "cannot reach its download mirrors" in message
 
 
 def test_missing_checkpoint_is_one_sentence(tmp_path: Path):
