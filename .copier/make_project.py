@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "logs", "data"}
+SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
+SKIP_TOP = {"logs", "data", "outputs", "multirun"}  # a run's outputs and datasets, at the project's root
 
 
 def token(name: str) -> re.Pattern[str]:
@@ -34,7 +35,8 @@ def replacements(old: str, new: str) -> list[tuple[re.Pattern[str], str]]:
 def files(root: Path) -> list[Path]:
     found = []
     for path in root.rglob("*"):
-        if any(part in SKIP_DIRS for part in path.relative_to(root).parts):
+        parts = path.relative_to(root).parts
+        if parts[0] in SKIP_TOP or any(part in SKIP_DIRS for part in parts):
             continue
         found.append(path)
     return found
