@@ -52,4 +52,3 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(reason)
     yield cluster
     cluster.stop()
-
