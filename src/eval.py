@@ -44,7 +44,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         from hpctrain.evaluation import config_from_checkpoint
         from hpctrain.requeue import Interrupted, requeue_and_wait
 
-        cfg = config_from_checkpoint(cfg, checkpoint, HydraConfig.get().overrides.task)
+        cfg = config_from_checkpoint(cfg, checkpoint, outputs.task_overrides(HydraConfig.get()))
         check_config(cfg)
         console.apply_extras(cfg)
         build.configure_process(cfg)
@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         if cluster.is_rank_zero():
             hydra_cfg = HydraConfig.get()
             outputs.write_run_record(
-                cfg, run_dir, list(hydra_cfg.overrides.task), ROOT, run.trainer.world_size, hydra_cfg
+                cfg, run_dir, outputs.task_overrides(hydra_cfg), ROOT, run.trainer.world_size, hydra_cfg
             )
         completed = False
         try:

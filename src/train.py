@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> float | None:
 def train(cfg: DictConfig) -> float | None:
     run_dir = HydraConfig.get().runtime.output_dir
     metric = cfg.monitor.metric if "monitor" in cfg else None
-    overrides = list(HydraConfig.get().overrides.task)
+    overrides = outputs.task_overrides(HydraConfig.get())
     recorded = outputs.outcome_recorded(run_dir, metric, overrides)  # outcome.yaml, read by sweep summaries
     with reported_as_one_sentence(), watchdog.failures_reported(), recorded as outcome:
         # 1. Preflight: config types, launcher vs trainer topology, the run dir and where to start. No torch yet.

@@ -17,7 +17,7 @@ from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from hpctrain import watchdog
+from hpctrain import outputs, watchdog
 
 # Hydra flags that are not overrides but choose the config; children need them too.
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
@@ -61,7 +61,7 @@ def child_command() -> tuple[list[str], str]:
     else:
         command = [sys.executable, to_absolute_path(sys.argv[0])]
     command += _config_flags(sys.argv[1:])
-    command += list(hydra_cfg.overrides.task)
+    command += outputs.task_overrides(hydra_cfg)
     command += [o for o in hydra_cfg.overrides.hydra if not o.lstrip("+~").startswith(_PARENT_ONLY)]
     output_dir = hydra_cfg.runtime.output_dir.replace("\\", "\\\\").replace('"', '\\"')
     command += [f'hydra.run.dir="{output_dir}"', "hydra.output_subdir=null"]

@@ -60,6 +60,12 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any]:
         ) from err
 
 
+def task_overrides(hydra_cfg: DictConfig) -> list[str]:
+    """The command line's overrides as typed. Read without resolving: in Hydra's config an override such as
+    `model.num_classes=${data.n_classes}` is a string OmegaConf would try to resolve there, and fail."""
+    return [str(o) for o in OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)]
+
+
 @dataclass(frozen=True)
 class StartPoint:
     checkpoint: Path | None
