@@ -74,6 +74,8 @@ class CheckpointOnSignal(Callback):
                 self._group = dist.group.WORLD
             else:
                 self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        if self.every is None and self._group is None:
+            self.every = 1  # one process: a check reads a flag and needs no collective, so check every step
 
     def _agree(self, *values: float) -> list[float]:
         """The largest of each value over all ranks: the recorded signal first, then any measurements."""
