@@ -122,6 +122,11 @@ class LocalSlurmCluster:
         self._wait_until_idle(timeout_s)
 
     def stop(self) -> None:
+        # Cancel what is left (a failed test's jobs) first: slurmstepd outlives the daemons otherwise.
+        self.run("scancel", "--user", "root")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and self.run("squeue", "-h").stdout.strip():
+            time.sleep(0.5)
         for pid_file in self.root.glob("*.pid"):
             with contextlib.suppress(ValueError, ProcessLookupError):
                 os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
@@ -189,6 +194,9 @@ SlurmctldHost={host}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job may start again cred_expire s after it stopped (default 120); releasing it sooner
+# races the nodes' revoked credential ("Job credential revoked", the job fails).
+AuthInfo=cred_expire=10
 CredType=cred/munge
 SlurmctldPort={ctld_port}
 StateSaveLocation={root}/state

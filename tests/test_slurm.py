@@ -157,18 +157,15 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
         time.sleep(0.2)
     assert slurm_cluster.run("scancel", "--signal=USR1", interrupted).returncode == 0
-    # Slurm holds a requeued job about two minutes (Reason=BeginTime); release it as soon as it is held.
+    # The requeued job starts again once the nodes' credential for it expires (10 s on the test cluster).
     deadline = time.monotonic() + 180
-    updates = []
     while True:
         info = slurm_cluster.job(interrupted)
         if info.get("Restarts") == "1" and info.get("JobState") in ("RUNNING", "COMPLETED"):
             break  # running again (or done)
-        if info.get("Restarts") == "1" and info.get("Reason") == "BeginTime":
-            update = slurm_cluster.run("scontrol", "update", f"JobId={interrupted}", "StartTime=now")
-            updates.append((update.returncode, update.stderr.strip()))
         state = {k: info.get(k) for k in ("JobState", "Reason", "Restarts", "StartTime")}
-        assert time.monotonic() < deadline, (state, updates[-3:], _output(tmp_path, interrupted)[-2000:])
+        assert time.monotonic() < deadline, (state, _output(tmp_path, interrupted)[-2000:])
+        assert info.get("JobState") != "FAILED", (state, _output(tmp_path, interrupted)[-2000:])
         time.sleep(1)
 
     for job in (interrupted, reference):

@@ -161,11 +161,8 @@ def test_a_preempted_slurm_launcher_job_resumes_and_finishes(slurm_cluster, tmp_
     job = logs[0].name.split("_0_log")[0]  # <array>_<task>
     assert slurm_cluster.run("scancel", "--signal=USR1", job).returncode == 0
     deadline = time.monotonic() + 240
-    while launching.poll() is None:  # SLURM holds a requeued job ~2 minutes; release it
-        info = slurm_cluster.job(job)
-        if info.get("Restarts") == "1" and info.get("Reason") == "BeginTime":
-            slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
-        assert time.monotonic() < deadline
+    while launching.poll() is None:  # the requeued job starts again ~10 s later, then finishes
+        assert time.monotonic() < deadline, slurm_cluster.job(job)
         time.sleep(1)
     output = launching.stdout.read()
     assert launching.returncode == 0, output[-3000:]
