@@ -89,7 +89,9 @@ def drop_examples(root: Path, old: str) -> None:
             for path in root.glob(str(candidate.relative_to(root))):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     for config in (root / "conf" / "train.yaml", root / "conf" / "eval.yaml"):
-        config.write_text(re.sub(r"^(\s*- data:) mnist$", r"\1 digits", config.read_text(), flags=re.MULTILINE))
+        config.write_text(
+            re.sub(r"^(\s*- data:) mnist$", r"\1 digits", config.read_text(), flags=re.MULTILINE)
+        )
     readme = root / "README.md"
     if readme.is_file():  # sections about the examples: <!-- examples --> ... <!-- /examples -->
         text = re.sub(r"<!-- examples -->.*?<!-- /examples -->\n?", "", readme.read_text(), flags=re.DOTALL)
@@ -100,9 +102,17 @@ def set_metadata(root: Path, project_name: str, author: str, description: str) -
     pyproject = root / "pyproject.toml"
     text = pyproject.read_text()
     if description:
-        text = re.sub(r'^description = ".*"$', f"description = {description!r}".replace("'", '"'), text, count=1, flags=re.M)
+        text = re.sub(
+            r'^description = ".*"$',
+            f"description = {description!r}".replace("'", '"'),
+            text,
+            count=1,
+            flags=re.M,
+        )
     if author and "authors =" not in text:
-        text = re.sub(r"^(license = .*)$", rf'\1\nauthors = [{{ name = "{author}" }}]', text, count=1, flags=re.M)
+        text = re.sub(
+            r"^(license = .*)$", rf'\1\nauthors = [{{ name = "{author}" }}]', text, count=1, flags=re.M
+        )
     pyproject.write_text(text)
     readme = root / "README.md"
     if readme.is_file():
@@ -120,10 +130,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--author", default="")
     parser.add_argument("--description", default="")
     parser.add_argument("--examples", default="true", help="false: keep only what quickstart needs")
-    parser.add_argument("--operation", default="copy", help="copier's: copy (a new project: git init) or update")
+    parser.add_argument(
+        "--operation", default="copy", help="copier's: copy (a new project: git init) or update"
+    )
     args = parser.parse_args(argv)
     if not re.fullmatch(r"[a-z_][a-z0-9_]*", args.package):
-        parser.error(f"--package={args.package} is not a Python package name (lower case, digits, underscores)")
+        parser.error(
+            f"--package={args.package} is not a Python package name (lower case, digits, underscores)"
+        )
     root = Path.cwd()
     if args.examples.lower() in ("false", "no", "0"):
         drop_examples(root, args.old)
@@ -136,8 +150,17 @@ def main(argv: list[str]) -> int:
         subprocess.run(["git", "init", "-q"], check=True)
         subprocess.run(["git", "add", "-A"], check=True)
         subprocess.run(
-            ["git", "-c", "user.name=copier", "-c", "user.email=copier@localhost", "commit", "-q", "-m",
-             f"Start {args.project_name} from the template"],
+            [
+                "git",
+                "-c",
+                "user.name=copier",
+                "-c",
+                "user.email=copier@localhost",
+                "commit",
+                "-q",
+                "-m",
+                f"Start {args.project_name} from the template",
+            ],
             check=True,
         )
     return 0
