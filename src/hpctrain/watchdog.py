@@ -122,6 +122,10 @@ def stop() -> None:
     watchdog = _state["watchdog"]
     if watchdog is not None:
         watchdog.stop()
+        # Wait for it to leave its store request: a thread still inside the store's C++ code when the
+        # process group is destroyed, or when the interpreter exits, can abort the process.
+        if watchdog is not threading.current_thread():
+            watchdog.join(timeout=POLL_S + 5)
         _state["watchdog"] = None
 
 
