@@ -1,4 +1,4 @@
-# Sourced by slurm/train.sbatch and slurm/sweep.sbatch, in the project root, before anything runs:
+# Sourced by slurm/train.sbatch, slurm/sweep.sbatch and the jobs of hydra/launcher=slurm before anything runs:
 # your site's modules, your environment, and settings every job needs.
 
 # ---- load modules and activate your environment here ---------------------------------------------
@@ -8,6 +8,8 @@ if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ] && [ -f .venv/bin/act
     source .venv/bin/activate
 fi
 
+# A wandb-core service named by the submitting shell (a notebook's, on the login node) is not this job's.
+unset WANDB_SERVICE
 export PYTHONFAULTHANDLER=1                                  # stack traces on crashes and hangs
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"  # a failed collective ends the job

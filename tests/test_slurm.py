@@ -146,6 +146,9 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         "--",
         *overrides,
         cwd=ROOT,
+        # Submitted from a shell whose wandb service (a notebook's, on the login node) the job cannot
+        # reach: the job must start its own (slurm/site.sh), or wandb.init fails on the compute node.
+        env={"WANDB_SERVICE": "3-1-unix-/nonexistent/login-node-wandb.sock"},
     )
     assert submitted.returncode == 0, submitted.stderr
     interrupted = submitted.stdout.strip().split()[-1]

@@ -43,11 +43,14 @@ GPU_ACCELERATORS = ("gpu", "cuda")
 TOPOLOGY = ("trainer.num_nodes", "trainer.devices", "trainer.accelerator", "trainer")
 
 
-def setup_lines() -> list[str]:
-    """The first node's name and a port free on it, exported before srun, as slurm/train.sbatch does."""
+def setup_lines(root_dir: str | None) -> list[str]:
+    """What slurm/train.sbatch does before srun: the site's settings (slurm/site.sh), then the first
+    node's name and a port free on it."""
     python = shlex.quote(sys.executable)
     free_port = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+    site = Path(root_dir or ".") / "slurm" / "site.sh"
     return [
+        *([f"source {shlex.quote(str(site))}"] if site.is_file() else []),
         'export MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}"',
         f'export MASTER_PORT="${{MASTER_PORT:-$({python} -c "{free_port}")}}"',
     ]
@@ -98,7 +101,10 @@ class SlurmLauncher(SubmititSlurmLauncher):
         extra.setdefault("signal", f"{requeue_signal}@90")  # the template's, replacing submitit's USR2
         extra.setdefault("requeue", True)
         params["additional_parameters"] = extra
-        params["setup"] = [*setup_lines(), *(params.get("setup") or [])]
+        params["setup"] = [
+            *setup_lines(OmegaConf.select(self.config, "paths.root_dir")),
+            *(params.get("setup") or []),
+        ]
         self._sweep_dir = str(self.config.hydra.sweep.dir)
 
         folder = params.pop("submitit_folder")
