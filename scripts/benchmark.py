@@ -22,10 +22,12 @@ measured: wall time and peak RSS of `python src/train.py --help`, and how long a
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,6 +64,7 @@ class Setup:
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.gpu else "gloo")
         self.out = tempfile.mkdtemp(prefix="benchmark-")
+        atexit.register(shutil.rmtree, self.out, ignore_errors=True)  # its checkpoints are not wanted
         trainer = ("ddp" if self.gpu else "ddp_cpu") if self.world > 1 else ("gpu" if self.gpu else "cpu")
         overrides = [
             f"model={model}",
