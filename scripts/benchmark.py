@@ -398,7 +398,7 @@ def data_pipeline(batch_size: int, batches: int) -> dict:
         "template_batches_per_s": round(template, 1),
         "torchvision_batches_per_s": round(per_workers[best], 1),
         "torchvision_num_workers": best,
-        "ratio": round(template / per_workers[best], 1),
+        "ratio": round(template / per_workers[best], 3),
     }
 
 

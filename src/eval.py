@@ -69,3 +69,4 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
 if __name__ == "__main__":
     main()
+    watchdog.exit_if_finished_worker()  # ranks > 0 skip the C++ destructors that can abort at exit

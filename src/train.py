@@ -96,3 +96,4 @@ def train(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     main()
+    watchdog.exit_if_finished_worker()  # ranks > 0 skip the C++ destructors that can abort at exit

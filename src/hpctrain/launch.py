@@ -140,6 +140,8 @@ def end_distributed_job(trainer, completed: bool = True) -> None:
     if dist.is_available() and dist.is_initialized():
         if completed and trainer is not None:
             trainer.strategy.barrier("end_of_run")
+            if dist.get_rank() > 0:
+                watchdog.finished_worker()
         dist.destroy_process_group()
     launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
     if isinstance(launcher, HydraJobLauncher) and launcher.procs:

@@ -44,7 +44,7 @@ STORE_LOST = "rank 0's process, which serves the job's store, stopped answering 
 POLL_S = 1.0
 LOST_AFTER = 3  # consecutive failed polls of the store before concluding rank 0's process is gone
 
-_state: dict[str, Any] = {"watchdog": None, "children": [], "stopping": False}
+_state: dict[str, Any] = {"watchdog": None, "children": [], "stopping": False, "finished_worker": False}
 
 
 def _rank() -> int:
@@ -254,3 +254,23 @@ def failures_reported() -> Iterator[None]:
         traceback.print_exc()
         note_failure(err)
         _exit(f"error: {_state.pop('verdict')}")
+
+
+def finished_worker() -> None:
+    """Called on a rank other than 0 once its run completed and the final barrier passed."""
+    _state["finished_worker"] = True
+
+
+def exit_if_finished_worker() -> None:
+    """A rank other than 0 whose run completed leaves with os._exit(0), after flushing its output.
+
+    It has nothing left to write (rank 0 writes every file, and the final barrier has passed), and a
+    normal interpreter exit runs C++ destructors that, rarely and only under load, abort a process
+    after its process group was destroyed ("terminate called without an active exception", seen on
+    gloo with torch 2.14): srun or torchrun would then fail a job that trained fine.
+    """
+    if _state["finished_worker"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
