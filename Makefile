@@ -18,8 +18,10 @@ install: $(VENV)/.installed
 train: install
 	$(PYTHON) src/train.py experiment=quickstart
 
+# Two xdist workers: most tests are real processes that spend seconds importing torch, so two run side
+# by side; every Slurm test goes to one worker (tests/conftest.py), which starts the local cluster once.
 test: install
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n 2 --dist loadgroup
 
 lint: install
 	$(VENV)/bin/ruff check .

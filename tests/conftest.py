@@ -28,6 +28,14 @@ def mnist_dir(data_dir: Path) -> Path:
     return data_dir
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) every test that uses the
+    Slurm cluster runs in one worker: the cluster's node names and ports exist once per machine."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
     """A real two-node Slurm cluster (slurmctld + slurmd node1, node2) for the whole session.

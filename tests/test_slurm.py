@@ -127,8 +127,8 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
     overrides = (
         "trainer=ddp_cpu",
         "data=digits",
-        "data.batch_size=8",
-        "trainer.max_epochs=3",
+        "data.batch_size=16",
+        "trainer.max_epochs=2",
         "callbacks.progress.log_every_n_s=0",
         "trainer.log_every_n_steps=1",  # every step's loss is compared, and every step is a logging step
         "logger=[csv,mlflow,wandb]",  # the requeued job must continue the same MLflow and W&B runs
@@ -156,7 +156,7 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
 
     # Signal as the time limit would, once the job is well into its second epoch.
     deadline = time.monotonic() + 240
-    while "epoch 1/3  step 20/" not in _output(tmp_path, interrupted):
+    while "epoch 1/2  step 10/" not in _output(tmp_path, interrupted):
         assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
         time.sleep(0.2)
     assert slurm_cluster.run("scancel", "--signal=USR1", interrupted).returncode == 0
@@ -189,7 +189,7 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
     # The checkpoint was taken mid-epoch, and the resumed run continued from there in the same run dir.
     loops = torch.load(requeue_ckpt, map_location="cpu", weights_only=True)["loops"]["fit_loop"]
     done_in_epoch = loops["epoch_loop.batch_progress"]["current"]["processed"]
-    assert 0 < done_in_epoch < 79, done_in_epoch  # 629 digits / 8 per batch per rank = 79 batches
+    assert 0 < done_in_epoch < 40, done_in_epoch  # 629 digits / 16 per batch per rank = 40 batches
     attempts = yaml.safe_load((resumed / "run.yaml").read_text())["attempts"]
     assert [a["slurm_restart_count"] for a in attempts] == [0, 1]
 
@@ -210,7 +210,7 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
     client = MlflowClient(tracking_uri=f"sqlite:///{resumed}/mlflow.db")
     (mlflow_run,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
     steps = [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")]
-    assert len(steps) == len(set(steps)) == 3 * 79  # every step of both attempts, once
+    assert len(steps) == len(set(steps)) == 2 * 40  # every step of both attempts, once
     wandb_runs = list((resumed / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and len({r.name.rsplit("-", 1)[-1] for r in wandb_runs}) == 1
 

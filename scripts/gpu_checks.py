@@ -1,0 +1,102 @@
+"""The checks that need a GPU machine (none ran on the development machine, which has no GPU).
+
+    python scripts/gpu_checks.py            # on a machine with 1+ NVIDIA GPUs; writes gpu_checks.json
+
+1. Host-device synchronisation: a few training and validation steps of the template's classifier with
+   `torch.cuda.set_sync_debug_mode("warn")`, counting the synchronising calls each step makes.
+2. Precisions: one batch of fit and test in 32-true, bf16-mixed, 16-mixed, bf16-true (fast_dev_run).
+3. DDP over nccl with every GPU of the machine (when there are 2+): a real `python src/train.py` run.
+Then run `python scripts/benchmark.py` there for the GPU benchmark table.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def synchronising_calls(out: Path) -> dict[str, int]:
+    """Each place that synchronised the host with the GPU during training steps 5-14 and one
+    validation, with how often: what the template could avoid is then plain to see."""
+    import torch
+    from pytorch_lightning import Callback
+
+    from hpctrain import build
+    from hpctrain.config import compose
+
+    overrides = [
+        "data=random",
+        "model=mnist_cnn",
+        "trainer=gpu",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=1000",
+        "trainer.limit_train_batches=20",
+        "trainer.limit_val_batches=5",
+        "trainer.num_sanity_val_steps=0",
+        f"paths.output_dir={out}",
+        f"paths.log_dir={out}",
+    ]
+    cfg = compose("train", overrides)
+
+    class Window(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            torch.cuda.set_sync_debug_mode("warn" if 5 <= batch_idx < 15 else "default")
+
+        def on_validation_start(self, trainer, pl_module):
+            torch.cuda.set_sync_debug_mode("warn")
+
+        def on_validation_end(self, trainer, pl_module):
+            torch.cuda.set_sync_debug_mode("default")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = build.trainer(cfg, out, logger=False)
+        trainer.callbacks.append(Window())
+        trainer.fit(build.model(cfg), build.datamodule(cfg))
+    places: dict[str, int] = {}
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            place = f"{Path(warning.filename).name}:{warning.lineno}"
+            places[place] = places.get(place, 0) + 1
+    return places
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA GPU here; run this on a GPU machine.", file=sys.stderr)
+        return 2
+    report: dict = {"gpus": torch.cuda.device_count(), "name": torch.cuda.get_device_name(0)}
+    with tempfile.TemporaryDirectory() as tmp:
+        report["synchronising calls in 10 training steps and a validation"] = synchronising_calls(Path(tmp))
+        train = [
+            sys.executable,
+            "src/train.py",
+            "data=random",
+            "model=mnist_cnn",
+            f"paths.log_dir={tmp}",
+            "debug=fdr",
+        ]
+        for precision in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
+            result = subprocess.run([*train, "trainer=gpu", f"trainer.precision={precision}"], cwd=ROOT)
+            report[f"precision {precision}"] = result.returncode == 0
+        if torch.cuda.device_count() > 1:
+            result = subprocess.run(
+                [*train, "trainer=ddp", f"trainer.devices={torch.cuda.device_count()}"], cwd=ROOT
+            )
+            report["ddp nccl"] = result.returncode == 0
+    (ROOT / "gpu_checks.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
