@@ -7,10 +7,13 @@ PYTHON := $(VENV)/bin/python
 
 # The exact versions the template was tested with come from uv.lock (pyproject.toml keeps the ranges):
 # uv installs them several times faster than pip. --inexact keeps uv itself in the venv.
+# --compile-bytecode writes the .pyc files at install time, as pip does: where PYTHONDONTWRITEBYTECODE
+# is set (many CI images and clusters), every process would otherwise compile torch again, twice the
+# startup time (5.6 s -> 12.7 s for `import pytorch_lightning` here).
 $(VENV)/.installed: pyproject.toml uv.lock
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip uv
-	UV_PROJECT_ENVIRONMENT=$(VENV) $(VENV)/bin/uv sync --quiet --frozen --inexact --extra dev --extra loggers
+	UV_PROJECT_ENVIRONMENT=$(VENV) $(VENV)/bin/uv sync --quiet --frozen --inexact --extra dev --extra loggers --compile-bytecode
 	touch $@
 
 install: $(VENV)/.installed
