@@ -236,3 +236,38 @@ def test_node_local_log_dir_fails_fast(slurm_cluster, tmp_path: Path):
         in output
     )
     assert "Traceback" not in output and "Epoch 0" not in output
+
+
+def test_srun_torchrun_with_one_task_per_node_trains_one_model(slurm_cluster, tmp_path: Path):
+    """slurm/README's `srun torchrun` form, exactly as `scripts/torchrun_command.py --srun` prints it,
+    as a batch script: one task per node, each a torchrun agent; one run dir named after the job."""
+    printed = slurm_cluster.run(
+        PYTHON,
+        "scripts/torchrun_command.py",
+        "--nodes=2",
+        "--cpu",
+        "--processes-per-node=1",
+        "--srun",
+        "--",
+        "data=digits",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=10",
+        "callbacks.progress.log_every_n_s=0",
+        "extras.print_config=false",
+        f"paths.log_dir={tmp_path}",
+        cwd=ROOT,
+    )
+    assert printed.returncode == 0, printed.stderr
+    lines = [line for line in printed.stdout.splitlines() if line and not line.startswith("#")]
+    script = tmp_path / "torchrun.sbatch"
+    script.write_text("#!/bin/bash\nsource slurm/site.sh\n" + "\n".join(lines) + "\n")
+    job = _submit(slurm_cluster, tmp_path, *CPU_JOB, "--job-name=torchrun", str(script))
+    info = slurm_cluster.wait(job, timeout_s=300)
+    output = _output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED", output[-4000:]
+    runs = tmp_path / "train" / "runs"
+    assert [p.name for p in runs.iterdir()] == [f"torchrun-{job}"]  # both nodes' ranks in one run dir
+    record = yaml.safe_load((runs / f"torchrun-{job}" / "run.yaml").read_text())
+    (attempt,) = record["attempts"]
+    assert attempt["launcher"] == "torchrun" and attempt["world_size"] == 2, attempt
+    assert 0 <= last_value(read_metrics(runs / f"torchrun-{job}"), "test/acc") <= 1
