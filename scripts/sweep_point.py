@@ -8,12 +8,12 @@ tasks is not the grid's size is refused with one sentence (it would skip points 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from hpctrain.cluster import array_task
 from hpctrain.errors import UserError, reported_as_one_sentence
 from hpctrain.sweeps.grid import expand
 
@@ -21,10 +21,8 @@ from hpctrain.sweeps.grid import expand
 def main(argv: list[str]) -> None:
     with reported_as_one_sentence():
         jobs = expand(argv)
-        task = int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
-        tasks = int(os.environ.get("SLURM_ARRAY_TASK_COUNT", str(len(jobs))))
-        first, last = os.environ.get("SLURM_ARRAY_TASK_MIN", "0"), os.environ.get("SLURM_ARRAY_TASK_MAX", "?")
-        if tasks != len(jobs) or first != "0":
+        task, tasks, first, last = array_task()
+        if tasks not in (None, len(jobs)) or first != "0":
             raise UserError(
                 f"the sweep grid has {len(jobs)} point(s) but the job array has {tasks} task(s) "
                 f"(--array={first}-{last}); submit with --array=0-{len(jobs) - 1} "

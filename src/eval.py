@@ -36,7 +36,8 @@ def main(cfg: DictConfig) -> dict[str, float]:
         signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)
         checkpoint = outputs.existing_checkpoint(cfg.get("ckpt_path"))
         cluster.preflight(cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator)
-        run_dir = HydraConfig.get().runtime.output_dir
+        hydra_cfg = HydraConfig.get()
+        run_dir, overrides = hydra_cfg.runtime.output_dir, outputs.task_overrides(hydra_cfg)
         if cluster.is_rank_zero():
             outputs.check_writable(run_dir)
 
@@ -44,17 +45,14 @@ def main(cfg: DictConfig) -> dict[str, float]:
         from hpctrain.evaluation import config_from_checkpoint
         from hpctrain.requeue import Interrupted, requeue_and_wait
 
-        cfg = config_from_checkpoint(cfg, checkpoint, outputs.task_overrides(HydraConfig.get()))
+        cfg = config_from_checkpoint(cfg, checkpoint, overrides)
         check_config(cfg)
         console.apply_extras(cfg)
         build.configure_process(cfg)
         run = build.run_objects(cfg, run_dir, training=False)
         checkpointing.check_matches_model(checkpoint, run.model)
         if cluster.is_rank_zero():
-            hydra_cfg = HydraConfig.get()
-            outputs.write_run_record(
-                cfg, run_dir, outputs.task_overrides(hydra_cfg), ROOT, run.trainer.world_size, hydra_cfg
-            )
+            outputs.write_run_record(cfg, run_dir, overrides, ROOT, run.trainer.world_size, hydra_cfg)
         completed = False
         try:
             run.trainer.test(run.model, run.datamodule, ckpt_path=str(checkpoint), weights_only=True)

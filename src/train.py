@@ -35,9 +35,10 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def train(cfg: DictConfig) -> float | None:
-    run_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
     metric = cfg.monitor.metric if "monitor" in cfg else None
-    overrides = outputs.task_overrides(HydraConfig.get())
+    overrides = outputs.task_overrides(hydra_cfg)
     recorded = outputs.outcome_recorded(run_dir, metric, overrides)  # outcome.yaml, read by sweep summaries
     with reported_as_one_sentence(), watchdog.failures_reported(), recorded as outcome:
         # 1. Preflight: config types, launcher vs trainer topology, the run dir and where to start. No torch yet.
@@ -62,7 +63,6 @@ def train(cfg: DictConfig) -> float | None:
         if start.checkpoint is not None:
             checkpointing.check_matches_model(start.checkpoint, run.model)
         if cluster.is_rank_zero():
-            hydra_cfg = HydraConfig.get()
             outputs.write_run_record(cfg, run_dir, overrides, ROOT, run.trainer.world_size, hydra_cfg)
             outputs.remove_partial_saves(run_dir)
             build.log_hyperparameters(run.trainer, cfg)

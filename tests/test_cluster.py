@@ -130,3 +130,14 @@ def test_the_network_line_names_each_backends_interface_and_warns_of_loopback():
         "gloo uses GLOO_SOCKET_IFNAME=ib0; nccl uses NCCL_SOCKET_IFNAME=ib0" in chosen
         and "warning" not in chosen
     )
+
+
+def test_array_task_reads_slurms_array_variables():
+    env = {
+        "SLURM_ARRAY_TASK_ID": "3",
+        "SLURM_ARRAY_TASK_COUNT": "4",
+        "SLURM_ARRAY_TASK_MIN": "0",
+        "SLURM_ARRAY_TASK_MAX": "3",
+    }
+    assert cluster.array_task(env) == (3, 4, "0", "3")
+    assert cluster.array_task({}) == (0, None, "0", "?")  # outside an array: the grid's first point

@@ -73,6 +73,19 @@ def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
     return env.get("SLURM_JOB_ID")
 
 
+def array_task(env: Mapping[str, str] | None = None) -> tuple[int, int | None, str, str]:
+    """This job array task's index, the array's number of tasks (None outside an array), and its first
+    and last index as SLURM names them (`0` and `?` outside an array)."""
+    env = _env(env)
+    count = env.get("SLURM_ARRAY_TASK_COUNT")
+    return (
+        int(env.get("SLURM_ARRAY_TASK_ID", "0")),
+        int(count) if count is not None else None,
+        env.get("SLURM_ARRAY_TASK_MIN", "0"),
+        env.get("SLURM_ARRAY_TASK_MAX", "?"),
+    )
+
+
 def restart_count(env: Mapping[str, str] | None = None) -> int:
     """How many times SLURM has requeued and restarted this job (0 on the first attempt)."""
     return int(_env(env).get("SLURM_RESTART_COUNT", "0") or 0)

@@ -10,7 +10,13 @@ import torch
 from pytorch_lightning import LightningDataModule
 from torch import Tensor
 
-from hpctrain.data.loading import ResumableDataLoader, TensorDataset, make_loader
+from hpctrain.data.loading import (
+    ResumableDataLoader,
+    TensorDataset,
+    make_loader,
+    pin_memory_default,
+    tensors_to_device,
+)
 from hpctrain.errors import UserError
 
 
@@ -111,16 +117,9 @@ class ImageDataModule(LightningDataModule):
             shuffle=shuffle,
             seed=self.seed,
             num_workers=self.num_workers,
-            pin_memory=self._pin_memory(),
+            pin_memory=pin_memory_default(self.pin_memory, self.trainer),
             split=("train", "val", "test")[index],
         )
-
-    def _pin_memory(self) -> bool:
-        """`pin_memory: null` means: pinned when the trainer runs on CUDA GPUs (faster, asynchronous copies)."""
-        if self.pin_memory is not None:
-            return bool(self.pin_memory)
-        trainer = self.trainer
-        return trainer is not None and trainer.strategy.root_device.type == "cuda"
 
     def train_dataloader(self) -> ResumableDataLoader:
         return self._loader(0, shuffle=True)
@@ -132,12 +131,8 @@ class ImageDataModule(LightningDataModule):
         return self._loader(2, shuffle=False)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        # Lightning's generic transfer walks the batch structure on every step; ours is two tensors.
-        if isinstance(batch, (tuple, list)) and all(isinstance(t, Tensor) for t in batch):
-            if device.type == "cpu":
-                return batch
-            return type(batch)(t.to(device, non_blocking=True) for t in batch)
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        moved = tensors_to_device(batch, device)
+        return moved if moved is not None else super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
         images, labels = batch

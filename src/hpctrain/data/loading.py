@@ -142,6 +142,23 @@ class ResumableDataLoader(DataLoader):
         self._resume = {"epoch": int(state["epoch"]), "batches": int(state["batches"])}
 
 
+def pin_memory_default(setting: bool | None, trainer: Any) -> bool:
+    """`pin_memory: null` means: pinned when the trainer runs on CUDA GPUs (faster, asynchronous copies)."""
+    if setting is not None:
+        return bool(setting)
+    return trainer is not None and trainer.strategy.root_device.type == "cuda"
+
+
+def tensors_to_device(batch: Any, device: Any) -> Any:
+    """A tuple or list of tensors on `device` (None for any other batch): Lightning's generic transfer
+    walks the batch structure on every step, and these batches are a few tensors."""
+    if not (isinstance(batch, (tuple, list)) and all(isinstance(t, Tensor) for t in batch)):
+        return None
+    if device.type == "cpu":
+        return batch
+    return type(batch)(t.to(device, non_blocking=True) for t in batch)
+
+
 def make_loader(
     dataset: Dataset,
     batch_size: int,

@@ -35,10 +35,6 @@ class MNISTDataModule(DownloadedImageDataModule):
     def files_dir(self) -> Path:
         return self.data_dir / self.name / "raw"
 
-    @property
-    def raw_dir(self) -> Path:
-        return self.files_dir
-
     def file_names(self) -> list[str]:
         return [Path(url).with_suffix("").name for url, _ in self.dataset_class.resources]
 

@@ -27,7 +27,7 @@ from pytorch_lightning import LightningDataModule
 from torch import Tensor
 
 from hpctrain.data.images import DataUnavailable
-from hpctrain.data.loading import ResumableDataLoader, make_loader
+from hpctrain.data.loading import ResumableDataLoader, make_loader, pin_memory_default, tensors_to_device
 from hpctrain.errors import UserError
 
 log = logging.getLogger(__package__.split(".")[0])
@@ -128,9 +128,16 @@ class StdlibTextDataModule(LightningDataModule):
         self.fractions = (val_fraction, test_fraction)
         self.num_workers, self.pin_memory, self.seed, self.stdlib = num_workers, pin_memory, seed, stdlib
         self.splits: tuple[Windows, Windows, Windows] | None = None
+        self._corpus: tuple[bytes, list[str], list[str]] | None = None
+
+    def corpus(self) -> tuple[bytes, list[str], list[str]]:
+        """stdlib_corpus(), read once: the preflight check and setup both need it."""
+        if self._corpus is None:
+            self._corpus = stdlib_corpus(self.stdlib)
+        return self._corpus
 
     def check_available(self) -> None:
-        _, used, _ = stdlib_corpus(self.stdlib)
+        _, used, _ = self.corpus()
         if len(used) < len(STDLIB_FILES) / 2:
             raise DataUnavailable(
                 f"only {len(used)} of the {len(STDLIB_FILES)} standard-library files of the text corpus match "
@@ -141,7 +148,7 @@ class StdlibTextDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits is not None:
             return
-        raw, used, skipped = stdlib_corpus(self.stdlib)
+        raw, used, skipped = self.corpus()
         if skipped and self.trainer is not None and self.trainer.is_global_zero:
             log.info(
                 "text corpus: %d stdlib files, %d skipped (missing or changed): %s",
@@ -169,16 +176,13 @@ class StdlibTextDataModule(LightningDataModule):
         if self.splits is None:
             self.setup()
         assert self.splits is not None
-        pin = self.pin_memory
-        if pin is None:
-            pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         return make_loader(
             self.splits[index],
             self.batch_size,
             shuffle=index == 0,
             seed=self.seed,
             num_workers=self.num_workers,
-            pin_memory=pin,
+            pin_memory=pin_memory_default(self.pin_memory, self.trainer),
             split=("train", "val", "test")[index],
         )
 
@@ -192,6 +196,5 @@ class StdlibTextDataModule(LightningDataModule):
         return self._loader(2)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        if device.type == "cpu":
-            return batch
-        return tuple(t.to(device, non_blocking=True) for t in batch)
+        moved = tensors_to_device(batch, device)
+        return moved if moved is not None else super().transfer_batch_to_device(batch, device, dataloader_idx)

@@ -35,11 +35,11 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, se
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf, open_dict, read_write
 
+from hpctrain.cluster import GPU_ACCELERATORS
 from hpctrain.errors import UserError
 
 log = logging.getLogger(__package__.split(".")[0])
 
-GPU_ACCELERATORS = ("gpu", "cuda")
 TOPOLOGY = ("trainer.num_nodes", "trainer.devices", "trainer.accelerator", "trainer")
 
 
@@ -140,13 +140,10 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 job.paths.stdout,
                 " ".join(filter_overrides(overrides)),
             )
-        return [
-            self._result(job, params, number)
-            for (_, _, number, _, _), job in zip(job_params, jobs, strict=True)
-        ]
+        return [self._result(job, number) for (_, _, number, _, _), job in zip(job_params, jobs, strict=True)]
 
     @staticmethod
-    def _result(job: Any, params: dict[str, Any], number: int) -> JobReturn:
+    def _result(job: Any, number: int) -> JobReturn:
         """The job's return, or a failed JobReturn saying why (a dead job must not end the sweep)."""
         try:
             return job.results()[0]

@@ -24,8 +24,9 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name))
 
 
-def _overrides(run_dir: Path) -> list[str]:
-    for record in (outputs.read_run_record(run_dir), outputs.read_outcome(run_dir)):
+def _overrides(run_dir: Path, *records: dict[str, Any]) -> list[str]:
+    """The job's overrides: from its run.yaml or outcome.yaml, else from Hydra's own record."""
+    for record in records:
         if record.get("overrides") is not None:
             return [str(o) for o in record["overrides"]]
     hydra_record = run_dir / ".hydra" / "overrides.yaml"
@@ -38,13 +39,13 @@ def rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """One row per job, and the keys whose values differ between jobs (what was swept)."""
     found = []
     for run_dir in job_dirs(sweep_dir):
-        outcome = outputs.read_outcome(run_dir)
-        attempts = outputs.read_run_record(run_dir).get("attempts") or [{}]
+        outcome, record = outputs.read_outcome(run_dir), outputs.read_run_record(run_dir)
+        attempts = record.get("attempts") or [{}]
         found.append(
             {
                 "job": int(run_dir.name),
                 "status": outcome.get("status") or ("running" if attempts != [{}] else "not started"),
-                "overrides": _overrides(run_dir),
+                "overrides": _overrides(run_dir, record, outcome),
                 "metric": outcome.get("metric") or "",
                 "value": outcome.get("value") if outcome.get("value") is not None else "",
                 "run_dir": str(run_dir),
@@ -65,10 +66,10 @@ def rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return found, varying
 
 
-def write_summary(sweep_dir: str | Path) -> tuple[Path, Path | None]:
+def write_summary(
+    sweep_dir: Path, table: list[dict[str, Any]], varying: list[str]
+) -> tuple[Path, Path | None]:
     """Write <sweep dir>/summary.csv (and summary.png when some job has a value); return their paths."""
-    sweep_dir = Path(sweep_dir)
-    table, varying = rows(sweep_dir)
     csv_path = sweep_dir / "summary.csv"
     with open(csv_path, "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS)
@@ -82,8 +83,8 @@ def write_summary(sweep_dir: str | Path) -> tuple[Path, Path | None]:
 
 def report(sweep_dir: str | Path) -> None:
     """Write the summary and log one line per job: status, value, where its run dir and log are."""
-    csv_path, png = write_summary(sweep_dir)
-    table, _ = rows(Path(sweep_dir))
+    table, varying = rows(Path(sweep_dir))
+    csv_path, png = write_summary(Path(sweep_dir), table, varying)
     for row in table:
         value = f"{row['metric']}={row['value']:.4g}" if isinstance(row["value"], float) else "no value"
         where = row["run_dir"] + (f", log {row['slurm_log']}" if row["slurm_log"] else "")
