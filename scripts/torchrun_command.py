@@ -42,6 +42,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _launcher(words: list[str]) -> str:
+    """torchrun and its flags for a shell line: a `$VARIABLE` in a flag stays for the node's shell to expand
+    (double quotes; shlex would single-quote it into a literal). The training overrides are quoted with
+    shlex.join, as Hydra's `${...}` interpolations must reach Hydra unexpanded."""
+    return " ".join(f'"{w}"' if "$" in w else shlex.quote(w) for w in words)
+
+
 def commands(args: argparse.Namespace) -> list[str]:
     per_node = args.processes_per_node if args.cpu else args.gpus_per_node
     run_id = args.run_id or time.strftime("%Y%m%d-%H%M%S")
@@ -57,33 +64,27 @@ def commands(args: argparse.Namespace) -> list[str]:
         f"trainer.devices={per_node}",
         *args.overrides,
     ]
-    common = [f"--nnodes={args.nodes}", f"--nproc-per-node={per_node}", f"--rdzv-id={run_id}"]
+    sizes = [f"--nnodes={args.nodes}", f"--nproc-per-node={per_node}"]
+    common = [*sizes, f"--rdzv-id={run_id}"]
     endpoint = f"{args.master_addr}:{args.master_port}"
     if args.srun:
         # the run id is the SLURM job id, so a requeued job finds its run dir; the shell expands both names
-        launcher = [f"--nnodes={args.nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d"]
-        line = shlex.join(["torchrun", *launcher, *train]).replace(
+        rendezvous = [
             "--rdzv-backend=c10d",
-            f'--rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" --rdzv-endpoint="$MASTER_ADDR:{args.master_port}"',
-        )
+            "--rdzv-id=$SLURM_JOB_ID",
+            f"--rdzv-endpoint=$MASTER_ADDR:{args.master_port}",
+        ]
+        line = f"{_launcher(['torchrun', *sizes, *rendezvous])} {shlex.join(train)}"
         return [
             'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
             f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {line}",
         ]
     if args.c10d:
-        launcher = [*common, "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
-        return [shlex.join(["torchrun", *launcher, *train])]
+        launcher = ["torchrun", *common, "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
+        return [f"{_launcher(launcher)} {shlex.join(train)}"]
     return [
-        shlex.join(
-            [
-                "torchrun",
-                *common,
-                f"--node-rank={rank}",
-                f"--master-addr={args.master_addr}",
-                f"--master-port={args.master_port}",
-                *train,
-            ]
-        )
+        f"{_launcher(['torchrun', *common, f'--node-rank={rank}', f'--master-addr={args.master_addr}', f'--master-port={args.master_port}'])}"
+        f" {shlex.join(train)}"
         for rank in range(args.nodes)
     ]
 

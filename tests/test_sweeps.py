@@ -210,3 +210,30 @@ def test_a_sweep_under_torchrun_is_refused(tmp_path: Path):
     )
     assert result.returncode != 0
     assert "error: a sweep (-m) under torchrun would run every point in every worker" in result.stdout
+
+
+@pytest.mark.parametrize("form", ["static", "c10d", "srun"])
+def test_printed_torchrun_lines_leave_variables_to_the_nodes_shell(form: str):
+    """Without --master-addr the lines name $MASTER_ADDR (and $SLURM_JOB_ID under srun) for each node's
+    shell to expand, while a Hydra interpolation in an override reaches Hydra as typed."""
+    flags = {"static": [], "c10d": ["--c10d"], "srun": ["--srun"]}[form]
+    printed = subprocess.run(
+        [PYTHON, "scripts/torchrun_command.py", "--nodes=2", "--cpu", *flags, "--", "tag=${data.name}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    line = next(li for li in printed.splitlines() if "torchrun " in li)
+    script = f'torchrun() {{ printf \'%s\\n\' "$@"; }}; srun() {{ shift 2; "$@"; }}; {line}'
+    env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "10.1.2.3", "SLURM_JOB_ID": "77"}
+    words = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True)
+    words = words.stdout.splitlines()
+    expected = {
+        "static": "--master-addr=10.1.2.3",
+        "c10d": "--rdzv-endpoint=10.1.2.3:29500",
+        "srun": "--rdzv-endpoint=10.1.2.3:29500",
+    }[form]
+    assert expected in words and "tag=${data.name}" in words, words
+    if form == "srun":
+        assert "--rdzv-id=77" in words
