@@ -19,12 +19,12 @@ signals.install_early()  # SLURM's signals are recorded from the first moment (b
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from hpctrain import cluster, console, outputs, watchdog  # noqa: E402
 from hpctrain.config_checks import check_config  # noqa: E402
 from hpctrain.errors import hydra_errors_as_one_sentence, reported_as_one_sentence  # noqa: E402
-from hpctrain.sweeps.jobs import run_job  # noqa: E402
+from hpctrain.sweeps.jobs import in_multirun, run_job  # noqa: E402
 
 hydra_errors_as_one_sentence("train")
 
@@ -39,7 +39,8 @@ def train(cfg: DictConfig) -> float | None:
     run_dir = hydra_cfg.runtime.output_dir
     metric = cfg.monitor.metric if "monitor" in cfg else None
     overrides = outputs.task_overrides(hydra_cfg)
-    recorded = outputs.outcome_recorded(run_dir, metric, overrides)  # outcome.yaml, read by sweep summaries
+    # outcome.yaml, read by sweep summaries
+    recorded = outputs.outcome_recorded(run_dir, metric, overrides, in_sweep=in_multirun())
     with reported_as_one_sentence(), watchdog.failures_reported(), recorded as outcome:
         # 1. Preflight: config types, launcher vs trainer topology, the run dir and where to start. No torch yet.
         if cluster.launcher() == cluster.CHILD:
@@ -60,13 +61,19 @@ def train(cfg: DictConfig) -> float | None:
 
         build.configure_process(cfg)
         run = build.run_objects(cfg, run_dir)
+        resume_note = None
         if start.checkpoint is not None:
             checkpointing.check_matches_model(start.checkpoint, run.model)
+            resume_note = checkpointing.resume_overrides(
+                start.checkpoint, OmegaConf.to_container(cfg.model, resolve=True)
+            )
         if cluster.is_rank_zero():
             outputs.write_run_record(cfg, run_dir, overrides, ROOT, run.trainer.world_size, hydra_cfg)
             outputs.remove_partial_saves(run_dir)
             build.log_hyperparameters(run.trainer, cfg)
             console.log.info(start.describe())
+            if resume_note:
+                console.log.warning(resume_note)
             if run.trainer.world_size > 1:
                 console.log.info(cluster.network_summary(run.trainer.num_nodes))
 
@@ -79,7 +86,7 @@ def train(cfg: DictConfig) -> float | None:
                 if run.preemption is not None:
                     run.preemption.after_fit(run.trainer)
             best = build.best_checkpoint(run.trainer)
-            if cfg.test:
+            if cfg.test and build.can_test(run.model, run.datamodule):
                 run.trainer.test(run.model, run.datamodule, ckpt_path=best, weights_only=True)
 
             # 4. Report where everything went; sweepers get the best value of `monitor.metric`.

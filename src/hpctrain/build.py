@@ -12,7 +12,10 @@ the trainer always gets:
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,20 +24,24 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer
 from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import Logger
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
-from hpctrain import cluster, dispatch, signals
+from hpctrain import cluster, signals
 from hpctrain.callbacks import MonitoredMetric, RankWatchdog, SharedRunDirCheck
 from hpctrain.checkpointing import AtomicCheckpointIO, CheckpointExtras
 from hpctrain.errors import UserError
 from hpctrain.launch import HydraDDPStrategy, HydraFSDPStrategy
 from hpctrain.outputs import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.requeue import CheckpointOnSignal
+
+log = logging.getLogger(__package__)
 
 
 @dataclass
@@ -70,7 +77,39 @@ def run_objects(cfg: DictConfig, run_dir: str | Path, training: bool = True) -> 
 def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
     # _convert_="all": user classes receive plain lists and dicts, not OmegaConf containers, which
     # would be pickled into checkpoints by save_hyperparameters() and then refused by weights_only loading.
-    return instantiate(node, _convert_="all", **kwargs)
+    try:
+        return instantiate(node, _convert_="all", **kwargs)
+    except InstantiationException as err:
+        sentence = _import_failure(err)
+        if sentence is None:
+            raise
+        raise UserError(sentence) from err
+
+
+def _import_failure(err: InstantiationException) -> str | None:
+    """One sentence for a `_target_` that cannot be imported (the usual case: a user's package that
+    is not on the path), instead of Hydra's three chained tracebacks."""
+    cause = err.__cause__
+    found = re.search(r"target '([^']+)'", str(err))
+    if not isinstance(cause, ImportError) or found is None:
+        return None
+    target = found.group(1)
+    module_name, _, name = target.rpartition(".")
+    missing = cause.__cause__ if isinstance(cause.__cause__, ImportError) else cause
+    try:
+        module_found = bool(module_name) and importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):
+        module_found = False
+    if module_found and (missing.name or "").startswith(target):
+        return (
+            f"_target_: {target} cannot be imported: module {module_name} has no {name}; "
+            "check the spelling of the class or function name in the config."
+        )
+    return (
+        f"_target_: {target} cannot be imported ({type(missing).__name__}: {missing}); put the package that "
+        "holds it on PYTHONPATH (PYTHONPATH=/path/to/its/parent python src/train.py ...), install it "
+        "(pip install -e <its project>), or move it into this project's src/ (README: Your own package)."
+    )
 
 
 def datamodule(cfg: DictConfig) -> LightningDataModule:
@@ -139,7 +178,8 @@ def callbacks(
     chosen = _instantiate_group(cfg.get("callbacks"), "callbacks")
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
-    chosen.append(RankWatchdog())
+    timeout_min = (cfg.get("dist") or {}).get("timeout_min", 30)
+    chosen.append(RankWatchdog(timeout_min))
     if training:
         stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data") if k in cfg}
         chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir))]
@@ -152,7 +192,7 @@ def callbacks(
             CheckpointOnSignal(
                 checkpoint_dir(run_dir) / REQUEUE_CHECKPOINT,
                 check_every_n_steps=requeue.check_every_n_steps,
-                timeout_min=(cfg.get("dist") or {}).get("timeout_min", 30),
+                timeout_min=timeout_min,
             )
         )
     return chosen
@@ -176,7 +216,9 @@ def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None) -> Any:
     if chosen == "fsdp":
         return HydraFSDPStrategy(**common)
     if chosen == "ddp" or (chosen == "auto" and _processes(trainer_cfg) not in (None, 1)):
-        return HydraDDPStrategy(**common)
+        # passed on to torch's DistributedDataParallel
+        ddp_options = {k: True for k in ("find_unused_parameters", "static_graph") if dist_cfg.get(k)}
+        return HydraDDPStrategy(**common, **ddp_options)
     return chosen
 
 
@@ -223,7 +265,6 @@ def trainer(cfg: DictConfig, run_dir: str | Path, training: bool = True, **overr
     kwargs.update(overrides)
     built = _instantiate(cfg.trainer, **kwargs)
     signals.take_over_from_lightning(built)
-    dispatch.fast_callback_hooks(built)
     return built
 
 
@@ -236,6 +277,26 @@ def log_hyperparameters(trainer: Trainer, cfg: DictConfig) -> None:
     params["num_processes"] = trainer.world_size
     for logger in trainer.loggers:
         logger.log_hyperparams(params)
+
+
+def can_test(module: LightningModule, data: LightningDataModule) -> bool:
+    """Whether `test=true` can test this model on this data: a module without a test_step (a GAN, say)
+    or data without a test split is not an error, it is said once and the run completes."""
+    missing = [
+        what
+        for what, owner, hook in (
+            ("test_step", module, "test_step"),
+            ("test_dataloader", data, "test_dataloader"),
+        )
+        if not is_overridden(hook, owner)
+    ]
+    if missing and cluster.is_rank_zero():
+        log.info(
+            "no test: the %s has no %s (pass test=false to skip it silently)",
+            "model" if missing[0] == "test_step" else "datamodule",
+            missing[0],
+        )
+    return not missing
 
 
 def best_checkpoint(trainer: Trainer) -> str | None:

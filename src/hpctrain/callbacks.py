@@ -10,6 +10,7 @@ sentence naming the metric, what was logged, and the override that fixes it.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -18,7 +19,10 @@ import pytorch_lightning as pl
 from pytorch_lightning import Callback, LightningModule, Trainer
 
 from hpctrain import cluster, watchdog
+from hpctrain.data.iterable import shares_itself_out
 from hpctrain.errors import UserError
+
+log = logging.getLogger(__package__)
 
 
 class MonitoredMetricMissing(UserError):
@@ -100,7 +104,47 @@ class _CachedStateKey:
 
 
 class ModelCheckpoint(_CachedStateKey, pl.callbacks.ModelCheckpoint):
-    """Lightning's ModelCheckpoint; a monitored metric that is missing after validation is one sentence."""
+    """Lightning's ModelCheckpoint, with `last.ckpt` always the newest state, and a monitored metric that
+    is missing after validation as one sentence.
+
+    pytorch-lightning 2.6 writes `last.ckpt` only in a step where a top-k checkpoint was saved too
+    ("Only save last checkpoint if a checkpoint was actually saved"): with `save_top_k: 1` it is a copy
+    of the best epoch, and `ckpt_path=last` or a restart after a node failure would silently redo every
+    epoch since the last improvement. Here, wherever Lightning considers saving (the end of each
+    validation or training epoch) and when fit ends, `last.ckpt` is brought up to the current step.
+    """
+
+    _last_saved_at: int | None = None  # the global step last.ckpt holds
+
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.save_last:
+            self._last_saved_at = trainer.global_step
+
+    def _bring_last_up_to_date(self, trainer: Trainer) -> None:
+        if (
+            not self.save_last
+            or trainer.fast_dev_run
+            or trainer.sanity_checking
+            or trainer.state.fn != "fit"
+            or self._last_saved_at == trainer.global_step
+        ):
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._bring_last_up_to_date(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._bring_last_up_to_date(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._bring_last_up_to_date(trainer)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any
@@ -144,11 +188,57 @@ class SharedRunDirCheck(Callback):
 
 class RankWatchdog(Callback):
     """Starts `hpctrain.watchdog` once the process group exists; Lightning's exception path (which
-    ends local child ranks itself) is an orderly stop, not a rank failure."""
+    ends local child ranks itself) is an orderly stop, not a rank failure.
+
+    Under DDP it also looks after streams (IterableDatasets), which Lightning does not share out
+    across ranks: one warning for a stream that does not share itself out, and an end to the job,
+    naming the rank, when the ranks' training data runs out after different numbers of batches.
+    """
+
+    def __init__(self, timeout_min: float = 30) -> None:
+        self.timeout_s = 60 * float(timeout_min)  # dist.timeout_min: how long ranks wait for each other
+        self._several = False
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         watchdog.start()
+        self._several = trainer.world_size > 1
+        if stage == "fit":
+            watchdog.follow(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        watchdog.follow(None)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not (self._several and trainer.is_global_zero):
+            return
+        loaders = trainer.train_dataloader
+        for loader in loaders.values() if isinstance(loaders, dict) else _as_list(loaders):
+            dataset = getattr(loader, "dataset", None)
+            if dataset is not None and not shares_itself_out(dataset):
+                log.warning(
+                    "the training set %s is an IterableDataset, which Lightning does not share out across "
+                    "ranks: each of the %d ranks reads all of it, the same samples; wrap it in "
+                    "hpctrain.data.iterable.ShardedIterable, or share it out yourself (stream_share()) and set "
+                    "`shards_across_ranks = True` on its class",
+                    type(dataset).__name__,
+                    trainer.world_size,
+                )
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._several and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            watchdog.note_training_data_end(
+                trainer.current_epoch,
+                trainer.fit_loop.epoch_loop.batch_progress.current.ready,
+                trainer.world_size,
+                self.timeout_s,
+            )
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         watchdog.note_failure(exception)  # now, while the other ranks can still be told
         watchdog.stop()
+
+
+def _as_list(loaders: Any) -> list[Any]:
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]

@@ -123,6 +123,55 @@ def check_matches_model(path: str | Path, module: torch.nn.Module, what: str = "
     )
 
 
+_OPTIMIZER_NODES = ("optimizer", "scheduler", "lr_scheduler")
+_OPTIMIZER_LEAVES = ("lr", "learning_rate", "weight_decay", "momentum", "betas", "eps")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(_flat(value, f"{prefix}{key}."))
+    return flat
+
+
+def _optimizer_keys(flat: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a flattened model config that the optimizer and schedule are built from."""
+    return {
+        key: value
+        for key, value in flat.items()
+        if any(part in _OPTIMIZER_NODES for part in key.split(".")[:-1])
+        or key.rsplit(".", 1)[-1] in _OPTIMIZER_LEAVES
+    }
+
+
+def resume_overrides(path: str | Path, model_cfg: dict[str, Any]) -> str | None:
+    """What resuming from `path` does to the configured optimizer and schedule, in one line (None if
+    nothing): Lightning restores the optimizer and schedulers from the checkpoint, so a value changed on
+    the command line (model.optimizer.lr=...) would otherwise be ignored without a word. An optimizer of
+    another class cannot take the saved state at all: that is refused, in one sentence."""
+    stored = (read(path).get(CONFIG_KEY) or {}).get("model")
+    if not isinstance(stored, dict):
+        return None  # not a checkpoint of this template: nothing to compare with
+    then, now = _optimizer_keys(_flat(stored)), _optimizer_keys(_flat(model_cfg))
+    for key in sorted(k for k in now if k.endswith("_target_") and k in then and then[k] != now[k]):
+        raise UserError(
+            f"ckpt_path={path} was trained with model.{key}={then[key]}, but model.{key}={now[key]} is configured: "
+            "resuming continues the checkpoint's optimizer state, which the other class cannot take; resume with "
+            f"the optimizer it was saved with, or start a new run from its weights: init_from.path={path}."
+        )
+    changed = [k for k in sorted(now) if not k.endswith(("_target_", "_partial_")) and then.get(k) != now[k]]
+    if not changed:
+        return None
+    shown = ", ".join(f"model.{k}={now[k]} (the checkpoint has {then.get(k)})" for k in changed[:4])
+    more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+    return (
+        f"resuming restores the optimizer and schedule saved in {path}, so these configured values are not "
+        f"used: {shown}{more}; to train from its weights with a fresh optimizer, use init_from.path={path} instead."
+    )
+
+
 # ---------------------------------------------------------------------------------------------- adding
 
 
@@ -197,7 +246,8 @@ class CheckpointExtras(Callback):
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self.config = config
         self._trainer: Trainer | None = None
-        self._pending: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None  # the checkpoint's states, until fit starts
+        self._state: dict[str, Any] | None = None  # this rank's share, until training starts
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -207,6 +257,34 @@ class CheckpointExtras(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning has read the checkpoint's callback states (load_state_dict) but not yet restored its
+        # loops, and creates the first train iterator (which draws a plain DataLoader's shuffle seed
+        # from the global RNG) before any later hook: every rank's random state comes back here.
+        self._state = self._own_share(trainer)
+        if self._state is not None:
+            restore_rng_state(self._state["rng"])
+        # A per-step schedule reads `trainer.estimated_stepping_batches` in configure_optimizers, which
+        # builds the train loader (and starts iterating it) before Lightning restores the checkpoint;
+        # Lightning then keeps that loader and never gives it its saved position (Lightning #20550), so
+        # a run resumed mid-epoch would re-read the epoch from its start. On resume, drop the early
+        # loader here (after configure_optimizers, before the restore): fit builds it again and restores it.
+        loop = trainer.fit_loop
+        if trainer.ckpt_path is not None and loop._combined_loader is not None:
+            if loop._data_fetcher is not None:
+                loop._data_fetcher.teardown()  # ends worker processes the early iterator started
+                loop._data_fetcher = None
+            loop._combined_loader = None
+
+    def _own_share(self, trainer: Trainer) -> dict[str, Any] | None:
+        """This rank's saved states, once (None when not resuming, or resumed with another world size)."""
+        if self._pending is None:
+            return None
+        per_rank, self._pending = self._pending.get("per_rank", []), None
+        if len(per_rank) != trainer.world_size:
+            return None  # resumed with another number of processes: nothing per rank to restore
+        return per_rank[trainer.global_rank]
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
@@ -225,14 +303,8 @@ class CheckpointExtras(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After Lightning restored the checkpoint, before the first resumed batch is transferred (and
         # augmented: the transfer hooks run before on_train_batch_start).
-        if self._pending is None:
-            return
-        per_rank, self._pending = self._pending.get("per_rank", []), None
-        if len(per_rank) != trainer.world_size:
-            return  # resumed with another number of processes: nothing per rank to restore
-        state = per_rank[trainer.global_rank]
-        restore_rng_state(state["rng"])
-        if "metrics" not in state:
+        state, self._state = self._state, None
+        if state is None or "metrics" not in state:
             return
         if resumes_mid_epoch(trainer.train_dataloader):
             restore_metric_states(pl_module, state["metrics"])

@@ -287,7 +287,11 @@ def network_summary(num_nodes: int, env: Mapping[str, str] | None = None, hostna
         address = socket.gethostbyname(host)
     except OSError:
         address = "unresolved"
-    master = f"{env.get('MASTER_ADDR', 'the first node')}:{env.get('MASTER_PORT', 'a port chosen at start')}"
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        master = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    else:  # the template's local launcher picks a free port when it starts the other ranks
+        where = "this machine" if num_nodes <= 1 else "the first node"
+        master = f"{env.get('MASTER_ADDR') or where}, on a free port chosen when the ranks start"
     gloo = (
         f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']}"
         if env.get("GLOO_SOCKET_IFNAME")

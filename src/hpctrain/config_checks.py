@@ -72,19 +72,20 @@ def _check_precision(cfg: DictConfig) -> None:
 
 def _check_loggers(cfg: DictConfig) -> None:
     for name, entry in (cfg.get("logger") or {}).items():
-        target = str((entry or {}).get("_target_", "")).lower()
-        for package in LOGGER_PACKAGES:
-            if package in target and importlib.util.find_spec(package) is None:
-                raise UserError(
-                    f"logger={name} needs the {package} package, which is not installed; "
-                    f"pip install -e '.[{package}]' (or pass logger=csv)."
-                )
+        # A key in the config first: it is refused whether or not the logger's package is installed.
         for key, value in (entry or {}).items():
             if SECRET.search(str(key)) and value not in (None, ""):
                 variable = SECRET_ENV.get(name, "the logger's environment variable")
                 raise UserError(
                     f"logger.{name}.{key} is set in the config, which is saved with every run (config.yaml, "
                     f"checkpoints); remove it and set {variable} in the environment instead."
+                )
+        target = str((entry or {}).get("_target_", "")).lower()
+        for package in LOGGER_PACKAGES:
+            if package in target and importlib.util.find_spec(package) is None:
+                raise UserError(
+                    f"logger={name} needs the {package} package, which is not installed; "
+                    f"pip install -e '.[{package}]' (or pass logger=csv)."
                 )
 
 

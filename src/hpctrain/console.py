@@ -87,3 +87,6 @@ def quiet_lightning() -> None:
     warnings.filterwarnings(
         "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
     )
+    # A resumed run writes its checkpoints into its own run dir by design (the run dir is the run's
+    # identity), so the checkpoint folder always "changes" on resume; the start line names both.
+    warnings.filterwarnings("ignore", message="The dirpath has changed from")

@@ -266,25 +266,33 @@ class Outcome:
 
 @contextmanager
 def outcome_recorded(
-    run_dir: str | Path, metric: str | None, overrides: list[str] | None = None
+    run_dir: str | Path, metric: str | None, overrides: list[str] | None = None, in_sweep: bool = False
 ) -> Iterator[Outcome]:
     """Record in outcome.yaml how the block ended: completed (with `value`), failed (with the error's
     sentence), or stopped on a signal. Only where this run may write: a run dir that held no earlier
-    run's record when it started (a refused command leaves an existing run dir untouched)."""
+    run's record when it started (a refused command leaves an existing run dir untouched).
+
+    A command refused before it started (a one-sentence error, outside a sweep) leaves no run dir:
+    the sentence on the terminal is the whole record, and `logs/` keeps only runs that ran. In a sweep
+    the refused job's outcome.yaml stays, for summary.csv."""
     run_dir = Path(run_dir)
     record_file = run_dir / "run.yaml"
     before = record_file.stat().st_mtime_ns if record_file.exists() else None
     outcome = Outcome(metric=metric)
+    refused = False
     try:
         yield outcome
         outcome.status = "completed"
     except BaseException as err:
         outcome.status, outcome.error = _ending(err)
+        refused = isinstance(err, UserError) and not record_file.exists()
         raise
     finally:
         # this run's dir: new when it started, or its run.yaml gained this attempt
         owned = before is None or (record_file.exists() and record_file.stat().st_mtime_ns != before)
-        if owned and cluster.is_rank_zero() and run_dir.is_dir():
+        if refused and not in_sweep and cluster.is_rank_zero():
+            _remove_if_only_logs(run_dir)
+        elif owned and cluster.is_rank_zero() and run_dir.is_dir():
             record = {
                 "status": outcome.status,
                 "metric": outcome.metric,
@@ -295,6 +303,16 @@ def outcome_recorded(
             }
             with suppress(OSError):  # an unwritable run dir has already been reported
                 _write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
+
+
+def _remove_if_only_logs(run_dir: Path) -> None:
+    """Remove a run dir that holds nothing but Hydra's log file(s) of this refused start."""
+    if not run_dir.is_dir() or any(p.suffix != ".log" or p.is_dir() for p in run_dir.iterdir()):
+        return
+    with suppress(OSError):
+        for path in run_dir.iterdir():
+            path.unlink()
+        run_dir.rmdir()
 
 
 def _ending(err: BaseException) -> tuple[str, str | None]:

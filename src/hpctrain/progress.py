@@ -124,6 +124,7 @@ class LogProgress(ProgressBar):
         self._window_samples = 0
         self._window_start = 0.0
         self._total: int | float = 0
+        self._before_validation: dict[str, Any] = {}
 
     def disable(self) -> None:
         self._enabled = False
@@ -164,19 +165,40 @@ class LogProgress(ProgressBar):
         self._last = self._window_start = now
         self._window_samples = 0
 
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._enabled and trainer.is_global_zero and not trainer.sanity_checking:
-            log.info(
-                "epoch %d validation  %s", trainer.current_epoch, self._format(trainer, pl_module, "val/")
-            )
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._before_validation = dict(trainer.callback_metrics)
 
-    def _format(self, trainer: Trainer, pl_module: LightningModule, prefix: str) -> str:
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not (self._enabled and trainer.is_global_zero and not trainer.sanity_checking):
+            return
+        # What this validation logged, whatever its names (val/acc, val_loss, ...): Lightning puts a new
+        # tensor in callback_metrics for every value logged. Plus the monitored metric, always.
+        before = self._before_validation
+        logged = [k for k, v in trainer.callback_metrics.items() if before.get(k) is not v]
+        monitored = [
+            c.monitor
+            for c in (trainer.checkpoint_callback, trainer.early_stopping_callback)
+            if c is not None and getattr(c, "monitor", None)
+        ]
+        names = list(dict.fromkeys([*monitored, *logged]))
+        log.info("epoch %d validation  %s", trainer.current_epoch, self._format(trainer, pl_module, names))
+
+    def _format(self, trainer: Trainer, pl_module: LightningModule, chosen: str | list[str]) -> str:
+        """The shown metrics whose name starts with `chosen` (a prefix), or those named in it (a list)."""
         metrics = shown_metrics(trainer, self.get_metrics(trainer, pl_module))
-        return "  ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in metrics.items()
-            if k.startswith(prefix)
-        )
+        if isinstance(chosen, str):
+            picked = {k: v for k, v in metrics.items() if k.startswith(chosen)}
+        else:
+            values = {k: _number(v) for k, v in trainer.callback_metrics.items()}
+            picked = {k: metrics.get(k, values.get(k)) for k in chosen if k in metrics or k in values}
+        return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in picked.items())
+
+
+def _number(value: Any) -> Any:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def progress_bar(mode: str = "auto", refresh_rate: int = 5, log_every_n_s: float = 30.0) -> ProgressBar:

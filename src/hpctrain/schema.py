@@ -141,6 +141,20 @@ KEYS: tuple[Key, ...] = (
     ),
     Key("dist.backend", {"enum": [None, "nccl", "gloo", "mpi"]}, "nccl, gloo, mpi or null", "gloo"),
     Key("dist.timeout_min", POSITIVE_NUMBER, "a positive number of minutes", "30"),
+    Key(
+        "dist.find_unused_parameters",
+        {"type": "boolean"},
+        "true or false",
+        "true",
+        "DDP: parameters may go unused in a step (manual optimization, GANs)",
+    ),
+    Key(
+        "dist.static_graph",
+        {"type": "boolean"},
+        "true or false",
+        "true",
+        "DDP: the graph is the same every step",
+    ),
     Key("paths.data_dir", {"type": "string"}, "a directory", "/shared/datasets"),
     Key("paths.log_dir", {"type": "string"}, "a directory", "/shared/logs"),
 )

@@ -39,12 +39,21 @@ from hpctrain.errors import UserError
 log = logging.getLogger(__package__)
 
 FAILED_KEY = f"{__package__}/failed-rank"
+DATA_END_KEY = f"{__package__}/data-end"  # + /<epoch>: the first rank whose training data ran out, and when
 PARENT_DIED = "error: rank 0 (the process that started rank {rank}) has died; ending rank {rank} too."
 STORE_LOST = "rank 0's process, which serves the job's store, stopped answering (it has died)"
 POLL_S = 1.0
 LOST_AFTER = 3  # consecutive failed polls of the store before concluding rank 0's process is gone
 
-_state: dict[str, Any] = {"watchdog": None, "children": [], "stopping": False, "finished_worker": False}
+_state: dict[str, Any] = {
+    "watchdog": None,  # the running Watchdog thread
+    "children": [],  # rank 0 of the local launcher: the processes of local ranks 1..N-1
+    "stopping": False,  # the run is ending on purpose: exits are no longer failures
+    "finished_worker": False,  # a rank > 0 whose run completed (exit_if_finished_worker)
+    "trainer": None,  # the Trainer being watched, for where this rank is in its training epoch
+    "in_sweep": False,  # this process runs a sweep's jobs one after another
+    # "verdict": the failure line recorded for a sweep's job (present only after a failure)
+}
 
 
 def _rank() -> int:
@@ -193,6 +202,77 @@ class Watchdog(threading.Thread):
                 continue
             if failed and not self._stopped.is_set():
                 _exit(f"error: {failed}; rank {self.rank} stops too.")
+            uneven = _ran_past_another_ranks_data(store, self.rank)
+            if uneven and not self._stopped.is_set() and not _state["stopping"]:
+                _announce(store, uneven)
+                _exit(f"error: {uneven}.")
+
+
+# ------------------------------------------------------------------------- uneven training data
+
+
+def _position(trainer: Any) -> tuple[int, int] | None:
+    """(epoch, batches this rank has in it so far) while it trains, else None: the batches fetched, plus
+    the next one when the loader already holds it (it is not at its last batch). Plain attribute reads:
+    safe from the watchdog thread, and nothing is added to the training step."""
+    if trainer is None or not trainer.training:
+        return None
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return trainer.current_epoch, progress.current.ready + (0 if progress.is_last_batch else 1)
+
+
+def _ran_past_another_ranks_data(store: Any, rank: int) -> str | None:
+    """The failure line when another rank's training data ran out in this epoch after fewer batches
+    than this rank is already training on (its next collective would wait forever)."""
+    position = _position(_state["trainer"])
+    if position is None:
+        return None
+    epoch, batches = position
+    key = f"{DATA_END_KEY}/{epoch}"
+    try:
+        if not store.check([key]):
+            return None
+        other, host, ended_after = store.get(key).decode().split(" ", 2)
+    except Exception:
+        return None
+    if batches <= int(ended_after) or int(other) == rank:
+        return None
+    return (
+        f"rank {other} on {host} ran out of training data after {ended_after} batches of epoch {epoch}, while "
+        f"rank {rank} on {socket.gethostname()} had more: the ranks' training loaders yield different numbers "
+        "of batches (a stream sharded by hand?), and DDP needs the same number on every rank; share the data "
+        "out evenly (hpctrain.data.iterable.ShardedIterable with drop_last=True, or limit_train_batches)"
+    )
+
+
+def follow(trainer: Any) -> None:
+    """Watch where `trainer` is in its training epochs (for `note_training_data_end`)."""
+    _state["trainer"] = trainer
+
+
+def note_training_data_end(epoch: int, batches: int, world_size: int, timeout_s: float) -> None:
+    """This rank's training data for `epoch` ran out after `batches` batches: record it, then wait until
+    every rank has got there too, before validation's collectives begin. A rank with more data gets no
+    further than its next batch: its watchdog sees this record and ends the job naming this rank.
+
+    Once per epoch, through the job's store: no collective is added, and ranks in step (the normal case)
+    pass at once. After `timeout_s` (a rank merely slow) the run goes on as it would have.
+    """
+    store = _store()
+    if store is None:
+        return
+    key = f"{DATA_END_KEY}/{epoch}"
+    store.compare_set(key, "", f"{_rank()} {socket.gethostname()} {batches}")
+    if store.add(f"{key}/arrived", 1) >= world_size:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if store.add(f"{key}/arrived", 0) >= world_size:
+            return
+        if store.check([FAILED_KEY]):
+            _exit(f"error: {store.get(FAILED_KEY).decode(errors='replace')}; rank {_rank()} stops too.")
+            return
+        time.sleep(0.01)
 
 
 def start() -> None:
@@ -232,12 +312,33 @@ def note_failure(err: BaseException) -> None:
     summary = " ".join(f"{type(err).__name__}: {err}".split())
     if other:
         _state["verdict"] = (
-            f"{other}; rank {_rank()} on {socket.gethostname()} stopped too ({summary[:80]}...)."
+            f"{other}; rank {_rank()} on {socket.gethostname()} stopped too ({shorten(summary, 80)})."
         )
-    else:
-        line = f"rank {_rank()} on {socket.gethostname()} failed: {summary[:300]}"
-        _announce(_store(), line)
-        _state["verdict"] = f"{line} (traceback above)."
+        return
+    hint = failure_hint(summary)
+    store = _store()
+    who = f"rank {_rank()} on {socket.gethostname()} failed: " if store is not None else ""
+    line = f"{who}{shorten(summary, 300)}" + (f"; {hint}" if hint else "")
+    _announce(store, line)
+    _state["verdict"] = f"{line} (traceback above)."
+
+
+def shorten(text: str, limit: int) -> str:
+    """`text` cut to at most about `limit` characters at a word boundary, never mid-word."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0].rstrip(",;:")
+    return f"{cut} ..."
+
+
+def failure_hint(summary: str) -> str | None:
+    """The config key that fixes a failure torch explains only in its own terms."""
+    if "find_unused_parameters" in summary or "were not used in producing" in summary:
+        return (
+            "some parameters got no gradient in a step (manual optimization, a GAN, a branch not taken): "
+            "pass dist.find_unused_parameters=true (or dist.static_graph=true if the graph is the same every step)"
+        )
+    return None
 
 
 @contextmanager

@@ -1,0 +1,72 @@
+"""The oracle: a case trained by a plain `pl.Trainer` script, as a user of bare Lightning would write it.
+
+    python tests/differential/bare.py CASE OUT_DIR [--max-epochs N] [--ckpt-path FILE] [--save-at STEP FILE]
+
+Writes OUT_DIR/metrics.csv (Lightning's CSVLogger), OUT_DIR/checkpoints/, OUT_DIR/hooks-rank<R>.json
+(the recorder) and OUT_DIR/final.pt (the weights when fit ended).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from pytorch_lightning.loggers import CSVLogger  # noqa: E402
+from pytorch_lightning.strategies import DDPStrategy  # noqa: E402
+from pytorch_lightning.utilities.model_helpers import is_overridden  # noqa: E402
+
+from tests.differential import user_code  # noqa: E402
+from tests.differential.cases import CASES, SEED, TRAINER, callback_configs  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--max-epochs", type=int)
+    parser.add_argument("--ckpt-path")
+    parser.add_argument("--save-at", nargs=2)
+    args = parser.parse_args()
+    case = CASES[args.case]
+    os.environ["DIFF_OUT"] = str(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    pl.seed_everything(SEED, workers=True)
+    data = getattr(user_code, case.data)()
+    model = getattr(user_code, case.module)()
+    callbacks = [
+        instantiate(c, _convert_="all")
+        for c in callback_configs(case, str(args.out / "checkpoints")).values()
+    ]
+    if args.save_at:
+        callbacks.append(user_code.SaveAtStep(int(args.save_at[0]), args.save_at[1]))
+    options = {**TRAINER, **case.trainer}
+    if args.max_epochs:
+        options["max_epochs"] = args.max_epochs
+    if case.processes > 1:
+        options["strategy"] = DDPStrategy(find_unused_parameters=case.find_unused_parameters)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=case.processes,
+        logger=CSVLogger(args.out, name="", version=""),
+        callbacks=callbacks,
+        enable_model_summary=False,
+        **options,
+    )
+    trainer.fit(model, data, ckpt_path=args.ckpt_path)
+    if trainer.is_global_zero:
+        torch.save(model.state_dict(), args.out / "final.pt")
+    if is_overridden("test_step", model):
+        trainer.test(model, data, ckpt_path="best")
+
+
+if __name__ == "__main__":
+    main()

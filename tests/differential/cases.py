@@ -1,0 +1,128 @@
+"""The differential cases: one user setup, built the same way by a plain `pl.Trainer` script
+(tests/differential/bare.py) and by `python src/train.py` (the overrides below)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+USER = "tests.differential.user_code"
+CONF = Path(__file__).resolve().parent / "conf"
+SEED = 1234
+# what both sides pass to the Trainer (the template's trainer config has the same values for the rest)
+TRAINER = {"max_epochs": 3, "log_every_n_steps": 5, "num_sanity_val_steps": 2, "min_epochs": 1}
+
+
+@dataclass(frozen=True)
+class Case:
+    module: str
+    data: str = "DigitsData"
+    callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> Hydra config
+    trainer: dict[str, Any] = field(default_factory=dict)
+    processes: int = 1
+    monitor: tuple[str, str] = ("val_loss", "min")
+    checkpoint_every_epoch: bool = False  # ModelCheckpoint(monitor=None): a file every epoch
+    early_stopping_patience: int | None = None
+    find_unused_parameters: bool = False
+
+
+LAMBDA = {
+    "_target_": "pytorch_lightning.callbacks.LambdaCallback",
+    "on_train_epoch_end": {"_target_": "hydra.utils.get_method", "path": f"{USER}.epoch_ended"},
+    "on_train_batch_end": {"_target_": "hydra.utils.get_method", "path": f"{USER}.batch_ended"},
+}
+
+CASES: dict[str, Case] = {
+    "lambda_callback": Case("LitClassifier", callbacks={"lam": LAMBDA}),
+    "configure_callbacks_and_appended": Case("WithOwnCallbacks"),
+    "manual_optimization": Case("TwoOptimizerGAN"),
+    "manual_optimization_ddp": Case("TwoOptimizerGAN", processes=2, find_unused_parameters=True),
+    "reduce_lr_on_plateau": Case("PlateauClassifier", trainer={"max_epochs": 4}),
+    "iterable_dataset_ddp": Case("LitClassifier", data="StreamData", processes=2),
+    "gradient_accumulation": Case("LitClassifier", trainer={"accumulate_grad_batches": 3}),
+    "sync_dist_ddp": Case("SyncDistClassifier", processes=2),
+    "val_loss_only": Case("ValLossOnly"),
+    "early_stopping": Case(
+        "LitClassifier",
+        monitor=("val_acc", "min"),  # accuracy rises, so under "min" it stops improving after the first epoch
+        early_stopping_patience=1,
+        trainer={"max_epochs": 8},
+    ),
+    "checkpoint_state_resume": Case("StatefulClassifier", checkpoint_every_epoch=True),
+    "onecycle_mid_epoch_resume": Case(
+        "OneCycleClassifier", data="ResumableData", checkpoint_every_epoch=True
+    ),
+}
+
+
+def callback_configs(case: Case, ckpt_dir: str) -> dict[str, dict[str, Any]]:
+    """Every callback of the case as Hydra configs: the checkpoint (and early stopping), the case's
+    own, and the harness's recorder. The template side gets the checkpoint from its own config."""
+    metric, mode = case.monitor
+    chosen: dict[str, dict[str, Any]] = {
+        "model_checkpoint": {
+            "_target_": "pytorch_lightning.callbacks.ModelCheckpoint",
+            "dirpath": ckpt_dir,
+            "filename": "epoch_{epoch:03d}",
+            "monitor": None if case.checkpoint_every_epoch else metric,
+            "mode": mode,
+            "save_last": True,
+            "save_top_k": -1 if case.checkpoint_every_epoch else 1,
+            "auto_insert_metric_name": False,
+        }
+    }
+    if case.early_stopping_patience is not None:
+        chosen["early_stopping"] = {
+            "_target_": "pytorch_lightning.callbacks.EarlyStopping",
+            "monitor": metric,
+            "mode": mode,
+            "patience": case.early_stopping_patience,
+        }
+    chosen.update(case.callbacks)
+    chosen["recorder"] = {"_target_": f"{USER}.Recorder"}
+    return chosen
+
+
+def _overrides(prefix: str, node: Any) -> list[str]:
+    if isinstance(node, dict):
+        return [o for key, value in node.items() for o in _overrides(f"{prefix}.{key}", value)]
+    value = "null" if node is None else str(node).lower() if isinstance(node, bool) else node
+    return [f"{prefix}={value}"]
+
+
+def template_overrides(
+    case: Case, trainer: dict[str, Any] | None = None, extra_callbacks: dict | None = None
+) -> list[str]:
+    """The `python src/train.py` overrides that build the case."""
+    metric, mode = case.monitor
+    options = {**TRAINER, **case.trainer, **(trainer or {})}
+    overrides = [
+        f"hydra.searchpath=[file://{CONF}]",
+        "model=user",
+        f"model._target_={USER}.{case.module}",
+        "data=user",
+        f"data._target_={USER}.{case.data}",
+        "trainer=ddp_cpu" if case.processes > 1 else "trainer=cpu",
+        f"seed={SEED}",
+        f"monitor.metric={metric}",
+        f"monitor.mode={mode}",
+        "logger=csv",
+        # the template's default callbacks, less what the bare side does not have
+        *(f"callbacks.{name}=null" for name in ("lr_monitor", "model_summary", "progress", "throughput")),
+        *_overrides("trainer", {k: v for k, v in options.items()}),
+    ]
+    if case.processes > 1:
+        overrides.append(f"trainer.devices={case.processes}")
+    if case.find_unused_parameters:
+        overrides.append("dist.find_unused_parameters=true")
+    if case.checkpoint_every_epoch:
+        overrides += ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=-1"]
+    if case.early_stopping_patience is None:
+        overrides.append("callbacks.early_stopping=null")
+    else:
+        overrides.append(f"callbacks.early_stopping.patience={case.early_stopping_patience}")
+    own = {**case.callbacks, "recorder": {"_target_": f"{USER}.Recorder"}, **(extra_callbacks or {})}
+    for name, config in own.items():
+        overrides += _overrides(f"+callbacks.{name}", config)
+    return overrides

@@ -1,0 +1,332 @@
+"""User code written the way Lightning's documentation writes it: nothing here knows the template.
+
+Every module, datamodule and callback below is trained twice by tests/test_differential.py, once by a
+plain `pl.Trainer` script (tests/differential/bare.py) and once by `python src/train.py`. What a user
+observes is recorded the same way on both sides: `count()` notes a hook call, and `Recorder` writes
+the counts of each rank to $DIFF_OUT/hooks-rank<R>.json whenever a stage ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+COUNTS: Counter[str] = Counter()
+NOTES: dict[str, object] = {}
+
+
+def count(name: str) -> None:
+    COUNTS[name] += 1
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+class Recorder(Callback):
+    """The harness's probe (on both sides): hook counts, custom notes, and where training ended."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        NOTES["last_epoch_end"] = [trainer.current_epoch, trainer.global_step]
+
+    def teardown(self, trainer, pl_module, stage):
+        out = os.environ.get("DIFF_OUT")
+        if out:
+            record = {"counts": dict(COUNTS), "notes": NOTES}
+            Path(out, f"hooks-rank{_rank()}.json").write_text(json.dumps(record, sort_keys=True))
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def _digits(n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.as_tensor(digits.images, dtype=torch.float32).view(-1, 64) / 16.0
+    y = torch.as_tensor(digits.target)
+    return (x[:n], y[:n]) if n else (x, y)
+
+
+class DigitsData(pl.LightningDataModule):
+    """scikit-learn's digits as flat vectors: 640 to train, 160 to validate, 160 to test."""
+
+    def __init__(self, batch_size: int = 32):
+        super().__init__()
+        self.batch_size = batch_size
+
+    def setup(self, stage=None):
+        x, y = _digits(960)
+        self.train_set = TensorDataset(x[:640], y[:640])
+        self.val_set = TensorDataset(x[640:800], y[640:800])
+        self.test_set = TensorDataset(x[800:], y[800:])
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self.test_set, batch_size=self.batch_size)
+
+
+class DigitStream(IterableDataset):
+    """The training digits as a stream, as one would read records from files."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        for i in range(len(self.y)):
+            yield self.x[i], self.y[i]
+
+
+class StreamData(DigitsData):
+    """The training set as an IterableDataset, shared out across ranks with the template's helper."""
+
+    def train_dataloader(self):
+        from hpctrain.data.iterable import ShardedIterable
+
+        return DataLoader(ShardedIterable(DigitStream(*self.train_set.tensors)), batch_size=self.batch_size)
+
+
+class UnshardedStreamData(DigitsData):
+    """The training set as a stream that does not share itself out: every rank would read all of it."""
+
+    def train_dataloader(self):
+        return DataLoader(DigitStream(*self.train_set.tensors), batch_size=self.batch_size)
+
+
+class UnevenStream(IterableDataset):
+    """A stream shared out by hand, unevenly: rank r reads 320 + 64 r samples (10 + 2 r batches of 32)."""
+
+    shards_across_ranks = True
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        rank = _rank()
+        for i in range(320 + 64 * rank):
+            yield self.x[i % len(self.x)], self.y[i % len(self.y)]
+
+
+class UnevenStreamData(DigitsData):
+    def train_dataloader(self):
+        return DataLoader(UnevenStream(*self.train_set.tensors), batch_size=self.batch_size)
+
+
+class ResumableData(DigitsData):
+    """The training set through the template's resumable loader (hpctrain.data.loading.make_loader), which
+    Lightning restores mid-epoch: the documented way to resume exactly with your own datamodule."""
+
+    def train_dataloader(self):
+        from hpctrain.data.loading import TensorDataset as IndexableTensors
+        from hpctrain.data.loading import make_loader
+
+        x, y = self.train_set.tensors
+        return make_loader(IndexableTensors(x, y), self.batch_size, shuffle=True, seed=0)
+
+
+# ----------------------------------------------------------------------------------------- modules
+
+
+class LitClassifier(pl.LightningModule):
+    """A small classifier that logs train_loss, val_loss, val_acc and test_acc."""
+
+    def __init__(self, lr: float = 0.05):
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(1) == y).float().mean())
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_acc", (self(x).argmax(1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class ValLossOnly(LitClassifier):
+    """Logs nothing during training: only val_loss."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+
+class SyncDistClassifier(LitClassifier):
+    """Logs its validation metrics with sync_dist=True (averaged over ranks)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True)
+
+
+class PlateauClassifier(LitClassifier):
+    """configure_optimizers returns a dict with ReduceLROnPlateau watching val_loss."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+
+    def on_train_epoch_end(self):
+        self.log("lr", self.optimizers().param_groups[0]["lr"])
+
+
+class OneCycleClassifier(LitClassifier):
+    """A per-step OneCycleLR whose length is the trainer's estimate, as Lightning's docs suggest."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class WithOwnCallbacks(LitClassifier):
+    """configure_callbacks adds a callback; setup appends another once the Trainer exists."""
+
+    def configure_callbacks(self):
+        return [CountingCallback("configured")]
+
+    def setup(self, stage):
+        if stage == "fit":
+            self.trainer.callbacks.append(CountingCallback("appended"))
+
+
+class StatefulClassifier(LitClassifier):
+    """Keeps its own state in checkpoints (on_save_checkpoint / on_load_checkpoint)."""
+
+    def __init__(self, lr: float = 0.05):
+        super().__init__(lr)
+        self.epochs_seen = 0
+
+    def on_train_epoch_end(self):
+        self.epochs_seen += 1
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["epochs_seen"] = self.epochs_seen
+
+    def on_load_checkpoint(self, checkpoint):
+        self.epochs_seen = checkpoint["epochs_seen"]
+        NOTES.setdefault("loaded_epochs_seen", []).append(self.epochs_seen)  # fit's resume, then test's
+
+    def on_fit_end(self):
+        NOTES["epochs_seen"] = self.epochs_seen
+
+
+class TwoOptimizerGAN(pl.LightningModule):
+    """Manual optimization with two optimizers, as Lightning's GAN example: the generator's step leaves
+    the discriminator's parameters without a gradient and the other way round."""
+
+    def __init__(self, lr: float = 0.01):
+        super().__init__()
+        self.automatic_optimization = False
+        self.lr = lr
+        self.generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 64))
+        self.discriminator = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        real, _ = batch
+        g_opt, d_opt = self.optimizers()
+        noise = torch.randn(len(real), 8, device=real.device)
+        fake = self.generator(noise)
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+
+        g_loss = F.binary_cross_entropy_with_logits(self.discriminator(fake), ones)
+        g_opt.zero_grad()
+        self.manual_backward(g_loss)
+        g_opt.step()
+
+        d_real = F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
+        d_fake = F.binary_cross_entropy_with_logits(self.discriminator(fake.detach()), zeros)
+        d_loss = (d_real + d_fake) / 2
+        d_opt.zero_grad()
+        self.manual_backward(d_loss)
+        d_opt.step()
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss})
+
+    def validation_step(self, batch, batch_idx):
+        real, _ = batch
+        self.log(
+            "val_loss", F.binary_cross_entropy_with_logits(self.discriminator(real), torch.ones(len(real), 1))
+        )
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=self.lr),
+            torch.optim.Adam(self.discriminator.parameters(), lr=self.lr),
+        )
+
+
+# ---------------------------------------------------------------------------------------- callbacks
+
+
+class CountingCallback(Callback):
+    """Counts the hooks it implements, under its label."""
+
+    def __init__(self, label: str = "counting"):
+        self.label = label
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        count(f"{self.label}.on_train_epoch_end")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        count(f"{self.label}.on_train_batch_end")
+
+    def on_validation_end(self, trainer, pl_module):
+        count(f"{self.label}.on_validation_end")
+
+
+def epoch_ended(trainer, pl_module):
+    """A hook for LambdaCallback(on_train_epoch_end=...)."""
+    count("lambda.on_train_epoch_end")
+
+
+def batch_ended(trainer, pl_module, outputs, batch, batch_idx):
+    """A hook for LambdaCallback(on_train_batch_end=...)."""
+    count("lambda.on_train_batch_end")
+
+
+class SaveAtStep(Callback):
+    """Saves a checkpoint at one step boundary inside fit (as a preemption would), then goes on."""
+
+    def __init__(self, step: int, path: str):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)

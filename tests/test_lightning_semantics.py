@@ -1,0 +1,112 @@
+"""Ordinary Lightning code meets no silent deviation and no confusing failure: resuming with changed
+optimizer values, manual optimization under DDP, a package that is not on the path, validation metrics
+of any name, and refused commands. (The side-by-side comparison with bare Lightning is in
+tests/test_differential.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpctrain import cluster
+from tests.differential.cases import CONF, USER
+from tests.helpers import ROOT, assert_ok, read_metrics, run_dirs, train
+
+DIGITS = (
+    "data=digits",
+    "model=mlp",
+    "trainer=cpu",
+    "trainer.limit_train_batches=5",
+    "trainer.limit_val_batches=2",
+)
+
+
+def _errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
+@pytest.mark.slow
+def test_resume_says_which_configured_values_the_checkpoint_overrides(tmp_path: Path):
+    assert_ok(train(tmp_path, *DIGITS, "trainer.max_epochs=1", "model.optimizer.lr=0.003"))
+    (first,) = run_dirs(tmp_path)
+    saved = first / "checkpoints" / "last.ckpt"
+
+    same = train(tmp_path, *DIGITS, "trainer.max_epochs=2", "model.optimizer.lr=0.003", f"ckpt_path={saved}")
+    assert_ok(same)
+    assert "these configured values are not used" not in same.stdout  # same config (a requeue): no line
+
+    changed = train(
+        tmp_path, *DIGITS, "trainer.max_epochs=2", "model.optimizer.lr=0.0001", f"ckpt_path={saved}"
+    )
+    assert_ok(changed)
+    assert (
+        "so these configured values are not used: model.optimizer.lr=0.0001 (the checkpoint has 0.003)"
+        in changed.stdout
+    ), changed.stdout[-3000:]
+    assert f"init_from.path={saved}" in changed.stdout
+
+    other = train(tmp_path, *DIGITS, "trainer.max_epochs=2", "model/optimizer=sgd", f"ckpt_path={saved}")
+    assert other.returncode == 2, other.stdout[-3000:]
+    (sentence,) = _errors(other.stdout)
+    assert "was trained with model.optimizer._target_=torch.optim.Adam" in sentence
+    assert "torch.optim.SGD is configured" in sentence and "Traceback" not in other.stdout
+
+
+@pytest.mark.slow
+def test_unused_parameters_under_ddp_name_the_key(tmp_path: Path):
+    result = train(
+        tmp_path,
+        f"hydra.searchpath=[file://{CONF}]",
+        "model=user",
+        f"model._target_={USER}.TwoOptimizerGAN",
+        "data=user",
+        "trainer=ddp_cpu",
+        "trainer.max_epochs=1",
+        "monitor.metric=val_loss",
+        "monitor.mode=min",
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode != 0
+    errors = _errors(result.stdout)
+    assert errors and all("dist.find_unused_parameters=true" in e for e in errors), result.stdout[-3000:]
+    for line in errors:  # shortened at a word boundary, never mid-word ("...=True to t (traceback above)")
+        assert " to t " not in line and "(traceback above)" in line or "stopped too" in line, line
+
+
+@pytest.mark.slow
+def test_a_target_that_cannot_be_imported_is_one_sentence(tmp_path: Path):
+    result = train(
+        tmp_path, "data=digits", "trainer=ddp_cpu", "model=autoencoder", "model._target_=mypkg.models.LitNet"
+    )
+    assert result.returncode == 2
+    (sentence,) = _errors(result.stdout)
+    assert (
+        "_target_: mypkg.models.LitNet cannot be imported (ModuleNotFoundError: No module named 'mypkg')"
+        in sentence
+    )
+    assert "PYTHONPATH" in sentence and "rank" not in sentence and "Traceback" not in result.stdout
+    assert not (tmp_path / "train" / "runs").exists() or not run_dirs(tmp_path)  # refused: no run dir left
+
+
+@pytest.mark.slow
+def test_the_epoch_line_shows_validation_metrics_whatever_their_names(tmp_path: Path):
+    result = train(
+        tmp_path,
+        "data=digits",
+        "model=autoencoder",
+        "trainer=cpu",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=3",
+        "callbacks.progress.mode=log",
+    )
+    assert_ok(result)
+    (line,) = [x for x in result.stdout.splitlines() if "epoch 0 validation" in x]
+    assert "val_loss" in line, line
+    assert read_metrics(run_dirs(tmp_path)[0])
+
+
+def test_network_line_before_the_launcher_picks_a_port():
+    line = cluster.network_summary(1, env={}, hostname="localhost")
+    assert "rank 0 at this machine, on a free port chosen when the ranks start" in line
+    assert ":a port" not in line
