@@ -20,11 +20,11 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from hpctrain import cluster, console, outputs, watchdog  # noqa: E402
+from hpctrain import cluster, command_line, console, outputs, watchdog  # noqa: E402
 from hpctrain.config_checks import check_config  # noqa: E402
-from hpctrain.errors import hydra_errors_as_one_sentence, reported_as_one_sentence  # noqa: E402
+from hpctrain.errors import reported_as_one_sentence  # noqa: E402
 
-hydra_errors_as_one_sentence("eval")
+command_line.install("eval")  # composition mistakes as one sentence; a --help that reads conf/ once
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
