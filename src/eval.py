@@ -53,6 +53,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         checkpointing.check_matches_model(checkpoint, run.model)
         if cluster.is_rank_zero():
             outputs.write_run_record(cfg, run_dir, overrides, ROOT, run.trainer.world_size, hydra_cfg)
+            console.warn_if_bf16_is_emulated(run.trainer, cfg.trainer.precision)
         completed = False
         try:
             run.trainer.test(run.model, run.datamodule, ckpt_path=str(checkpoint), weights_only=True)

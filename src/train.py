@@ -66,6 +66,7 @@ def train(cfg: DictConfig) -> float | None:
             outputs.write_run_record(cfg, run_dir, overrides, ROOT, run.trainer.world_size, hydra_cfg)
             outputs.remove_partial_saves(run_dir)
             build.log_hyperparameters(run.trainer, cfg)
+            console.warn_if_bf16_is_emulated(run.trainer, cfg.trainer.precision)
             console.log.info(start.describe())
             if run.trainer.world_size > 1:
                 console.log.info(cluster.network_summary(run.trainer.num_nodes))

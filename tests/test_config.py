@@ -273,6 +273,29 @@ def test_help_builds_one_config_repository():
     assert "repositories built: 1\n" in result.stdout  # the composition's own; none per listing
 
 
+@pytest.mark.parametrize(
+    ("precision", "on_cpu", "flags", "said"),
+    [
+        ("bf16-mixed", True, {"avx2", "avx512f"}, True),  # no native bf16: emulated
+        ("bf16-true", True, {"neon", "asimd"}, True),
+        ("bf16", True, {"avx2", "avx512_bf16"}, False),  # AVX512-BF16
+        ("bf16-mixed", True, {"amx_bf16", "amx_tile"}, False),  # AMX
+        ("bf16-mixed", True, {"asimd", "bf16"}, False),  # Arm's BF16
+        ("bf16-mixed", True, None, False),  # flags unknown (not Linux): say nothing rather than guess
+        ("bf16-mixed", False, {"avx2"}, False),  # a GPU run
+        ("32-true", True, {"avx2"}, False),
+    ],
+)
+def test_emulated_bf16_is_named_with_the_override(precision: str, on_cpu: bool, flags, said: bool):
+    from hpctrain.console import emulated_bf16_note
+
+    note = emulated_bf16_note(precision, on_cpu, flags)
+    assert (note is not None) == said
+    if said:
+        assert note.startswith(f"trainer.precision={precision} on a CPU without native bf16")
+        assert note.endswith("pass trainer.precision=32-true for a quick try on this machine.")
+
+
 # Pure half precision needs an optimizer that tolerates it: Adam's eps=1e-8 rounds to 0 in float16.
 HALF_SAFE = {"16-true": ("model/optimizer=sgd", "model.optimizer.lr=0.01")}
 
