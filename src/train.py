@@ -26,7 +26,7 @@ from hpctrain.config_checks import check_config  # noqa: E402
 from hpctrain.errors import reported_as_one_sentence  # noqa: E402
 from hpctrain.sweeps.jobs import run_job  # noqa: E402
 
-command_line.install("train")  # composition mistakes as one sentence; a --help that reads conf/ once
+command_line.install("train")  # composition mistakes as one sentence; --help lists the groups once
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

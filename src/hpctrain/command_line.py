@@ -6,7 +6,7 @@
   (`hpctrain.errors.describe_hydra_error`);
 - the app it creates lists config groups (`--help`) straight from its config repository. Hydra
   builds a new repository for each listing, deep-copying every structured schema it holds: about
-  120 listings for this conf/, half a second, and more with every group or option added. Asked
+  120 listings for this conf/, half a second, and more with every group added. Asked
   without a primary config and without overrides, as `--help` asks, that copy lists exactly what
   the repository does, so each listing is read once from the repository itself.
 
