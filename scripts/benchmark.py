@@ -15,8 +15,9 @@ datamodule's tensors), batch size and number of samples:
 All three run in turn inside one process (one per rank: torchrun starts two for world size 2, gloo
 on CPU, nccl on GPU), several rounds, so the ratios compare runs taken side by side. A figure is
 the median samples/s (all processes together) over the epochs after the first of each run. Also
-measured: wall time and peak RSS of `python src/train.py --help`, and how long after its start
-`debug=fdr` reaches its first training step.
+measured, side by side: wall time of `python src/train.py --help` (and its peak RSS) and of `--cfg
+job` against `python -c "import hydra"`, and how long after its start `debug=fdr` reaches its first
+training step.
 """
 
 from __future__ import annotations
@@ -402,6 +403,32 @@ def data_pipeline(batch_size: int, batches: int) -> dict:
     }
 
 
+STARTUP = {
+    "import hydra": ["-c", "import hydra"],
+    "--help": ["src/train.py", "--help"],
+    "--cfg job": ["src/train.py", "--cfg", "job", "experiment=quickstart"],
+}
+
+
+def startup_costs(repeats: int) -> tuple[dict[str, float], float]:
+    """Median wall time of each STARTUP command, taken in turn round after round (so a busy moment
+    slows all three alike), and the peak RSS (MB) of `--help`. `python -c "import hydra"` is the
+    floor under the other two: they compose the config too."""
+    times: dict[str, list[float]] = {name: [] for name in STARTUP}
+    peak = 0.0
+    for _ in range(repeats):
+        for name, args in STARTUP.items():
+            started = time.perf_counter()
+            process = subprocess.Popen([PYTHON, *args], stdout=subprocess.DEVNULL, cwd=ROOT)
+            _, status, usage = os.wait4(process.pid, 0)
+            times[name].append(time.perf_counter() - started)
+            if os.waitstatus_to_exitcode(status) != 0:
+                raise RuntimeError(f"python {' '.join(args)} failed")
+            if name == "--help":
+                peak = max(peak, usage.ru_maxrss / 1024)
+    return {name: statistics.median(values) for name, values in times.items()}, peak
+
+
 def import_cost(module: str, repeats: int) -> float:
     """Median wall time of `python -c "import <module>"`: the floor under any command that needs it."""
     times = []
@@ -410,23 +437,6 @@ def import_cost(module: str, repeats: int) -> float:
         subprocess.run([PYTHON, "-c", f"import {module}"], check=True, cwd=ROOT)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
-
-
-def help_cost(repeats: int) -> tuple[float, float]:
-    """Median wall time and peak RSS (MB) of `python src/train.py --help`."""
-    times, peaks = [], []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        process = subprocess.Popen(
-            [PYTHON, str(ROOT / "src" / "train.py"), "--help"], stdout=subprocess.DEVNULL, cwd=ROOT
-        )
-        _, status, usage = os.wait4(process.pid, 0)
-        times.append(time.perf_counter() - started)
-        peaks.append(usage.ru_maxrss / 1024)
-        process.returncode = os.waitstatus_to_exitcode(status)
-        if process.returncode != 0:
-            raise RuntimeError("src/train.py --help failed")
-    return statistics.median(times), max(peaks)
 
 
 def first_step_seconds(repeats: int) -> float:
@@ -486,12 +496,21 @@ def main() -> None:
     if args.tiny:
         args.models, args.samples, args.epochs, args.repeats = ["mlp"], 128 * 8, 2, 1
 
-    print("startup:", flush=True)
     repeats = 1 if args.tiny else 5
-    import_hydra = import_cost("hydra", repeats)
-    help_s, help_rss = help_cost(repeats)
-    print(f"  python src/train.py --help: {help_s:.3f} s, peak RSS {help_rss:.0f} MB", flush=True)
-    print(f"  python -c 'import hydra':   {import_hydra:.3f} s", flush=True)
+    print("startup:", flush=True)
+    startup, help_rss = startup_costs(repeats)
+    import_hydra = startup["import hydra"]
+    print(
+        f"  python -c 'import hydra': {import_hydra:.3f} s (median of {repeats}, in turn with the next two)",
+        flush=True,
+    )
+    for name, extra in (("--help", f", peak RSS {help_rss:.0f} MB"), ("--cfg job", "")):
+        command = " ".join(STARTUP[name][1:])
+        ratio = startup[name] / import_hydra
+        print(
+            f"  python src/train.py {command}: {startup[name]:.3f} s = {ratio:.2f}x import hydra{extra}",
+            flush=True,
+        )
     import_lightning = import_cost("pytorch_lightning", 1 if args.tiny else 3)
     first_step = first_step_seconds(1 if args.tiny else 3)
     print(f"  debug=fdr first training step: {first_step:.2f} s after process start", flush=True)
@@ -513,9 +532,12 @@ def main() -> None:
         )
     report = {
         "results": results,
-        "help_s": round(help_s, 3),
+        "help_s": round(startup["--help"], 3),
         "help_peak_rss_mb": round(help_rss, 1),
+        "cfg_job_s": round(startup["--cfg job"], 3),
         "import_hydra_s": round(import_hydra, 3),
+        "help_over_import_hydra": round(startup["--help"] / import_hydra, 3),
+        "cfg_job_over_import_hydra": round(startup["--cfg job"] / import_hydra, 3),
         "first_step_s": round(first_step, 2),
         "import_lightning_s": round(import_lightning, 2),
         "data_pipeline": pipeline,

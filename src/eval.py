@@ -20,11 +20,11 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from hpctrain import cluster, console, outputs, watchdog  # noqa: E402
+from hpctrain import cluster, command_line, console, outputs, watchdog  # noqa: E402
 from hpctrain.config_checks import check_config  # noqa: E402
-from hpctrain.errors import hydra_errors_as_one_sentence, reported_as_one_sentence  # noqa: E402
+from hpctrain.errors import reported_as_one_sentence  # noqa: E402
 
-hydra_errors_as_one_sentence("eval")
+command_line.install("eval")  # composition mistakes as one sentence; --help lists the groups once
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
@@ -53,6 +53,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         checkpointing.check_matches_model(checkpoint, run.model)
         if cluster.is_rank_zero():
             outputs.write_run_record(cfg, run_dir, overrides, ROOT, run.trainer.world_size, hydra_cfg)
+            console.warn_if_bf16_is_emulated(run.trainer, cfg.trainer.precision)
         completed = False
         try:
             run.trainer.test(run.model, run.datamodule, ckpt_path=str(checkpoint), weights_only=True)

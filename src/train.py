@@ -21,12 +21,12 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from hpctrain import cluster, console, outputs, watchdog  # noqa: E402
+from hpctrain import cluster, command_line, console, outputs, watchdog  # noqa: E402
 from hpctrain.config_checks import check_config  # noqa: E402
-from hpctrain.errors import hydra_errors_as_one_sentence, reported_as_one_sentence  # noqa: E402
+from hpctrain.errors import reported_as_one_sentence  # noqa: E402
 from hpctrain.sweeps.jobs import in_multirun, run_job  # noqa: E402
 
-hydra_errors_as_one_sentence("train")
+command_line.install("train")  # composition mistakes as one sentence; --help lists the groups once
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -71,6 +71,7 @@ def train(cfg: DictConfig) -> float | None:
             outputs.write_run_record(cfg, run_dir, overrides, ROOT, run.trainer.world_size, hydra_cfg)
             outputs.remove_partial_saves(run_dir)
             build.log_hyperparameters(run.trainer, cfg)
+            console.warn_if_bf16_is_emulated(run.trainer, cfg.trainer.precision)
             console.log.info(start.describe())
             if resume_note:
                 console.log.warning(resume_note)

@@ -40,7 +40,11 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
         assert row["template_overhead_ms"] == pytest.approx(step_ms["ours"] - step_ms["bare"], abs=2e-3)
         assert row["lightning_overhead_ms"] == pytest.approx(step_ms["bare"] - step_ms["raw"], abs=2e-3)
     assert 0 < report["help_s"] < 30 and 0 < report["help_peak_rss_mb"] < 2000
+    assert 0 < report["cfg_job_s"] < 30
     assert 0 < report["import_hydra_s"] < 30 and 0 < report["import_lightning_s"] < 60
+    for command in ("help", "cfg_job"):  # measured in turn with `import hydra`, as a ratio to it
+        ratio = report[f"{command}_s"] / report["import_hydra_s"]
+        assert report[f"{command}_over_import_hydra"] == pytest.approx(ratio, rel=0.02)
     assert 0 < report["first_step_s"] < 120
     pipeline = report["data_pipeline"] or {}
     assert not EXAMPLES or pipeline  # the row needs the CIFAR-10 datamodule of the examples
@@ -50,3 +54,5 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
             pipeline["template_batches_per_s"] / pipeline["torchvision_batches_per_s"], rel=0.05
         )
     assert "template/lightning" in result.stdout  # the printed table
+    assert "python src/train.py --help: " in result.stdout and "x import hydra" in result.stdout
+    assert "python src/train.py --cfg job experiment=quickstart: " in result.stdout

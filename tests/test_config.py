@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from hpctrain.config import CONF_DIR, compose
 from hpctrain.config_checks import LOGGER_PACKAGES, check_config
 from hpctrain.errors import UserError
 from hpctrain.schema import PRECISIONS
-from tests.helpers import compose_train
+from tests.helpers import PYTHON, ROOT, compose_train, local_env
 
 GROUPS = (
     "data",
@@ -199,6 +200,107 @@ def test_the_net_takes_its_sizes_from_the_data(tmp_path: Path, data_dir: Path):
 def test_eval_config_composes(tmp_path: Path):
     cfg = compose("eval", [f"paths.output_dir={tmp_path}", "ckpt_path=x.ckpt"])
     assert cfg.ckpt_path == "x.ckpt" and "progress" in cfg.callbacks
+
+
+# ------------------------------------------------------------------------------------------------ --help
+
+
+def _conf_groups() -> dict[str, list[str]]:
+    """Every folder under conf/ that holds configs, with its options: all but conf/schema (JSON Schemas
+    for editors) and conf/local (git-ignored and optional: what it holds differs between machines)."""
+    folders = [p for p in CONF_DIR.rglob("*") if p.is_dir() and any(p.glob("*.yaml"))]
+    groups = {str(p.relative_to(CONF_DIR)): options(str(p.relative_to(CONF_DIR))) for p in folders}
+    return {g: o for g, o in groups.items() if g.split("/")[0] not in ("schema", "local")}
+
+
+def _listed(text: str) -> dict[str, list[str]]:
+    """The `group: option, option` lines of a help text."""
+    return {
+        group: options.split(", ") for group, options in re.findall(r"^([\w/]+): (.*)$", text, re.MULTILINE)
+    }
+
+
+def _help(script: str, flag: str = "--help") -> str:
+    result = subprocess.run(
+        [PYTHON, f"src/{script}.py", flag],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=local_env(),
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("script", ["train", "eval"])
+def test_help_lists_every_config_group_and_option(script: str):
+    """A group or option added under conf/ shows in `--help`; the groups under conf/hydra (the
+    launcher, the sweeper) beside Hydra's own in `--hydra-help`, as Hydra splits them."""
+    ours = _conf_groups()
+    app = {g: o for g, o in ours.items() if g != "hydra" and not g.startswith("hydra/")}
+    assert {"data", "model", "model/net", "model/optimizer", "trainer"} <= set(app)
+    listed = {g: o for g, o in _listed(_help(script)).items() if g != "local"}
+    assert listed == app
+    hydra_listed = _listed(_help(script, "--hydra-help"))
+    for group in set(ours) - set(app):
+        assert set(ours[group]) <= set(hydra_listed.get(group, [])), group
+
+
+# Hydra lists groups through a fresh config repository each time, deep-copying every structured schema
+# (about 120 copies here); hpctrain.command_line lists them from the app's repository instead.
+COUNT_REPOSITORIES = """
+import runpy, sys
+from hydra._internal import config_repository
+
+built = []
+init = config_repository.CachingConfigRepository.__init__
+def counted(self, delegate):
+    built.append(self)
+    init(self, delegate)
+config_repository.CachingConfigRepository.__init__ = counted
+sys.argv = ["src/train.py", "--help"]
+try:
+    runpy.run_path("src/train.py", run_name="__main__")
+finally:
+    print("repositories built:", len(built))
+"""
+
+
+def test_help_builds_one_config_repository():
+    result = subprocess.run(
+        [PYTHON, "-c", COUNT_REPOSITORIES],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=local_env(),
+        timeout=60,
+    )
+    assert "data: " in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "repositories built: 1\n" in result.stdout  # the composition's own; none per listing
+
+
+@pytest.mark.parametrize(
+    ("precision", "on_cpu", "flags", "said"),
+    [
+        ("bf16-mixed", True, {"avx2", "avx512f"}, True),  # no native bf16: emulated
+        ("bf16-true", True, {"neon", "asimd"}, True),
+        ("bf16", True, {"avx2", "avx512_bf16"}, False),  # AVX512-BF16
+        ("bf16-mixed", True, {"amx_bf16", "amx_tile"}, False),  # AMX
+        ("bf16-mixed", True, {"asimd", "bf16"}, False),  # Arm's BF16
+        ("bf16-mixed", True, None, False),  # flags unknown (not Linux): say nothing rather than guess
+        ("bf16-mixed", False, {"avx2"}, False),  # a GPU run
+        ("32-true", True, {"avx2"}, False),
+    ],
+)
+def test_emulated_bf16_is_named_with_the_override(precision: str, on_cpu: bool, flags, said: bool):
+    from hpctrain.console import emulated_bf16_note
+
+    note = emulated_bf16_note(precision, on_cpu, flags)
+    assert (note is not None) == said
+    if said:
+        assert note.startswith(f"trainer.precision={precision} on a CPU without native bf16")
+        assert note.endswith("pass trainer.precision=32-true for a quick try on this machine.")
 
 
 # Pure half precision needs an optimizer that tolerates it: Adam's eps=1e-8 rounds to 0 in float16.

@@ -71,7 +71,7 @@ def test_unused_parameters_under_ddp_name_the_key(tmp_path: Path):
     errors = _errors(result.stdout)
     assert errors and all("dist.find_unused_parameters=true" in e for e in errors), result.stdout[-3000:]
     for line in errors:  # shortened at a word boundary, never mid-word ("...=True to t (traceback above)")
-        assert " to t " not in line and "(traceback above)" in line or "stopped too" in line, line
+        assert (" to t " not in line and "(traceback above)" in line) or "stopped too" in line, line
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain import console
 from tests.helpers import (
     PYTHON,
     ROOT,
@@ -84,6 +85,22 @@ def test_missing_checkpoint_is_one_sentence(tmp_path: Path):
         run_entry("eval.py", f"paths.log_dir={tmp_path}", f"ckpt_path={tmp_path}/nope.ckpt")
     )
     assert "does not exist" in message
+
+
+def test_bf16_on_a_cpu_that_emulates_it_is_named_at_the_start(tmp_path: Path):
+    result = train(tmp_path, *DIGITS, "model=mlp", "debug=fdr", "trainer.precision=bf16-mixed")
+    assert_ok(result)
+    notes = [line for line in result.stdout.splitlines() if "runs in emulation" in line]
+    flags = console.cpu_flags()
+    native = sorted((flags or set()) & console.NATIVE_BF16_FLAGS)
+    if flags is None or native:
+        assert not notes, notes  # nothing to say where bf16 is native, or where the flags are unknown
+        reason = f"this CPU has native bf16 ({', '.join(native)})" if native else "no /proc/cpuinfo"
+        pytest.skip(f"{reason}: the note is rightly absent; test_config.py covers the emulated case")
+    (note,) = notes
+    assert "trainer.precision=bf16-mixed on a CPU without native bf16" in note
+    assert "pass trainer.precision=32-true" in note
+    assert result.stdout.index(note) < result.stdout.index("first training step")
 
 
 def test_quickstart_reaches_90_percent_test_accuracy(tmp_path: Path):

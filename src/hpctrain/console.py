@@ -1,4 +1,5 @@
-"""What a run prints for its user: the config tree at the start, where the outputs went at the end."""
+"""What a run prints for its user: the config tree and a slow-precision warning at the start, where the
+outputs went at the end."""
 
 from __future__ import annotations
 
@@ -23,6 +24,46 @@ def apply_extras(cfg: DictConfig) -> None:
         warnings.filterwarnings("ignore")
     if extras.get("print_config") and cluster.is_rank_zero():
         print_config(cfg)
+
+
+# CPU flags of native bf16 arithmetic (/proc/cpuinfo): x86's AVX512-BF16 and AMX, Arm's BF16.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
+    """The CPU's feature flags, or None where the system does not list them (not Linux)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    return {
+        flag
+        for line in text.splitlines()
+        if line.startswith(("flags", "Features"))
+        for flag in line.split(":", 1)[-1].split()
+    }
+
+
+def emulated_bf16_note(precision: str, on_cpu: bool, flags: set[str] | None) -> str | None:
+    """A sentence when bf16 would run emulated on this CPU (a single step can take minutes), else None.
+
+    Where the flags are unknown nothing is said: a warning that may be wrong is worse than none.
+    """
+    if not on_cpu or not precision.startswith("bf16") or flags is None or flags & NATIVE_BF16_FLAGS:
+        return None
+    return (
+        f"trainer.precision={precision} on a CPU without native bf16 (AMX/AVX512-BF16) runs in emulation, "
+        "many times slower; pass trainer.precision=32-true for a quick try on this machine."
+    )
+
+
+def warn_if_bf16_is_emulated(trainer: Any, precision: Any) -> None:
+    """Say once, at the start, when the trainer's CPU would emulate the configured bf16 precision."""
+    from pytorch_lightning.accelerators import CPUAccelerator
+
+    note = emulated_bf16_note(str(precision), isinstance(trainer.accelerator, CPUAccelerator), cpu_flags())
+    if note is not None:
+        log.warning(note)
 
 
 def print_config(cfg: DictConfig) -> None:

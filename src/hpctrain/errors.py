@@ -4,17 +4,16 @@ Two sources of bad input, one form (`error: <sentence>` on stderr, exit status 2
 - mistakes the template recognises (`UserError`, raised anywhere; `reported_as_one_sentence`);
 - mistakes Hydra finds while composing the config: an unknown key or group option, an override it
   cannot parse, a run dir it cannot create. Hydra prints those as several lines (a search-path dump
-  for a missing option) and exits 1; `hydra_errors_as_one_sentence` makes them one line that keeps
-  the list of valid options and suggests the closest one.
+  for a missing option) and exits 1; `describe_hydra_error` makes them one line that keeps the list
+  of valid options and suggests the closest one (`hpctrain.command_line` hooks it into Hydra).
 """
 
 from __future__ import annotations
 
 import difflib
-import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,40 +38,6 @@ def reported_as_one_sentence() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------- Hydra's composition errors
-
-
-def hydra_errors_as_one_sentence(config_name: str) -> None:
-    """Make `@hydra.main` report composition mistakes as one `error:` line and exit 2.
-
-    Hydra 1.3 reports through `hydra._internal.utils.run_and_report`, looked up at call time; it is
-    wrapped here (tests/test_errors.py fails if that function moves). Exceptions raised inside the
-    task function never reach it as config errors: the entry points handle those themselves.
-    """
-    import hydra._internal.utils as hydra_utils
-
-    original = hydra_utils.run_and_report
-    if getattr(original, "one_sentence", False):
-        return
-
-    def run_and_report(func: Callable[[], Any]) -> Any:
-        try:
-            return func()
-        except Exception as err:
-            sentence = (
-                None if os.environ.get("HYDRA_FULL_ERROR") == "1" else describe_hydra_error(err, config_name)
-            )
-            if sentence is None:
-                failure = err
-
-                def reraise() -> Any:
-                    raise failure
-
-                return original(reraise)
-            print(f"error: {sentence}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
-
-    run_and_report.one_sentence = True  # type: ignore[attr-defined]
-    hydra_utils.run_and_report = run_and_report
 
 
 def _command_line_overrides() -> list[str]:

@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +190,8 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 
 def _versions() -> dict[str, str]:
+    from importlib import metadata  # here, not at the top: 5 ms that `--help` and `--cfg job` need not pay
+
     versions = {"python": platform.python_version()}
     for package in (*RECORDED_PACKAGES, __package__):
         try:

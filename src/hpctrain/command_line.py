@@ -1,0 +1,84 @@
+"""The entry points' one hook into Hydra's command line, and the private Hydra 1.3 names it relies on.
+
+`@hydra.main` runs the steps of a command (creating the app, `--cfg`, a run) through
+`hydra._internal.utils.run_and_report`, looked up at call time. `install` wraps it, once per process:
+- a mistake Hydra finds while composing the config becomes one `error:` sentence and exit 2
+  (`hpctrain.errors.describe_hydra_error`);
+- the app it creates lists config groups (`--help`) straight from its config repository. Hydra
+  builds a new repository for each listing, deep-copying every structured schema it holds: about
+  120 listings for this conf/, half a second, and more with every group added. Asked
+  without a primary config and without overrides, as `--help` asks, that copy lists exactly what
+  the repository does, so each listing is read once from the repository itself.
+
+Private names, and the tests that fail if a Hydra upgrade changes them:
+- `hydra._internal.utils.run_and_report`: tests/test_train.py::test_unknown_override_key_fails_naming_the_key,
+  tests/test_config.py::test_help_builds_one_config_repository;
+- `hydra._internal.hydra.Hydra` and its `config_loader`'s `get_group_options` and `repository`:
+  tests/test_config.py::test_help_builds_one_config_repository and
+  ::test_help_lists_every_config_group_and_option.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hpctrain.errors import EXIT_USER_ERROR, describe_hydra_error
+
+
+def install(config_name: str) -> None:
+    """Wrap Hydra's `run_and_report` for `python src/<config_name>.py` (see the module docstring)."""
+    import hydra._internal.utils as hydra_utils
+    from hydra._internal.hydra import Hydra
+
+    original = hydra_utils.run_and_report
+    if getattr(original, "installed_by_hpctrain", False):
+        return
+
+    def run_and_report(func: Callable[[], Any]) -> Any:
+        try:
+            result = func()
+        except Exception as err:
+            full = os.environ.get("HYDRA_FULL_ERROR") == "1"
+            sentence = None if full else describe_hydra_error(err, config_name)
+            if sentence is None:
+                failure = err
+
+                def reraise() -> Any:
+                    raise failure
+
+                return original(reraise)
+            print(f"error: {sentence}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+        if isinstance(result, Hydra):
+            _list_groups_from_the_repository(result)
+        return result
+
+    run_and_report.installed_by_hpctrain = True  # type: ignore[attr-defined]
+    hydra_utils.run_and_report = run_and_report
+
+
+def _list_groups_from_the_repository(app: Any) -> None:
+    """Answer this app's plain group listings from its repository, each once (this instance only)."""
+    from hydra.core.object_type import ObjectType
+
+    loader = app.config_loader
+    full_listing = loader.get_group_options
+    listed: dict[tuple[str, Any], list[str]] = {}
+
+    def get_group_options(
+        group_name: str,
+        results_filter: ObjectType | None = ObjectType.CONFIG,
+        config_name: str | None = None,
+        overrides: list[str] | None = None,
+    ) -> list[str]:
+        if config_name is not None or overrides:  # these can move the search path: Hydra's own way
+            return full_listing(group_name, results_filter, config_name, overrides)
+        key = (group_name, results_filter)
+        if key not in listed:
+            listed[key] = loader.repository.get_group_options(group_name, results_filter)
+        return list(listed[key])
+
+    loader.get_group_options = get_group_options
