@@ -54,7 +54,7 @@ class Setup:
         import torch
         import torch.distributed as dist
 
-        from hpctrain.config import compose
+        from hpctrain.runtime.config.compose import compose
 
         self.model, self.samples, self.batch_size, self.epochs = model, samples, batch_size, epochs
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -160,7 +160,7 @@ def run_lightning(setup: Setup) -> list[float]:
     import pytorch_lightning as pl
     import torch.nn.functional as F
 
-    from hpctrain import cluster
+    from hpctrain.runtime.distributed import launch
 
     net, make_optimizer = setup.network_and_optimizer()
 
@@ -215,7 +215,7 @@ def run_lightning(setup: Setup) -> list[float]:
         accelerator="gpu" if setup.gpu else "cpu",
         devices=setup.world,
         strategy="ddp" if setup.world > 1 else "auto",
-        plugins=[cluster.lightning_cluster_environment()],
+        plugins=[launch.lightning_cluster_environment()],
         max_epochs=setup.epochs,
         logger=False,
         enable_checkpointing=False,
@@ -231,8 +231,8 @@ def run_lightning(setup: Setup) -> list[float]:
 
 def run_template(setup: Setup) -> list[float]:
     """The template's own path: config -> build -> Trainer.fit, as src/train.py does it (loggers off)."""
-    from hpctrain import build
-    from hpctrain.progress import ThroughputLog
+    from hpctrain.runtime.report.progress import ThroughputLog
+    from hpctrain.runtime.run import build
 
     class EpochRates(ThroughputLog):
         """The default ThroughputLog (same per-step work), keeping each epoch's rate."""

@@ -1,4 +1,4 @@
-"""Write the JSON Schemas editors use to complete and validate conf/*.yaml (from hpctrain.schema).
+"""Write the JSON Schemas editors use to complete and validate conf/*.yaml (from hpctrain.runtime.config.schema).
 
     python scripts/config_schema.py          # writes conf/schema/*.schema.json and .vscode/settings.json
     python scripts/config_schema.py --check  # exit 1 if they are not up to date (the tests run this)
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from hpctrain.schema import FILE_PREFIXES, json_schema  # noqa: E402
+from hpctrain.runtime.config.schema import FILE_PREFIXES, json_schema  # noqa: E402
 
 # which conf/ files each schema describes (files of @package _global_ groups describe the whole config)
 FILES = {

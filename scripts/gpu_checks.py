@@ -28,8 +28,8 @@ def synchronising_calls(out: Path) -> dict[str, int]:
     import torch
     from pytorch_lightning import Callback
 
-    from hpctrain import build
-    from hpctrain.config import compose
+    from hpctrain.runtime.config.compose import compose
+    from hpctrain.runtime.run import build
 
     overrides = [
         "data=random",

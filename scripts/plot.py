@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hpctrain.plots import plot_run
+from hpctrain.runtime.report.plots import plot_run
 
 
 def main(argv: list[str]) -> int:

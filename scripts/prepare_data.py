@@ -15,14 +15,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hpctrain.config import compose
-from hpctrain.errors import reported_as_one_sentence
+from hpctrain.runtime.config.compose import compose
+from hpctrain.runtime.errors import reported_as_one_sentence
 
 
 def main(overrides: list[str]) -> None:
     with reported_as_one_sentence():
         cfg = compose("train", overrides)
-        from hpctrain import build
+        from hpctrain.runtime.run import build
 
         datamodule = build.datamodule(cfg)
         datamodule.prepare_data()

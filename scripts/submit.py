@@ -79,7 +79,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def sweep_points(overrides: list[str]) -> list[list[str]]:
     """The jobs of the Hydra sweep grid in `overrides`, in Hydra's order."""
     sys.path.insert(0, str(ROOT / "src"))
-    from hpctrain.sweeps.grid import expand
+    from hpctrain.runtime.sweeps.grid import expand
 
     return expand(overrides)
 

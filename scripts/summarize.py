@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hpctrain.sweeps.summary import report
+from hpctrain.runtime.sweeps.summary import report
 
 
 def main(argv: list[str]) -> int:

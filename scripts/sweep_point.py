@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hpctrain.cluster import array_task
-from hpctrain.errors import UserError, reported_as_one_sentence
-from hpctrain.sweeps.grid import expand
+from hpctrain.runtime.distributed.cluster import array_task
+from hpctrain.runtime.errors import UserError, reported_as_one_sentence
+from hpctrain.runtime.sweeps.grid import expand
 
 
 def main(argv: list[str]) -> None:

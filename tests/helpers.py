@@ -88,7 +88,7 @@ def last_value(rows: list[dict[str, str]], key: str) -> float:
 
 def compose_train(output_dir: Path, data_dir: Path, *overrides: str):
     """The train config as `python src/train.py` would compose it, with outputs and data in test dirs."""
-    from hpctrain.config import compose
+    from hpctrain.runtime.config.compose import compose
 
     paths = [f"paths.output_dir={output_dir}", f"paths.log_dir={output_dir}", f"paths.data_dir={data_dir}"]
     return compose("train", [*paths, *overrides])

@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpctrain import build
 from hpctrain.data.cifar import CIFAR10DataModule, random_crop_and_flip
 from hpctrain.data.images import DataUnavailable
 from hpctrain.data.text import STDLIB_FILES, StdlibTextDataModule, stdlib_corpus
 from hpctrain.models.language_model import CharLanguageModel
 from hpctrain.models.sampling import TextSample
 from hpctrain.models.transformer import CharTransformer
+from hpctrain.runtime.run import build
 from tests.helpers import (
     PYTHON,
     ROOT,

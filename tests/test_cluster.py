@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain import cluster
-from hpctrain.errors import UserError
+from hpctrain.runtime.distributed import cluster, launch
+from hpctrain.runtime.errors import UserError
 
 TORCHRUN = {
     "RANK": "1",
@@ -100,7 +100,7 @@ def test_one_gpu_bound_to_each_task_is_used_whatever_its_local_id(monkeypatch):
     assert cluster.one_gpu_per_task(env)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    environment = cluster.lightning_cluster_environment(env)
+    environment = launch.lightning_cluster_environment(env)
     assert environment.local_rank() == 0  # cuda:0, the task's only GPU, not cuda:5
     assert (environment.global_rank(), environment.world_size()) == (5, 8)
     environment.validate_settings(num_devices=1, num_nodes=1)  # the trainer runs with devices=1 per task

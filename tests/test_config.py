@@ -18,11 +18,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from hpctrain import build
-from hpctrain.config import CONF_DIR, compose
-from hpctrain.config_checks import LOGGER_PACKAGES, check_config
-from hpctrain.errors import UserError
-from hpctrain.schema import PRECISIONS
+from hpctrain.runtime.config.checks import LOGGER_PACKAGES, check_config
+from hpctrain.runtime.config.compose import CONF_DIR, compose
+from hpctrain.runtime.config.schema import PRECISIONS
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run import build
 from tests.helpers import PYTHON, ROOT, compose_train, local_env
 
 GROUPS = (
@@ -248,7 +248,7 @@ def test_help_lists_every_config_group_and_option(script: str):
 
 
 # Hydra lists groups through a fresh config repository each time, deep-copying every structured schema
-# (about 120 copies here); hpctrain.command_line lists them from the app's repository instead.
+# (about 120 copies here); hpctrain.runtime.config.command_line lists them from the app's repository instead.
 COUNT_REPOSITORIES = """
 import runpy, sys
 from hydra._internal import config_repository
@@ -294,7 +294,7 @@ def test_help_builds_one_config_repository():
     ],
 )
 def test_emulated_bf16_is_named_with_the_override(precision: str, on_cpu: bool, flags, said: bool):
-    from hpctrain.console import emulated_bf16_note
+    from hpctrain.runtime.report.console import emulated_bf16_note
 
     note = emulated_bf16_note(precision, on_cpu, flags)
     assert (note is not None) == said

@@ -113,9 +113,9 @@ class _SaveAtStep(Callback):
 def _fit(callbacks=(), ckpt_path: Path | None = None):
     from pytorch_lightning import Trainer
 
-    from hpctrain.checkpointing import AtomicCheckpointIO, CheckpointExtras
     from hpctrain.models.classifier import ImageClassifier
     from hpctrain.models.nets import MLP
+    from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, CheckpointExtras
 
     torch.manual_seed(0)
     model = ImageClassifier(MLP(hidden_sizes=(32,), dropout=0.5), optimizer=partial(torch.optim.SGD, lr=0.1))

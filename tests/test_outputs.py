@@ -10,9 +10,9 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from hpctrain import outputs
-from hpctrain.errors import UserError
-from hpctrain.loggers import ResumableCSVLogger, stable_run_key
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run import checkpoints, records
+from hpctrain.runtime.run.loggers import ResumableCSVLogger, stable_run_key
 from tests.helpers import read_metrics
 
 
@@ -40,10 +40,10 @@ def test_a_requeued_job_continues_from_its_own_newest_checkpoint(tmp_path: Path)
     _ckpt(run, "last.ckpt", age_s=60)
     requeue = _ckpt(run, "requeue.ckpt")
     other = _ckpt(tmp_path / "runs" / "slurm-8", "requeue.ckpt", age_s=-60)  # newer, but another job's
-    start = outputs.start_point(None, run, tmp_path / "runs", env=SLURM_7)
+    start = checkpoints.start_point(None, run, tmp_path / "runs", env=SLURM_7)
     assert start.checkpoint == requeue and "restart 1" in start.describe()
     # the first attempt's ckpt_path does not matter any more: the job continues its own run
-    assert outputs.start_point(str(other), run, tmp_path / "runs", env=SLURM_7).checkpoint == requeue
+    assert checkpoints.start_point(str(other), run, tmp_path / "runs", env=SLURM_7).checkpoint == requeue
 
 
 def test_a_run_dir_with_another_runs_checkpoints_is_refused(tmp_path: Path):
@@ -52,43 +52,43 @@ def test_a_run_dir_with_another_runs_checkpoints_is_refused(tmp_path: Path):
     last = _ckpt(run, "last.ckpt")
     elsewhere = _ckpt(tmp_path / "runs" / "b", "last.ckpt")
     with pytest.raises(UserError, match=r"this run dir already holds checkpoints of another run"):
-        outputs.start_point(None, run, tmp_path / "runs", env={})
+        checkpoints.start_point(None, run, tmp_path / "runs", env={})
     with pytest.raises(UserError, match=rf"ckpt_path={elsewhere} conflicts with the checkpoints"):
-        outputs.start_point(str(elsewhere), run, tmp_path / "runs", env={})
+        checkpoints.start_point(str(elsewhere), run, tmp_path / "runs", env={})
     with pytest.raises(UserError, match="does not exist"):
-        outputs.start_point(str(tmp_path / "missing.ckpt"), run, tmp_path / "runs", env={})
+        checkpoints.start_point(str(tmp_path / "missing.ckpt"), run, tmp_path / "runs", env={})
     # naming one of its own checkpoints continues that run, on purpose
-    assert outputs.start_point(str(last), run, tmp_path / "runs", env={}).checkpoint == last
+    assert checkpoints.start_point(str(last), run, tmp_path / "runs", env={}).checkpoint == last
     # another SLURM job in the same (fixed) dir is another run too
     with pytest.raises(UserError, match="another run"):
-        outputs.start_point(None, run, tmp_path / "runs", env={**SLURM_7, "SLURM_JOB_ID": "9"})
+        checkpoints.start_point(None, run, tmp_path / "runs", env={**SLURM_7, "SLURM_JOB_ID": "9"})
 
 
 def test_a_fresh_run_starts_cleanly_or_from_what_it_was_given(tmp_path: Path):
     runs = tmp_path / "runs"
     fresh = runs / "new"
-    assert outputs.start_point(None, fresh, runs, env={}).checkpoint is None
+    assert checkpoints.start_point(None, fresh, runs, env={}).checkpoint is None
     with pytest.raises(UserError, match="ckpt_path=last but no earlier run"):
-        outputs.start_point("last", fresh, runs, env={})
+        checkpoints.start_point("last", fresh, runs, env={})
     _ckpt(runs / "a", "last.ckpt", age_s=100)
     newest = _ckpt(runs / "b", "last.ckpt", age_s=10)
-    assert outputs.start_point("last", fresh, runs, env={}).checkpoint == newest
-    assert outputs.start_point(str(newest), fresh, runs, env={}).checkpoint == newest
+    assert checkpoints.start_point("last", fresh, runs, env={}).checkpoint == newest
+    assert checkpoints.start_point(str(newest), fresh, runs, env={}).checkpoint == newest
     with pytest.raises(UserError, match="does not exist"):
-        outputs.start_point(str(tmp_path / "missing.ckpt"), fresh, runs, env={})
+        checkpoints.start_point(str(tmp_path / "missing.ckpt"), fresh, runs, env={})
 
 
 def test_an_unwritable_run_dir_is_refused(tmp_path: Path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(UserError, match=rf"the run dir {blocker}/run is not writable"):
-        outputs.check_writable(blocker / "run")
+        records.check_writable(blocker / "run")
 
 
 def test_run_record_keeps_every_attempt(tmp_path: Path):
     cfg = OmegaConf.create({"seed": 1, "model": {"lr": "${seed}"}})
     for _ in range(2):
-        outputs.write_run_record(cfg, tmp_path, ["seed=1"], tmp_path, world_size=4)
+        records.write_run_record(cfg, tmp_path, ["seed=1"], tmp_path, world_size=4)
     record = yaml.safe_load((tmp_path / "run.yaml").read_text())
     assert len(record["attempts"]) == 2 and record["attempts"][0]["world_size"] == 4
     assert record["overrides"] == ["seed=1"] and "torch" in record["versions"]

@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 import yaml
 
-from hpctrain.config import CONF_DIR
-from hpctrain.schema import FILE_PREFIXES, KEYS, PRECISIONS, json_schema, validate
+from hpctrain.runtime.config.compose import CONF_DIR
+from hpctrain.runtime.config.schema import FILE_PREFIXES, KEYS, PRECISIONS, json_schema, validate
 from tests.helpers import PYTHON, ROOT
 
 

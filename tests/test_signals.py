@@ -12,7 +12,8 @@ from pytorch_lightning import Callback
 from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
 from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 
-from hpctrain import build, signals
+from hpctrain.runtime.distributed import signals
+from hpctrain.runtime.run import build
 from tests.helpers import compose_train
 
 

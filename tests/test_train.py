@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain import console
+from hpctrain.runtime.report import console
 from tests.helpers import (
     PYTHON,
     ROOT,

@@ -17,7 +17,7 @@ from hpctrain.data.loading import (
     pin_memory_default,
     tensors_to_device,
 )
-from hpctrain.errors import UserError
+from hpctrain.runtime.errors import UserError
 
 
 class DataUnavailable(UserError):

@@ -17,7 +17,7 @@ stream must take its own share, and the copies are one per rank *and* per loader
 
 A stream that is neither wrapped nor marked gets one warning at the start of a DDP fit, with this fix.
 If the ranks' shares yield different numbers of batches, the job ends within seconds naming the rank
-that ran out first (`hpctrain.watchdog`), instead of hanging in the next collective.
+that ran out first (`hpctrain.runtime.distributed.watchdog`), instead of hanging in the next collective.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from hpctrain.errors import UserError
+from hpctrain.runtime.errors import UserError
 
 
 class TensorDataset(Dataset):

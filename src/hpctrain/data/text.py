@@ -28,7 +28,7 @@ from torch import Tensor
 
 from hpctrain.data.images import DataUnavailable
 from hpctrain.data.loading import ResumableDataLoader, make_loader, pin_memory_default, tensors_to_device
-from hpctrain.errors import UserError
+from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__.split(".")[0])
 

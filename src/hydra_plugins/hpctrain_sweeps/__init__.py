@@ -2,12 +2,12 @@
 its own package (`sweeps/`), and these names are how Hydra reaches them (see conf/hydra/launcher/slurm.yaml
 and conf/hydra/sweeper/optuna.yaml)."""
 
-from hpctrain.sweeps import optuna_sweeper, slurm
+from hpctrain.runtime.sweeps import optuna_sweeper, slurm
 
 
 class SlurmLauncher(slurm.SlurmLauncher):
-    """hpctrain.sweeps.slurm.SlurmLauncher, under the name Hydra accepts."""
+    """hpctrain.runtime.sweeps.slurm.SlurmLauncher, under the name Hydra accepts."""
 
 
 class OptunaSweeper(optuna_sweeper.OptunaSweeper):
-    """hpctrain.sweeps.optuna_sweeper.OptunaSweeper, under the name Hydra accepts."""
+    """hpctrain.runtime.sweeps.optuna_sweeper.OptunaSweeper, under the name Hydra accepts."""

@@ -6,23 +6,33 @@ Lightning's SLURM auto-requeue handler does, and its SIGTERM handler, which broa
 another rank sitting in a different collective: the job hangs. So `install` (called before any heavy
 import, so a signal during startup is recorded too) replaces both handlers with ones that only
 remember the strongest signal seen, and `take_over_from_lightning` stops Lightning from installing
-its own and from broadcasting a SIGTERM flag at every training step. `hpctrain.requeue` acts on the
+its own and from broadcasting a SIGTERM flag at every training step. `hpctrain.runtime.distributed.requeue` acts on the
 record at points where every rank takes the same collective path.
 """
 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import Any
 
 NO_SIGNAL, TERMINATE, REQUEUE = 0, 1, 2
-NAMES = {TERMINATE: "SIGTERM", REQUEUE: "the requeue signal"}
 
 _state: dict[str, Any] = {"received": NO_SIGNAL, "requeue_signal": None}
 
 
 class Interrupted(Exception):
-    """The run stopped on a recorded signal, at a point every rank agreed on (see hpctrain.requeue)."""
+    """The run stopped on a recorded signal, at a point every rank agreed on (see
+    hpctrain.runtime.distributed.requeue); `checkpoint` (if any) holds everything to continue from."""
+
+    def __init__(self, code: int, checkpoint: Path | None, where: str) -> None:
+        from hpctrain.runtime.distributed import cluster
+
+        name = requeue_signal_name() if code == REQUEUE else "SIGTERM"
+        super().__init__(f"{name} {where}" + (f": saved {checkpoint}" if checkpoint else ""))
+        self.code = code
+        self.checkpoint = checkpoint
+        self.requeue = code == REQUEUE and cluster.slurm_job_id() is not None
 
 
 def _record(signum: int, frame: Any) -> None:

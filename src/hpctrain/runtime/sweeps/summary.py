@@ -11,7 +11,8 @@ import yaml
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig
 
-from hpctrain import outputs, plots
+from hpctrain.runtime.report import plots
+from hpctrain.runtime.run import records
 
 log = logging.getLogger(__package__.split(".")[0])
 
@@ -39,7 +40,7 @@ def rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """One row per job, and the keys whose values differ between jobs (what was swept)."""
     found = []
     for run_dir in job_dirs(sweep_dir):
-        outcome, record = outputs.read_outcome(run_dir), outputs.read_run_record(run_dir)
+        outcome, record = records.read_outcome(run_dir), records.read_run_record(run_dir)
         attempts = record.get("attempts") or [{}]
         found.append(
             {

@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.types import _Stateful
+from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning import Callback, LightningModule, Trainer
 from torch import Tensor
 from torchmetrics import Metric
 
-from hpctrain.errors import UserError
+from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__)
 
@@ -326,3 +327,25 @@ def _mid_epoch(trainer: Trainer) -> bool:
     """Whether some, but not all, training batches of the current epoch are done."""
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
     return trainer.training and 0 < done < trainer.num_training_batches
+
+
+def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
+    """`cfg` with `model` and `data` replaced by the checkpoint's, unless the command line chose them.
+
+    `model=...` / `data=...` keep the eval config's choice; `model.<key>=...` / `data.<key>=...` are
+    applied on top of the checkpoint's config. The data directory is always this machine's.
+    """
+    stored = stored_config(checkpoint)
+    for group in ("model", "data"):
+        chosen = any(o.lstrip("+~").startswith((f"{group}=", f"{group}/")) for o in overrides)
+        if group not in stored or chosen:
+            continue
+        dotted = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith(f"{group}.")]
+        replacement = OmegaConf.merge(
+            OmegaConf.create(stored[group]), OmegaConf.from_dotlist(dotted).get(group) or {}
+        )
+        if group == "data" and "data_dir" in replacement:
+            replacement.data_dir = cfg.paths.data_dir
+        with open_dict(cfg):
+            cfg[group] = replacement
+    return cfg

@@ -12,12 +12,15 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 
 from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from hpctrain import outputs, watchdog
+# Hydra flags that are not overrides but choose the config; children need them too.
+from hpctrain.runtime.config.compose import task_overrides
+from hpctrain.runtime.distributed import cluster, watchdog
 
 # Hydra flags that are not overrides but choose the config; children need them too.
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
@@ -61,7 +64,7 @@ def child_command() -> tuple[list[str], str]:
     else:
         command = [sys.executable, to_absolute_path(sys.argv[0])]
     command += _config_flags(sys.argv[1:])
-    command += outputs.task_overrides(hydra_cfg)
+    command += task_overrides(hydra_cfg)
     command += [o for o in hydra_cfg.overrides.hydra if not o.lstrip("+~").startswith(_PARENT_ONLY)]
     output_dir = hydra_cfg.runtime.output_dir.replace("\\", "\\\\").replace('"', '\\"')
     command += [f'hydra.run.dir="{output_dir}"', "hydra.output_subdir=null"]
@@ -151,3 +154,27 @@ def end_distributed_job(trainer, completed: bool = True) -> None:
             proc.wait(timeout=120)
         for key in _LAUNCH_ENV:
             os.environ.pop(key, None)
+
+
+def lightning_cluster_environment(env: Mapping[str, str] | None = None):
+    """The Lightning cluster environment for this launcher, chosen here rather than auto-detected.
+
+    SLURM gets `auto_requeue=False`: requeue on the time-limit signal is `hpctrain.runtime.distributed.requeue`'s job
+    (Lightning's own handler saves a checkpoint inside the signal handler and deadlocks multi-node DDP),
+    and a version that uses the task's one GPU when SLURM binds one GPU to each task.
+    A bare sbatch script or salloc shell is treated as a plain local run.
+    """
+    from lightning_fabric.plugins.environments import (
+        LightningEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    kind = cluster.launcher(env)
+    if kind == cluster.TORCHRUN:
+        return TorchElasticEnvironment()
+    if kind == cluster.SLURM and cluster.one_gpu_per_task(env):
+        return OneGPUPerTaskSLURMEnvironment(auto_requeue=False)
+    if kind == cluster.SLURM:
+        return SLURMEnvironment(auto_requeue=False)
+    return LightningEnvironment()

@@ -13,14 +13,15 @@ import difflib
 import logging
 import math
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from hpctrain import cluster, watchdog
 from hpctrain.data.iterable import shares_itself_out
-from hpctrain.errors import UserError
+from hpctrain.runtime.distributed import watchdog
+from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__)
 
@@ -183,11 +184,11 @@ class SharedRunDirCheck(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
-            cluster.check_run_dir_is_shared(self.run_dir, trainer.num_nodes)
+            check_run_dir_is_shared(self.run_dir, trainer.num_nodes)
 
 
 class RankWatchdog(Callback):
-    """Starts `hpctrain.watchdog` once the process group exists; Lightning's exception path (which
+    """Starts `hpctrain.runtime.distributed.watchdog` once the process group exists; Lightning's exception path (which
     ends local child ranks itself) is an orderly stop, not a rank failure.
 
     Under DDP it also looks after streams (IterableDatasets), which Lightning does not share out
@@ -242,3 +243,37 @@ class RankWatchdog(Callback):
 
 def _as_list(loaders: Any) -> list[Any]:
     return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def check_run_dir_is_shared(run_dir: str | Path, num_nodes: int) -> None:
+    """Every rank of a multi-node job must write to rank 0's run dir and see the run.yaml rank 0 wrote.
+
+    Call it on every rank once the process group exists. The verdicts are gathered, so every rank
+    stops with the same sentence (none waits in a collective for a rank that already left).
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    if num_nodes <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    run_dir = Path(run_dir).resolve()
+    expected = [str(run_dir)]
+    dist.broadcast_object_list(expected, src=0)
+    where = f"rank {dist.get_rank()} on {socket.gethostname()}"
+    problem = ""
+    if str(run_dir) != expected[0]:
+        problem = (
+            f"{where} uses the run dir {run_dir} but rank 0 uses {expected[0]}; set paths.log_dir to one "
+            "directory on a filesystem every node mounts (not a node-local path such as $TMPDIR)."
+        )
+    elif not (run_dir / "run.yaml").is_file():
+        problem = (
+            f"{where} cannot see {run_dir}/run.yaml, which rank 0 wrote: the run dir is not on a filesystem "
+            "every node mounts; set paths.log_dir to a shared directory."
+        )
+    verdicts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, problem)
+    first = next((v for v in verdicts if v), None)
+    if first:
+        raise UserError(first)

@@ -29,7 +29,7 @@ from hydra.core.utils import JobStatus
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.errors import UserError
+from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__.split(".")[0])
 

@@ -2,12 +2,12 @@
 
 `run_objects` is the one build path of src/train.py and src/eval.py. Besides what the config names,
 the trainer always gets:
-- the cluster environment chosen by `hpctrain.cluster` (SLURM without Lightning's auto-requeue);
+- the cluster environment chosen by `hpctrain.runtime.distributed.cluster` (SLURM without Lightning's auto-requeue);
 - `HydraDDPStrategy` for `strategy: ddp` (or `auto` with more than one process), with the
   collective timeout from `dist.timeout_min`;
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
 - `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`) and,
-  when `requeue.enabled`, `CheckpointOnSignal`.
+  when `requeue.enabled`, `RequeueOnSignal`.
 """
 
 from __future__ import annotations
@@ -33,24 +33,44 @@ from pytorch_lightning.loggers import Logger
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
-from hpctrain import cluster, signals
-from hpctrain.callbacks import MonitoredMetric, RankWatchdog, SharedRunDirCheck
-from hpctrain.checkpointing import AtomicCheckpointIO, CheckpointExtras
-from hpctrain.errors import UserError
-from hpctrain.launch import HydraDDPStrategy, HydraFSDPStrategy
-from hpctrain.outputs import REQUEUE_CHECKPOINT, checkpoint_dir
-from hpctrain.requeue import CheckpointOnSignal
+from hpctrain.runtime.distributed import cluster, launch, signals
+from hpctrain.runtime.distributed.launch import HydraDDPStrategy, HydraFSDPStrategy
+from hpctrain.runtime.distributed.requeue import RequeueOnSignal
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.callbacks import MonitoredMetric, RankWatchdog, SharedRunDirCheck
+from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
+from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, CheckpointExtras
 
 log = logging.getLogger(__package__)
 
 
 @dataclass
 class Run:
+    """What a run trains and tests, and the two template callbacks its entry point asks about."""
+
     datamodule: LightningDataModule
     model: LightningModule
     trainer: Trainer
-    monitor: MonitoredMetric | None
-    preemption: CheckpointOnSignal | None
+    monitor: MonitoredMetric | None  # the best value of monitor.metric, returned to sweepers
+    requeue: RequeueOnSignal | None  # checkpoints and stops where every rank agrees, on a signal
+
+    def fit(self, checkpoint: str | Path | None) -> None:
+        self.trainer.fit(self.model, self.datamodule, ckpt_path=checkpoint, weights_only=True)
+        if self.requeue is not None:
+            self.requeue.after_fit(self.trainer)  # a signal during the last validation
+
+    def test(self, checkpoint: str | Path | None) -> None:
+        self.trainer.test(self.model, self.datamodule, ckpt_path=checkpoint, weights_only=True)
+
+    def best_checkpoint(self) -> str | None:
+        return best_checkpoint(self.trainer)
+
+    def can_test(self) -> bool:
+        return can_test(self.model, self.datamodule)
+
+    @property
+    def best_value(self) -> float | None:
+        return self.monitor.best if self.monitor is not None else None
 
 
 def configure_process(cfg: DictConfig) -> None:
@@ -68,10 +88,10 @@ def run_objects(cfg: DictConfig, run_dir: str | Path, training: bool = True) -> 
     data = datamodule(cfg)
     check_data_available(data)
     module = tune_model(model(cfg), cfg)
-    trainer_ = trainer(cfg, run_dir, training=training)
-    monitor = next((c for c in trainer_.callbacks if isinstance(c, MonitoredMetric)), None)
-    preemption = next((c for c in trainer_.callbacks if isinstance(c, CheckpointOnSignal)), None)
-    return Run(data, module, trainer_, monitor, preemption)
+    monitor = monitored_metric(cfg) if training else None
+    requeue = requeue_on_signal(cfg, run_dir)
+    own = [c for c in (monitor, requeue) if c is not None]
+    return Run(data, module, trainer(cfg, run_dir, training=training, own=own), monitor, requeue)
 
 
 def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
@@ -171,31 +191,70 @@ def loggers(cfg: DictConfig) -> list[Logger]:
     return _instantiate_group(cfg.get("logger"), "logger")
 
 
+def monitored_metric(cfg: DictConfig) -> MonitoredMetric | None:
+    monitor = cfg.get("monitor")
+    if monitor is None or not monitor.get("metric"):
+        return None
+    return MonitoredMetric(monitor.metric, monitor.get("mode", "max"))
+
+
+def requeue_on_signal(cfg: DictConfig, run_dir: str | Path) -> RequeueOnSignal | None:
+    requeue = cfg.get("requeue")
+    if requeue is None or not requeue.enabled:
+        return None
+    return RequeueOnSignal(
+        checkpoint_dir(run_dir) / REQUEUE_CHECKPOINT,
+        check_every_n_steps=requeue.check_every_n_steps,
+        timeout_min=_timeout_min(cfg),
+    )
+
+
+def _timeout_min(cfg: DictConfig) -> float:
+    return (cfg.get("dist") or {}).get("timeout_min", 30)
+
+
 def callbacks(
-    cfg: DictConfig, run_dir: str | Path, has_logger: bool, training: bool = True
+    cfg: DictConfig,
+    run_dir: str | Path,
+    has_logger: bool,
+    training: bool = True,
+    own: list[Callback] | None = None,
 ) -> list[Callback]:
-    """The config's callbacks, then the template's own (see the module docstring)."""
+    """The config's callbacks, then the template's own (see the module docstring); `own` are those the
+    caller built itself (the monitored metric, requeue), else they are built here."""
     chosen = _instantiate_group(cfg.get("callbacks"), "callbacks")
+    check_checkpoint_callbacks(chosen, run_dir, training)
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
-    timeout_min = (cfg.get("dist") or {}).get("timeout_min", 30)
-    chosen.append(RankWatchdog(timeout_min))
+    chosen.append(RankWatchdog(_timeout_min(cfg)))
     if training:
         stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data") if k in cfg}
         chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir))]
-        monitor = cfg.get("monitor")
-        if monitor is not None and monitor.get("metric"):
-            chosen.append(MonitoredMetric(monitor.metric, monitor.get("mode", "max")))
-    requeue = cfg.get("requeue")
-    if requeue is not None and requeue.enabled:
-        chosen.append(
-            CheckpointOnSignal(
-                checkpoint_dir(run_dir) / REQUEUE_CHECKPOINT,
-                check_every_n_steps=requeue.check_every_n_steps,
-                timeout_min=timeout_min,
+    if own is None:
+        own = [c for c in (monitored_metric(cfg) if training else None, requeue_on_signal(cfg, run_dir)) if c]
+    return chosen + own
+
+
+def check_checkpoint_callbacks(chosen: list[Callback], run_dir: str | Path, training: bool) -> None:
+    """A ModelCheckpoint must write last.ckpt into the run's checkpoint folder: that is where a restarted
+    job, `ckpt_path=last` and eval look. Another `dirpath`, or `save_last: false`, would make resume
+    silently find nothing, so either is refused here, in one sentence."""
+    expected = checkpoint_dir(run_dir).resolve()
+    for callback in chosen:
+        if not (training and isinstance(callback, pl.callbacks.ModelCheckpoint)):
+            continue
+        name = type(callback).__name__
+        if callback.dirpath is None or Path(callback.dirpath).resolve() != expected:
+            raise UserError(
+                f"callbacks: the {name}'s dirpath={callback.dirpath} is not this run's checkpoint folder "
+                f"{expected}, where a restarted job and ckpt_path=last look for last.ckpt; keep "
+                "dirpath: ${paths.output_dir}/checkpoints (the file names are yours: filename=...)."
             )
-        )
-    return chosen
+        if not callback.save_last:
+            raise UserError(
+                f"callbacks: the {name} has save_last={callback.save_last}, but a restarted job and ckpt_path=last "
+                "resume from last.ckpt; keep save_last: true (save_top_k chooses which other checkpoints stay)."
+            )
 
 
 def _processes(trainer_cfg: DictConfig) -> int | None:
@@ -249,16 +308,22 @@ def _channels_last_inputs(module: torch.nn.Module, args: tuple[Any, ...]) -> tup
     )
 
 
-def trainer(cfg: DictConfig, run_dir: str | Path, training: bool = True, **overrides: Any) -> Trainer:
+def trainer(
+    cfg: DictConfig,
+    run_dir: str | Path,
+    training: bool = True,
+    own: list[Callback] | None = None,
+    **overrides: Any,
+) -> Trainer:
     """The Trainer for `cfg.trainer`; keyword arguments replace config entries (e.g. logger=False)."""
     chosen_loggers = overrides.pop("logger", None)
     if chosen_loggers is None:
         chosen_loggers = loggers(cfg)
     kwargs: dict[str, Any] = {
         "logger": chosen_loggers or False,
-        "callbacks": callbacks(cfg, run_dir, has_logger=bool(chosen_loggers), training=training),
+        "callbacks": callbacks(cfg, run_dir, has_logger=bool(chosen_loggers), training=training, own=own),
         "strategy": strategy(cfg.trainer, cfg.get("dist")),
-        "plugins": [cluster.lightning_cluster_environment(), AtomicCheckpointIO()],
+        "plugins": [launch.lightning_cluster_environment(), AtomicCheckpointIO()],
     }
     if cluster.one_gpu_per_task() and str(cfg.trainer.get("accelerator")) in cluster.GPU_ACCELERATORS:
         kwargs["devices"] = 1  # each task drives the one GPU SLURM bound to it (cluster.one_gpu_per_task)

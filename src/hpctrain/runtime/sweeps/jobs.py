@@ -11,8 +11,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from hpctrain import cluster, watchdog
-from hpctrain.errors import UserError
+from hpctrain.runtime.distributed import cluster, watchdog
+from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__.split(".")[0])
 

@@ -1,9 +1,9 @@
 """Checks on the composed config, before anything heavy runs.
 
-Hydra rejects unknown keys and options itself (made one sentence by `hpctrain.errors`); these checks
+Hydra rejects unknown keys and options itself (made one sentence by `hpctrain.runtime.errors`); these checks
 catch what composes but cannot work, and say so in one sentence instead of a stack trace from deep
 inside Lightning ten seconds later:
-- a value of the wrong type or out of range (the table in `hpctrain.schema`);
+- a value of the wrong type or out of range (the table in `hpctrain.runtime.config.schema`);
 - a required value left out (`???`) or an interpolation that points nowhere;
 - a precision this accelerator cannot run, a logger whose package is missing, a secret in the config.
 """
@@ -17,9 +17,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
-from hpctrain import cluster
-from hpctrain.errors import UserError
-from hpctrain.schema import KEYS, validate
+from hpctrain.runtime.config.schema import KEYS, validate
+from hpctrain.runtime.distributed import cluster
+from hpctrain.runtime.errors import UserError
 
 # packages an optional logger needs, recognised in its _target_ (TensorBoardLogger, mlflow_logger, ...)
 LOGGER_PACKAGES = ("tensorboard", "mlflow", "wandb")

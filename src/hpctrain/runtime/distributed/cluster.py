@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpctrain.errors import UserError
+from hpctrain.runtime.errors import UserError
 
 TORCHRUN, SLURM, SLURM_BATCH, CHILD, LOCAL = "torchrun", "slurm", "slurm-batch", "child", "local"
 GPU_ACCELERATORS = ("gpu", "cuda")
@@ -45,13 +45,7 @@ def launcher(env: Mapping[str, str] | None = None) -> str:
 
 def is_rank_zero(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process is global rank 0, decided from the environment alone (before torch)."""
-    env = _env(env)
-    kind = launcher(env)
-    if kind == TORCHRUN:
-        return env["RANK"] == "0"
-    if kind == SLURM:
-        return env.get("SLURM_PROCID", "0") == "0"
-    return env.get("LOCAL_RANK", "0") == "0" and env.get("NODE_RANK", "0") == "0"
+    return global_rank(env) == 0
 
 
 def global_rank(env: Mapping[str, str] | None = None) -> int:
@@ -62,7 +56,11 @@ def global_rank(env: Mapping[str, str] | None = None) -> int:
         return int(env["RANK"])
     if kind == SLURM:
         return int(env.get("SLURM_PROCID", "0"))
-    return int(env.get("RANK", env.get("LOCAL_RANK", "0")))
+    if "RANK" in env:
+        return int(env["RANK"])
+    # Lightning's local launcher on node NODE_RANK: its ranks come after those of the nodes before it.
+    local_rank, node_rank = int(env.get("LOCAL_RANK", "0")), int(env.get("NODE_RANK", "0"))
+    return node_rank * int(env.get("LOCAL_WORLD_SIZE", "1")) + local_rank
 
 
 def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
@@ -309,66 +307,6 @@ def network_summary(num_nodes: int, env: Mapping[str, str] | None = None, hostna
             "set GLOO_SOCKET_IFNAME (slurm/train.sbatch) unless every node is this machine"
         )
     return line
-
-
-def lightning_cluster_environment(env: Mapping[str, str] | None = None):
-    """The Lightning cluster environment for this launcher, chosen here rather than auto-detected.
-
-    SLURM gets `auto_requeue=False`: requeue on the time-limit signal is `hpctrain.requeue`'s job
-    (Lightning's own handler saves a checkpoint inside the signal handler and deadlocks multi-node DDP),
-    and a version that uses the task's one GPU when SLURM binds one GPU to each task.
-    A bare sbatch script or salloc shell is treated as a plain local run.
-    """
-    from lightning_fabric.plugins.environments import (
-        LightningEnvironment,
-        SLURMEnvironment,
-        TorchElasticEnvironment,
-    )
-
-    kind = launcher(env)
-    if kind == TORCHRUN:
-        return TorchElasticEnvironment()
-    if kind == SLURM and one_gpu_per_task(env):
-        from hpctrain.launch import OneGPUPerTaskSLURMEnvironment
-
-        return OneGPUPerTaskSLURMEnvironment(auto_requeue=False)
-    if kind == SLURM:
-        return SLURMEnvironment(auto_requeue=False)
-    return LightningEnvironment()
-
-
-def check_run_dir_is_shared(run_dir: str | Path, num_nodes: int) -> None:
-    """Every rank of a multi-node job must write to rank 0's run dir and see the run.yaml rank 0 wrote.
-
-    Call it on every rank once the process group exists. The verdicts are gathered, so every rank
-    stops with the same sentence (none waits in a collective for a rank that already left).
-    """
-    import socket
-
-    import torch.distributed as dist
-
-    if num_nodes <= 1 or not (dist.is_available() and dist.is_initialized()):
-        return
-    run_dir = Path(run_dir).resolve()
-    expected = [str(run_dir)]
-    dist.broadcast_object_list(expected, src=0)
-    where = f"rank {dist.get_rank()} on {socket.gethostname()}"
-    problem = ""
-    if str(run_dir) != expected[0]:
-        problem = (
-            f"{where} uses the run dir {run_dir} but rank 0 uses {expected[0]}; set paths.log_dir to one "
-            "directory on a filesystem every node mounts (not a node-local path such as $TMPDIR)."
-        )
-    elif not (run_dir / "run.yaml").is_file():
-        problem = (
-            f"{where} cannot see {run_dir}/run.yaml, which rank 0 wrote: the run dir is not on a filesystem "
-            "every node mounts; set paths.log_dir to a shared directory."
-        )
-    verdicts: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, problem)
-    first = next((v for v in verdicts if v), None)
-    if first:
-        raise UserError(first)
 
 
 def slurm_output_file(env: Mapping[str, str] | None = None) -> str | None:

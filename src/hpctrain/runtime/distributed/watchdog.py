@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hpctrain.errors import UserError
+from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__)
 
@@ -62,7 +62,7 @@ def _rank() -> int:
 
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    from hpctrain import cluster
+    from hpctrain.runtime.distributed import cluster
 
     return cluster.global_rank()
 
@@ -297,7 +297,7 @@ def _announce(store: Any | None, line: str) -> None:
 
 def _expected(err: BaseException) -> bool:
     """Ways a run ends on purpose: a user error (one sentence), a signal, an exit, Ctrl-C."""
-    from hpctrain.signals import Interrupted
+    from hpctrain.runtime.distributed.signals import Interrupted
 
     return isinstance(err, (UserError, Interrupted, SystemExit, KeyboardInterrupt))
 

@@ -2,7 +2,7 @@
 
 The protocol (why Lightning's own auto-requeue is off, what is saved, how the job comes back) is
 described once, in slurm/README.md, "Preemption, requeue and exact resume". In short: the handlers
-of `hpctrain.signals` only record; all ranks combine their records in one tiny all-reduce at agreed
+of `hpctrain.runtime.distributed.signals` only record; all ranks combine their records in one tiny all-reduce at agreed
 points, and if any rank was signalled, all of them act:
 
 - during training, at a step boundary (every `check_every_n_steps` steps; `auto`: about once a
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from hpctrain import cluster, signals, watchdog
+from hpctrain.runtime.distributed import cluster, signals, watchdog
 
 log = logging.getLogger(__package__)
 
@@ -39,18 +39,7 @@ CHECK_EVERY_S = 1.0  # the aim of auto: one check about every second
 TEST_CHECK_EVERY = 10  # test batches between checks when no training step time is known
 
 
-class Interrupted(signals.Interrupted):
-    """The run stopped on a signal; `checkpoint` (if any) holds everything to continue from."""
-
-    def __init__(self, code: int, checkpoint: Path | None, where: str) -> None:
-        name = signals.requeue_signal_name() if code == signals.REQUEUE else "SIGTERM"
-        super().__init__(f"{name} {where}" + (f": saved {checkpoint}" if checkpoint else ""))
-        self.code = code
-        self.checkpoint = checkpoint
-        self.requeue = code == signals.REQUEUE and cluster.slurm_job_id() is not None
-
-
-class CheckpointOnSignal(Callback):
+class RequeueOnSignal(Callback):
     def __init__(
         self, checkpoint_path: str | Path, check_every_n_steps: int | str = "auto", timeout_min: float = 30
     ) -> None:
@@ -61,7 +50,7 @@ class CheckpointOnSignal(Callback):
         self._first_step_at: float | None = None
         self._group: Any = None
         self._test_limit = 0
-        self._stop: Interrupted | None = None
+        self._stop: signals.Interrupted | None = None
 
     # ------------------------------------------------------------------------------------ agreement
 
@@ -133,7 +122,7 @@ class CheckpointOnSignal(Callback):
         if code != signals.NO_SIGNAL:
             raise self._save(trainer, int(code), "after training")
 
-    def _save(self, trainer: Trainer, code: int, where: str) -> Interrupted:
+    def _save(self, trainer: Trainer, code: int, where: str) -> signals.Interrupted:
         # Every rank takes part, rank 0 writes (atomically, see AtomicCheckpointIO), then all wait for it.
         trainer.save_checkpoint(self.checkpoint_path)
         if trainer.is_global_zero:
@@ -141,7 +130,7 @@ class CheckpointOnSignal(Callback):
                 "signal received %s: saved %s at step %d", where, self.checkpoint_path, trainer.global_step
             )
         trainer.strategy.barrier("checkpoint_on_signal")
-        return Interrupted(code, self.checkpoint_path, where)
+        return signals.Interrupted(code, self.checkpoint_path, where)
 
     # ------------------------------------------------------------------------------------ testing
 
@@ -169,10 +158,10 @@ class CheckpointOnSignal(Callback):
             return
         (code,) = self._agree()
         if code != signals.NO_SIGNAL:
-            raise Interrupted(int(code), None, "during testing")
+            raise signals.Interrupted(int(code), None, "during testing")
 
 
-def requeue_and_wait(interrupted: Interrupted, wait_s: float = REQUEUE_WAIT_S) -> None:
+def requeue_and_wait(interrupted: signals.Interrupted, wait_s: float = REQUEUE_WAIT_S) -> None:
     """After the run has unwound: on the requeue signal under SLURM, global rank 0 asks SLURM to requeue
     the job and every rank waits for SLURM to end this run of it; otherwise the process exits (143).
 

@@ -18,7 +18,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,24 +27,10 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain import cluster
-from hpctrain.errors import UserError
+from hpctrain.runtime.distributed import cluster
+from hpctrain.runtime.errors import UserError
 
-CHECKPOINT_DIR = "checkpoints"
-LAST_CHECKPOINT = "last.ckpt"
-REQUEUE_CHECKPOINT = "requeue.ckpt"
-RESUMABLE = (REQUEUE_CHECKPOINT, LAST_CHECKPOINT)
 RECORDED_PACKAGES = ("torch", "torchvision", "pytorch-lightning", "torchmetrics", "hydra-core", "omegaconf")
-
-
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINT_DIR
-
-
-def newest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newer of requeue.ckpt and last.ckpt in this run dir, if any."""
-    found = [p for name in RESUMABLE if (p := checkpoint_dir(run_dir) / name).is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def read_run_record(run_dir: str | Path) -> dict[str, Any]:
@@ -57,113 +43,6 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any]:
         raise UserError(
             f"{record_file} is not valid YAML ({err.__class__.__name__}); move the run dir aside."
         ) from err
-
-
-def task_overrides(hydra_cfg: DictConfig) -> list[str]:
-    """The command line's overrides as typed. Read without resolving: in Hydra's config an override such as
-    `model.num_classes=${data.n_classes}` is a string OmegaConf would try to resolve there, and fail."""
-    return [str(o) for o in OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)]
-
-
-@dataclass(frozen=True)
-class StartPoint:
-    checkpoint: Path | None
-    reason: str
-
-    def describe(self) -> str:
-        return (
-            f"starting from {self.checkpoint} ({self.reason})"
-            if self.checkpoint
-            else f"starting fresh ({self.reason})"
-        )
-
-
-def is_restart(record: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:
-    """Whether this process continues the run recorded in run.yaml: the same SLURM job, requeued, or
-    the same torchrun run, restarted by its agent."""
-    attempts = record.get("attempts") or []
-    job = cluster.slurm_job_id(env)
-    if job is not None and any(str(a.get("slurm_job_id")) == job for a in attempts):
-        return True
-    restarts = cluster.torchrun_restart_count(env)
-    run = cluster.run_id(env)
-    return restarts > 0 and any(a.get("run_id") == run for a in attempts)
-
-
-def start_point(
-    ckpt_path: str | None, run_dir: str | Path, runs_root: str | Path, env: Mapping[str, str] | None = None
-) -> StartPoint:
-    """What `trainer.fit` starts from; refuses, in one sentence, everything ambiguous.
-
-    1. A restarted job (the same SLURM job id, requeued) continues from its run dir's newest checkpoint,
-       whatever `ckpt_path` its first attempt was given.
-    2. Otherwise a run dir that already holds checkpoints belongs to another run: it is refused, unless
-       `ckpt_path` names one of those very checkpoints (continuing that run, in its dir, on purpose).
-    3. `ckpt_path=last`: the newest last.ckpt / requeue.ckpt of this task's earlier runs.
-    4. `ckpt_path=<file>`, which must exist; none: a fresh start.
-    """
-    run_dir = Path(run_dir)
-    own = newest_checkpoint(run_dir)
-    given = None if ckpt_path in (None, "", "null") else str(ckpt_path)
-    if own is not None:
-        record = read_run_record(run_dir)
-        if is_restart(record, env):
-            return StartPoint(
-                own,
-                f"restart {cluster.restart_count(env) or cluster.torchrun_restart_count(env)} of this job",
-            )
-        if given is not None and given != "last":
-            path = existing_checkpoint(given)
-            if path.resolve().parent == checkpoint_dir(run_dir).resolve():
-                return StartPoint(path, f"ckpt_path={given}, in this run dir")
-        previous = (record.get("attempts") or [{}])[-1]
-        started = previous.get("started", "an earlier run")
-        conflict = f"ckpt_path={given} conflicts with the" if given else "this run dir already holds"
-        fresh = (
-            "pass a new --rdzv-id to torchrun on every node (the run dir is named after it)"
-            if cluster.launcher(env) == cluster.TORCHRUN
-            else "start in a new run dir (drop the fixed hydra.run.dir)"
-        )
-        raise UserError(
-            f"{conflict} checkpoints of another run in {run_dir} (started {started}); pass ckpt_path={own} "
-            f"to continue that run there, or {fresh}."
-        )
-    if given is None:
-        return StartPoint(None, "no checkpoint given")
-    if given == "last":
-        here = run_dir.resolve()
-        candidates = [
-            p
-            for name in RESUMABLE
-            for p in Path(runs_root).glob(f"*/{CHECKPOINT_DIR}/{name}")
-            if p.parent.parent.resolve() != here
-        ]
-        if not candidates:
-            raise UserError(
-                f"ckpt_path=last but no earlier run under {runs_root} has a last.ckpt; "
-                "train once without ckpt_path, or pass ckpt_path=<path/to/file.ckpt>."
-            )
-        return StartPoint(
-            max(candidates, key=lambda p: p.stat().st_mtime), "ckpt_path=last: the newest earlier run"
-        )
-    return StartPoint(existing_checkpoint(given), f"ckpt_path={given}")
-
-
-def existing_checkpoint(ckpt_path: str | None) -> Path:
-    if ckpt_path in (None, "", "null"):
-        raise UserError("ckpt_path is required: pass ckpt_path=<path/to/file.ckpt>.")
-    path = Path(str(ckpt_path)).expanduser()
-    if not path.is_file():
-        raise UserError(
-            f"ckpt_path={ckpt_path} does not exist; pass the path of a .ckpt file (see <run dir>/checkpoints/)."
-        )
-    return path
-
-
-def remove_partial_saves(run_dir: str | Path) -> None:
-    """Delete what checkpoint saves killed mid-write left behind (never a complete checkpoint)."""
-    for leftover in checkpoint_dir(run_dir).glob(".*.ckpt.tmp-*"):
-        leftover.unlink(missing_ok=True)
 
 
 def check_writable(run_dir: str | Path) -> None:
@@ -317,7 +196,7 @@ def _remove_if_only_logs(run_dir: Path) -> None:
 
 
 def _ending(err: BaseException) -> tuple[str, str | None]:
-    from hpctrain.signals import Interrupted
+    from hpctrain.runtime.distributed.signals import Interrupted
 
     if isinstance(err, Interrupted):
         return ("requeued" if getattr(err, "requeue", False) else "stopped"), str(err)

@@ -5,7 +5,7 @@ Two sources of bad input, one form (`error: <sentence>` on stderr, exit status 2
 - mistakes Hydra finds while composing the config: an unknown key or group option, an override it
   cannot parse, a run dir it cannot create. Hydra prints those as several lines (a search-path dump
   for a missing option) and exits 1; `describe_hydra_error` makes them one line that keeps the list
-  of valid options and suggests the closest one (`hpctrain.command_line` hooks it into Hydra).
+  of valid options and suggests the closest one (`hpctrain.runtime.config.command_line` hooks it into Hydra).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _config_keys(config_name: str, skip: str) -> list[str]:
     """Every dotted key of the config composed without the bad override (or with none, if that fails)."""
     from omegaconf import DictConfig, ListConfig
 
-    from hpctrain.config import compose
+    from hpctrain.runtime.config.compose import compose
 
     overrides = [o for o in _command_line_overrides() if not o.lstrip("+~").startswith(f"{skip}=")]
     for attempt in (overrides, []):
@@ -79,7 +79,7 @@ def _config_keys(config_name: str, skip: str) -> list[str]:
 
 
 def _groups() -> list[str]:
-    from hpctrain.config import CONF_DIR
+    from hpctrain.runtime.config.compose import CONF_DIR
 
     return sorted(
         str(p.relative_to(CONF_DIR)) for p in CONF_DIR.rglob("*") if p.is_dir() and any(p.glob("*.yaml"))

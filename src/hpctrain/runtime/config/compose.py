@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the directory holding conf/ and src/
+PROJECT_ROOT = Path(__file__).resolve().parents[4]  # the directory holding conf/ and src/
 CONF_DIR = PROJECT_ROOT / "conf"
 
 
@@ -24,3 +24,9 @@ def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictCo
     GlobalHydra.instance().clear()  # e.g. when called while @hydra.main reports an error
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name, overrides=list(overrides))
+
+
+def task_overrides(hydra_cfg: DictConfig) -> list[str]:
+    """The command line's overrides as typed. Read without resolving: in Hydra's config an override such as
+    `model.num_classes=${data.n_classes}` is a string OmegaConf would try to resolve there, and fail."""
+    return [str(o) for o in OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)]

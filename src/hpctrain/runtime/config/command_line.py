@@ -3,7 +3,7 @@
 `@hydra.main` runs the steps of a command (creating the app, `--cfg`, a run) through
 `hydra._internal.utils.run_and_report`, looked up at call time. `install` wraps it, once per process:
 - a mistake Hydra finds while composing the config becomes one `error:` sentence and exit 2
-  (`hpctrain.errors.describe_hydra_error`);
+  (`hpctrain.runtime.errors.describe_hydra_error`);
 - the app it creates lists config groups (`--help`) straight from its config repository. Hydra
   builds a new repository for each listing, deep-copying every structured schema it holds: about
   120 listings for this conf/, half a second, and more with every group added. Asked
@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from hpctrain.errors import EXIT_USER_ERROR, describe_hydra_error
+from hpctrain.runtime.errors import EXIT_USER_ERROR, describe_hydra_error
 
 
 def install(config_name: str) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain import cluster
+from hpctrain.runtime.distributed import cluster
 
 log = logging.getLogger("hpctrain")
 
@@ -95,7 +95,7 @@ def report(run_dir: str, trainer: Any, checkpoint: str | None) -> dict[str, floa
     if checkpoint:
         log.info("best checkpoint: %s", checkpoint)
     if (Path(run_dir) / "metrics.csv").is_file():
-        from hpctrain.plots import plot_run
+        from hpctrain.runtime.report.plots import plot_run
 
         try:
             log.info("curves: %s (python scripts/plot.py %s redraws them)", plot_run(run_dir), run_dir)
@@ -117,8 +117,8 @@ class _DropMessages(logging.Filter):
 def quiet_lightning() -> None:
     """Drop Lightning's advertising and the notices that do not apply here.
 
-    The srun hint is covered by `hpctrain.cluster.preflight`, which fails instead of hinting; the
-    non-resumable dataloader notice by `hpctrain.checkpointing`, which says what it means here.
+    The srun hint is covered by `hpctrain.runtime.distributed.cluster.preflight`, which fails instead of hinting; the
+    non-resumable dataloader notice by `hpctrain.runtime.run.checkpoints`, which says what it means here.
     """
     logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(
         _DropMessages(("💡 Tip", "Trainer already configured with model summary"))

@@ -1,0 +1,167 @@
+"""Checkpoints, in one place: their names and folder and which one a run starts from (here, no torch:
+the choice is made in preflight), and what they hold, how they are written and read (`contents`).
+
+    <run dir>/checkpoints/last.ckpt       the newest state, at the end of every epoch and of fit
+    <run dir>/checkpoints/epoch_NNN.ckpt  the best epoch so far (monitor.metric, monitor.mode)
+    <run dir>/checkpoints/requeue.ckpt    where a preempted or timed-out job stopped
+
+The folder is `checkpoint_dir(run_dir)` and nothing else: the model_checkpoint callback's `dirpath`
+must be it (hpctrain.runtime.run.build refuses another), so a restarted job always finds its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from hpctrain.runtime.distributed import cluster
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.records import read_run_record
+
+log = logging.getLogger("hpctrain")
+
+CHECKPOINT_DIR = "checkpoints"
+LAST_CHECKPOINT = "last.ckpt"
+REQUEUE_CHECKPOINT = "requeue.ckpt"
+RESUMABLE = (REQUEUE_CHECKPOINT, LAST_CHECKPOINT)
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def newest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newer of requeue.ckpt and last.ckpt in this run dir, if any."""
+    found = [p for name in RESUMABLE if (p := checkpoint_dir(run_dir) / name).is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    checkpoint: Path | None
+    reason: str
+    run_dir: Path | None = None
+
+    def announce(self, model: Any, model_cfg: Any) -> None:
+        """Before fit: refuse weights of another model, then say (rank 0) where the run starts and which
+        configured optimizer values a resumed checkpoint overrides; clear half-written saves."""
+        if self.checkpoint is not None:
+            from omegaconf import OmegaConf
+
+            from hpctrain.runtime.run.checkpoints import contents
+
+            contents.check_matches_model(self.checkpoint, model)
+            note = contents.resume_overrides(self.checkpoint, OmegaConf.to_container(model_cfg, resolve=True))
+        else:
+            note = None
+        if cluster.is_rank_zero():
+            if self.run_dir is not None:
+                remove_partial_saves(self.run_dir)
+            log.info(self.describe())
+            if note:
+                log.warning(note)
+
+    def describe(self) -> str:
+        return (
+            f"starting from {self.checkpoint} ({self.reason})"
+            if self.checkpoint
+            else f"starting fresh ({self.reason})"
+        )
+
+
+def is_restart(record: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process continues the run recorded in run.yaml: the same SLURM job, requeued, or
+    the same torchrun run, restarted by its agent."""
+    attempts = record.get("attempts") or []
+    job = cluster.slurm_job_id(env)
+    if job is not None and any(str(a.get("slurm_job_id")) == job for a in attempts):
+        return True
+    restarts = cluster.torchrun_restart_count(env)
+    run = cluster.run_id(env)
+    return restarts > 0 and any(a.get("run_id") == run for a in attempts)
+
+
+def start_point(
+    ckpt_path: str | None, run_dir: str | Path, runs_root: str | Path, env: Mapping[str, str] | None = None
+) -> StartPoint:
+    """What `trainer.fit` starts from (see `_choose`), for the run in `run_dir`."""
+    return replace(_choose(ckpt_path, run_dir, runs_root, env), run_dir=Path(run_dir))
+
+
+def _choose(
+    ckpt_path: str | None, run_dir: str | Path, runs_root: str | Path, env: Mapping[str, str] | None = None
+) -> StartPoint:
+    """What `trainer.fit` starts from; refuses, in one sentence, everything ambiguous.
+
+    1. A restarted job (the same SLURM job id, requeued) continues from its run dir's newest checkpoint,
+       whatever `ckpt_path` its first attempt was given.
+    2. Otherwise a run dir that already holds checkpoints belongs to another run: it is refused, unless
+       `ckpt_path` names one of those very checkpoints (continuing that run, in its dir, on purpose).
+    3. `ckpt_path=last`: the newest last.ckpt / requeue.ckpt of this task's earlier runs.
+    4. `ckpt_path=<file>`, which must exist; none: a fresh start.
+    """
+    run_dir = Path(run_dir)
+    own = newest_checkpoint(run_dir)
+    given = None if ckpt_path in (None, "", "null") else str(ckpt_path)
+    if own is not None:
+        record = read_run_record(run_dir)
+        if is_restart(record, env):
+            return StartPoint(
+                own,
+                f"restart {cluster.restart_count(env) or cluster.torchrun_restart_count(env)} of this job",
+            )
+        if given is not None and given != "last":
+            path = existing_checkpoint(given)
+            if path.resolve().parent == checkpoint_dir(run_dir).resolve():
+                return StartPoint(path, f"ckpt_path={given}, in this run dir")
+        previous = (record.get("attempts") or [{}])[-1]
+        started = previous.get("started", "an earlier run")
+        conflict = f"ckpt_path={given} conflicts with the" if given else "this run dir already holds"
+        fresh = (
+            "pass a new --rdzv-id to torchrun on every node (the run dir is named after it)"
+            if cluster.launcher(env) == cluster.TORCHRUN
+            else "start in a new run dir (drop the fixed hydra.run.dir)"
+        )
+        raise UserError(
+            f"{conflict} checkpoints of another run in {run_dir} (started {started}); pass ckpt_path={own} "
+            f"to continue that run there, or {fresh}."
+        )
+    if given is None:
+        return StartPoint(None, "no checkpoint given")
+    if given == "last":
+        here = run_dir.resolve()
+        candidates = [
+            p
+            for name in RESUMABLE
+            for p in Path(runs_root).glob(f"*/{CHECKPOINT_DIR}/{name}")
+            if p.parent.parent.resolve() != here
+        ]
+        if not candidates:
+            raise UserError(
+                f"ckpt_path=last but no earlier run under {runs_root} has a last.ckpt; "
+                "train once without ckpt_path, or pass ckpt_path=<path/to/file.ckpt>."
+            )
+        return StartPoint(
+            max(candidates, key=lambda p: p.stat().st_mtime), "ckpt_path=last: the newest earlier run"
+        )
+    return StartPoint(existing_checkpoint(given), f"ckpt_path={given}")
+
+
+def existing_checkpoint(ckpt_path: str | None) -> Path:
+    if ckpt_path in (None, "", "null"):
+        raise UserError("ckpt_path is required: pass ckpt_path=<path/to/file.ckpt>.")
+    path = Path(str(ckpt_path)).expanduser()
+    if not path.is_file():
+        raise UserError(
+            f"ckpt_path={ckpt_path} does not exist; pass the path of a .ckpt file (see <run dir>/checkpoints/)."
+        )
+    return path
+
+
+def remove_partial_saves(run_dir: str | Path) -> None:
+    """Delete what checkpoint saves killed mid-write left behind (never a complete checkpoint)."""
+    for leftover in checkpoint_dir(run_dir).glob(".*.ckpt.tmp-*"):
+        leftover.unlink(missing_ok=True)

@@ -1,0 +1,112 @@
+"""One job's lifecycle, the same for every entry point (train, eval): preflight, build, run, end.
+
+    with Job(cfg) as job:                  # preflight: config, launcher vs trainer, run dir; no torch yet
+        run = job.build(cfg)               # data, model, callbacks, loggers, trainer; the run's record
+        with job.running(run):             # a signal: checkpoint, requeue (or stop); always: teardown
+            ...                            # fit, test
+            return job.finish(run)
+
+How the job ends is recorded once, in <run dir>/outcome.yaml (read by sweep summaries), and said
+once: a mistake as one sentence and exit status 2 (`errors`), a rank's crash as one line naming it
+(`watchdog`), a signal by requeueing the SLURM job or exiting with 143 (`requeue`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from hpctrain.runtime.config.checks import check_config
+from hpctrain.runtime.config.compose import PROJECT_ROOT, task_overrides
+from hpctrain.runtime.distributed import cluster, signals, watchdog
+from hpctrain.runtime.errors import reported_as_one_sentence
+from hpctrain.runtime.report import console
+from hpctrain.runtime.run import records
+from hpctrain.runtime.sweeps.jobs import in_multirun
+
+
+class Job:
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.hydra_cfg = HydraConfig.get()
+        self.run_dir = Path(self.hydra_cfg.runtime.output_dir)
+        self.overrides = task_overrides(self.hydra_cfg)
+        self.outcome: records.Outcome | None = None
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Job:
+        metric = self.cfg.monitor.metric if "monitor" in self.cfg else None
+        self._stack.enter_context(reported_as_one_sentence())
+        self._stack.enter_context(watchdog.failures_reported())
+        self.outcome = self._stack.enter_context(
+            records.outcome_recorded(self.run_dir, metric, self.overrides, in_sweep=in_multirun())
+        )
+        try:
+            self._preflight()
+        except BaseException:
+            if not self._stack.__exit__(*sys.exc_info()):
+                raise
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return bool(self._stack.__exit__(*exc))
+
+    def _preflight(self) -> None:
+        """Everything that can be checked before torch is imported: one sentence and exit 2 on a mistake."""
+        cfg = self.cfg
+        if cluster.launcher() == cluster.CHILD:
+            watchdog.die_with_parent()
+        check_config(cfg)
+        signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)  # recorded, acted on later
+        cluster.preflight(
+            cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, cfg.requeue.enabled
+        )
+        if cluster.is_rank_zero():
+            records.check_writable(self.run_dir)
+
+    def build(self, cfg: DictConfig, training: bool = True) -> Any:
+        """The run's objects (torch from here on), and on rank 0 its record in the run dir."""
+        from hpctrain.runtime.run import build
+
+        console.apply_extras(cfg)
+        build.configure_process(cfg)
+        run = build.run_objects(cfg, self.run_dir, training=training)
+        if cluster.is_rank_zero():
+            records.write_run_record(
+                cfg, self.run_dir, self.overrides, PROJECT_ROOT, run.trainer.world_size, self.hydra_cfg
+            )
+            if training:
+                build.log_hyperparameters(run.trainer, cfg)
+            console.warn_if_bf16_is_emulated(run.trainer, cfg.trainer.precision)
+            if run.trainer.world_size > 1:
+                console.log.info(cluster.network_summary(run.trainer.num_nodes))
+        return run
+
+    @contextmanager
+    def running(self, run: Any) -> Iterator[None]:
+        """Around fit and test: on a recorded signal, requeue (SLURM) or stop (exit 143); then end the
+        process group and the local ranks, in order, however the block ended."""
+        from hpctrain.runtime.distributed import launch
+        from hpctrain.runtime.distributed.requeue import requeue_and_wait
+
+        completed = False
+        try:
+            yield
+            completed = True
+        except signals.Interrupted as interrupted:
+            requeue_and_wait(interrupted)  # SLURM requeues the job and ends every rank; SIGTERM: exit 143
+        finally:
+            launch.end_distributed_job(run.trainer, completed)
+
+    def finish(self, run: Any, best: str | None = None) -> Any:
+        """Report where everything went; the value sweepers get is the best of `monitor.metric`."""
+        results = console.report(self.run_dir, run.trainer, best)
+        if self.outcome is not None:
+            self.outcome.value = run.best_value
+        return results
