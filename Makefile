@@ -31,7 +31,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 benchmark: install
-	$(PYTHON) scripts/benchmark.py
+	$(PYTHON) scripts/dev/benchmark.py
 
 clean:
 	rm -rf logs .pytest_cache .ruff_cache

@@ -93,6 +93,10 @@ def cases(w: dict[str, Path]) -> dict[str, Case]:
         "misspelt option": Case(
             ("model/net=mlpp",), ("model/net=mlpp is not an option", "did you mean model/net=mlp?")
         ),
+        "misspelt option in a list": Case(
+            ("callbacks=[default,progres]",),
+            ("callbacks=progres is not an option", "throughput", "did you mean callbacks=progress?"),
+        ),
         "unknown group": Case(("modle=mlp",), ("modle is not a config key", "did you mean model=mlp?")),
         "unparseable override": Case(("trainer.devices=[1,",), ("cannot parse 'trainer.devices=[1,'",)),
         "wrong type": Case(

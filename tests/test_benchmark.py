@@ -1,4 +1,4 @@
-"""scripts/benchmark.py in its tiny mode: it measures both ways side by side and reports the ratio.
+"""scripts/dev/benchmark.py in its tiny mode: it measures both ways side by side and reports the ratio.
 Speeds are not asserted here (the machine is shared); the README's table comes from a full run."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [PYTHON, str(ROOT / "scripts" / "benchmark.py"), "--tiny", "--json", str(out)],
+        [PYTHON, str(ROOT / "scripts" / "dev" / "benchmark.py"), "--tiny", "--json", str(out)],
         capture_output=True,
         text=True,
         cwd=ROOT,

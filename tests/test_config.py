@@ -202,6 +202,79 @@ def test_eval_config_composes(tmp_path: Path):
     assert cfg.ckpt_path == "x.ckpt" and "progress" in cfg.callbacks
 
 
+# ------------------------------------------------------------------------------------------- callbacks
+
+# conf/callbacks/default.yaml composes one file per callback; these are the values each file holds.
+DEFAULT_CALLBACKS = {
+    "model_checkpoint": {
+        "_target_": "hpctrain.runtime.run.callbacks.ModelCheckpoint",
+        "dirpath": "${paths.output_dir}/checkpoints",
+        "filename": "epoch_{epoch:03d}",
+        "monitor": "${monitor.metric}",
+        "mode": "${monitor.mode}",
+        "save_last": True,
+        "save_top_k": 1,
+        "auto_insert_metric_name": False,
+    },
+    "early_stopping": {
+        "_target_": "hpctrain.runtime.run.callbacks.EarlyStopping",
+        "monitor": "${monitor.metric}",
+        "mode": "${monitor.mode}",
+        "patience": 5,
+        "min_delta": 0.0,
+    },
+    "lr_monitor": {
+        "_target_": "pytorch_lightning.callbacks.LearningRateMonitor",
+        "logging_interval": "epoch",
+    },
+    "model_summary": {"_target_": "pytorch_lightning.callbacks.ModelSummary", "max_depth": 2},
+    "progress": {
+        "_target_": "hpctrain.runtime.report.progress.progress_bar",
+        "mode": "auto",
+        "refresh_rate": 5,
+        "log_every_n_s": 30,
+    },
+    "throughput": {"_target_": "hpctrain.runtime.report.progress.ThroughputLog"},
+}
+
+
+def _callbacks(*overrides: str) -> dict:
+    return OmegaConf.to_container(compose("train", list(overrides)).callbacks, resolve=False)
+
+
+def test_default_callbacks_are_one_file_each():
+    assert _callbacks() == _callbacks("callbacks=default") == DEFAULT_CALLBACKS
+    assert list(_callbacks()) == list(DEFAULT_CALLBACKS)  # the order Lightning runs them in
+    for name, entry in DEFAULT_CALLBACKS.items():
+        assert _callbacks(f"callbacks={name}") == {name: entry}
+
+
+def test_a_subset_of_callbacks_is_one_override():
+    chosen = _callbacks("callbacks=[model_checkpoint,progress]")
+    assert chosen == {k: DEFAULT_CALLBACKS[k] for k in ("model_checkpoint", "progress")}
+    assert compose("train", ["callbacks=none"]).callbacks == {}
+
+
+def test_a_null_callback_is_not_built(tmp_path: Path, data_dir: Path):
+    assert _callbacks("callbacks.early_stopping=null") == {**DEFAULT_CALLBACKS, "early_stopping": None}
+    cfg = compose_train(tmp_path, data_dir, "callbacks.early_stopping=null")
+    trainer = build.trainer(cfg, tmp_path, logger=False)
+    assert trainer.early_stopping_callback is None and trainer.checkpoint_callback is not None
+
+
+def test_a_users_callback_is_one_override_or_one_file(tmp_path: Path):
+    target = "pytorch_lightning.callbacks.Timer"
+    assert _callbacks(f"+callbacks.timer._target_={target}") == {
+        **DEFAULT_CALLBACKS,
+        "timer": {"_target_": target},
+    }
+    (tmp_path / "callbacks").mkdir()
+    (tmp_path / "callbacks" / "timer.yaml").write_text(f"timer:\n  _target_: {target}\n")
+    # a file in conf/callbacks/ needs no search path; here it lives in a test dir
+    chosen = _callbacks(f"hydra.searchpath=[file://{tmp_path}]", "callbacks=[default,timer]")
+    assert chosen == {**DEFAULT_CALLBACKS, "timer": {"_target_": target}}
+
+
 # ------------------------------------------------------------------------------------------------ --help
 
 

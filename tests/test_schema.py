@@ -46,7 +46,7 @@ def test_schema_accepts_and_refuses(key, good, bad):
 
 def test_editor_schemas_are_up_to_date():
     result = subprocess.run(
-        [PYTHON, "scripts/config_schema.py", "--check"], cwd=ROOT, capture_output=True, text=True
+        [PYTHON, "scripts/dev/config_schema.py", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
 

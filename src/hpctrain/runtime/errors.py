@@ -86,6 +86,12 @@ def _groups() -> list[str]:
     )
 
 
+def _options(group: str) -> list[str]:
+    from hpctrain.config import CONF_DIR
+
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
 def _parses(override: str) -> bool:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -105,7 +111,8 @@ def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
         return message
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, option = err.missing_cfg_file.rsplit("/", 1)
-        options = sorted(err.options or [])
+        # Hydra names no options when the bad one is in a list (callbacks=[default,progres])
+        options = sorted(err.options or _options(group))
         close = _closest(option, options)
         hint = f"; did you mean {group}={close}?" if close else "."
         return f"{group}={option} is not an option of the {group} group (options: {', '.join(options)}){hint}"

@@ -1,12 +1,12 @@
 """The checks that need a GPU machine (none ran on the development machine, which has no GPU).
 
-    python scripts/gpu_checks.py            # on a machine with 1+ NVIDIA GPUs; writes gpu_checks.json
+    python scripts/dev/gpu_checks.py            # on a machine with 1+ NVIDIA GPUs; writes gpu_checks.json
 
 1. Host-device synchronisation: a few training and validation steps of the template's classifier with
    `torch.cuda.set_sync_debug_mode("warn")`, counting the synchronising calls each step makes.
 2. Precisions: one batch of fit and test in 32-true, bf16-mixed, 16-mixed, bf16-true (fast_dev_run).
 3. DDP over nccl with every GPU of the machine (when there are 2+): a real `python src/train.py` run.
-Then run `python scripts/benchmark.py` there for the GPU benchmark table.
+Then run `python scripts/dev/benchmark.py` there for the GPU benchmark table.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 

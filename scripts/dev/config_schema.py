@@ -1,7 +1,7 @@
 """Write the JSON Schemas editors use to complete and validate conf/*.yaml (from hpctrain.runtime.config.schema).
 
-    python scripts/config_schema.py          # writes conf/schema/*.schema.json and .vscode/settings.json
-    python scripts/config_schema.py --check  # exit 1 if they are not up to date (the tests run this)
+    python scripts/dev/config_schema.py          # writes conf/schema/*.schema.json and .vscode/settings.json
+    python scripts/dev/config_schema.py --check  # exit 1 if they are not up to date (the tests run this)
 
 In VS Code, install Red Hat's YAML extension (redhat.vscode-yaml); .vscode/settings.json maps each
 schema to the config files it describes, so keys complete and wrong values are underlined as you type.
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from hpctrain.runtime.config.schema import FILE_PREFIXES, json_schema  # noqa: E402
@@ -63,7 +63,10 @@ def main() -> int:
         path.write_text(text)
         print(f"wrote {name}")
     if stale:
-        print(f"error: {', '.join(stale)} out of date; run python scripts/config_schema.py.", file=sys.stderr)
+        print(
+            f"error: {', '.join(stale)} out of date; run python scripts/dev/config_schema.py.",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

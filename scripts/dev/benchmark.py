@@ -1,7 +1,7 @@
 """The template against a hand-written PyTorch loop, side by side in one run, plus startup costs.
 
-    python scripts/benchmark.py                          # mlp and mnist_cnn, 1 and 2 processes
-    python scripts/benchmark.py --tiny --json out.json   # seconds, for the test suite
+    python scripts/dev/benchmark.py                          # mlp and mnist_cnn, 1 and 2 processes
+    python scripts/dev/benchmark.py --tiny --json out.json   # seconds, for the test suite
 
 Three ways train the same network with the same optimizer on the same in-memory data (the `random`
 datamodule's tensors), batch size and number of samples:
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 PYTHON = sys.executable
 # models whose steps take a second on a CPU core: a few steps per epoch are enough to compare
