@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hpctrain.runtime.distributed.cluster import array_task
+from hpctrain.runtime.cluster import array_task
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.sweeps.grid import expand
 

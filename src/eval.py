@@ -9,19 +9,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without `pip install -e .`
 
-from hpctrain.runtime.distributed import signals, watchdog
+from hpctrain.runtime.run.entry import start
 
-signals.install_early()  # SLURM's signals are recorded from the first moment (by default they kill)
+start("eval")  # signals recorded from the first moment; config mistakes as one sentence
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from hpctrain.runtime.config import command_line  # noqa: E402
 from hpctrain.runtime.config.checks import check_config  # noqa: E402
+from hpctrain.runtime.distributed import watchdog  # noqa: E402
 from hpctrain.runtime.run.checkpoints import existing_checkpoint  # noqa: E402
 from hpctrain.runtime.run.job import Job  # noqa: E402
-
-command_line.install("eval")  # composition mistakes as one sentence; --help lists the groups once
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")

@@ -10,19 +10,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without `pip install -e .`
 
-from hpctrain.runtime.distributed import signals, watchdog
+from hpctrain.runtime.run.entry import start
 
-signals.install_early()  # SLURM's signals are recorded from the first moment (by default they kill)
+start("train")  # signals recorded from the first moment; config mistakes as one sentence
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from hpctrain.runtime.config import command_line  # noqa: E402
+from hpctrain.runtime.distributed import watchdog  # noqa: E402
 from hpctrain.runtime.run.checkpoints import start_point  # noqa: E402
-from hpctrain.runtime.run.job import Job  # noqa: E402
-from hpctrain.runtime.sweeps.jobs import run_job  # noqa: E402
-
-command_line.install("train")  # composition mistakes as one sentence; --help lists the groups once
+from hpctrain.runtime.run.job import Job, run_job  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain.runtime.distributed import cluster, launch
+from hpctrain.runtime import cluster
+from hpctrain.runtime.distributed import launch
 from hpctrain.runtime.errors import UserError
 
 TORCHRUN = {

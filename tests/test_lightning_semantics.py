@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.runtime.distributed import cluster
+from hpctrain.runtime import cluster
 from tests.differential.cases import CONF, USER
 from tests.helpers import ROOT, assert_ok, read_metrics, run_dirs, train
 

@@ -10,12 +10,9 @@ Two sources of bad input, one form (`error: <sentence>` on stderr, exit status 2
 
 from __future__ import annotations
 
-import difflib
-import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 EXIT_USER_ERROR = 2
 
@@ -38,118 +35,3 @@ def reported_as_one_sentence() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------- Hydra's composition errors
-
-
-def _command_line_overrides() -> list[str]:
-    return [arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg]
-
-
-def _closest(word: str, candidates: list[str]) -> str | None:
-    found = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return found[0] if found else None
-
-
-def _config_keys(config_name: str, skip: str) -> list[str]:
-    """Every dotted key of the config composed without the bad override (or with none, if that fails)."""
-    from omegaconf import DictConfig, ListConfig
-
-    from hpctrain.runtime.config.compose import compose
-
-    overrides = [o for o in _command_line_overrides() if not o.lstrip("+~").startswith(f"{skip}=")]
-    for attempt in (overrides, []):
-        try:
-            cfg = compose(config_name, attempt)
-            break
-        except Exception:
-            continue
-    else:
-        return []
-    keys: list[str] = []
-
-    def walk(node: Any, prefix: str) -> None:
-        items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else []
-        for key, value in items:
-            dotted = f"{prefix}{key}"
-            keys.append(dotted)
-            if isinstance(value, DictConfig) and not isinstance(value, ListConfig):
-                walk(value, f"{dotted}.")
-
-    walk(cfg, "")
-    return keys
-
-
-def _groups() -> list[str]:
-    from hpctrain.runtime.config.compose import CONF_DIR
-
-    return sorted(
-        str(p.relative_to(CONF_DIR)) for p in CONF_DIR.rglob("*") if p.is_dir() and any(p.glob("*.yaml"))
-    )
-
-
-def _options(group: str) -> list[str]:
-    from hpctrain.config import CONF_DIR
-
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-def _parses(override: str) -> bool:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        OverridesParser.create().parse_override(override)
-    except Exception:
-        return False
-    return True
-
-
-def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
-    """One sentence for a composition mistake, or None for anything else (reported by Hydra as usual)."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-
-    message = str(err).strip()
-    if isinstance(err, UserError):  # raised by the template's own launcher or sweeper, in the sweep process
-        return message
-    if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
-        group, option = err.missing_cfg_file.rsplit("/", 1)
-        # Hydra names no options when the bad one is in a list (callbacks=[default,progres])
-        options = sorted(err.options or _options(group))
-        close = _closest(option, options)
-        hint = f"; did you mean {group}={close}?" if close else "."
-        return f"{group}={option} is not an option of the {group} group (options: {', '.join(options)}){hint}"
-    if isinstance(err, MissingConfigException):
-        return f"{message.splitlines()[0]} (python src/{config_name}.py --help lists the config groups)."
-    if isinstance(err, OverrideParseException):
-        bad = next((repr(o) for o in sys.argv[1:] if "=" in o and not _parses(o)), None) or "an override"
-        detail = message.splitlines()[0]
-        return f"cannot parse {bad} ({detail}); quote values with special characters, e.g. 'key=\"a b\"'."
-    found = re.search(r"Could not override '([^']+)'", message)
-    if isinstance(err, ConfigCompositionException) and found:
-        key = found.group(1)
-        value = next(
-            (o.split("=", 1)[1] for o in _command_line_overrides() if o.split("=", 1)[0] == key), "..."
-        )
-        if "No match in the defaults list" in message:
-            close = _closest(key, _groups())
-            hint = f"did you mean {close}={value}?" if close else f"the groups are {', '.join(_groups())}."
-            return f"{key}={value} names no config group; {hint}"
-        candidates = _config_keys(config_name, key) + _groups()
-        close = _closest(key, candidates)
-        hint = f"did you mean {close}={value}? " if close else ""
-        return (
-            f"{key} is not a config key; {hint}(`python src/{config_name}.py --cfg job` shows every key; "
-            f"+{key}={value} adds a new one)."
-        )
-    if isinstance(err, ConfigCompositionException):
-        return f"{message.splitlines()[0]} (python src/{config_name}.py --help lists the config groups)."
-    if isinstance(err, OSError) and err.filename:
-        return (
-            f"cannot create {err.filename} ({err.strerror}); set paths.log_dir (or hydra.run.dir) to a "
-            "directory you can write."
-        )
-    from omegaconf.errors import OmegaConfBaseException
-
-    if isinstance(err, OmegaConfBaseException):
-        key = getattr(err, "full_key", None)
-        detail = message.splitlines()[0]
-        return f"{key + ': ' if key else ''}{detail}; check the value you passed for it."
-    return None

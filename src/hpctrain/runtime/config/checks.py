@@ -17,8 +17,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
+from hpctrain.runtime import cluster
 from hpctrain.runtime.config.schema import KEYS, validate
-from hpctrain.runtime.distributed import cluster
 from hpctrain.runtime.errors import UserError
 
 # packages an optional logger needs, recognised in its _target_ (TensorBoardLogger, mlflow_logger, ...)

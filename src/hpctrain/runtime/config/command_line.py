@@ -25,7 +25,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from hpctrain.runtime.errors import EXIT_USER_ERROR, describe_hydra_error
+from hpctrain.runtime.config.hydra_errors import describe_hydra_error
+from hpctrain.runtime.errors import EXIT_USER_ERROR
 
 
 def install(config_name: str) -> None:

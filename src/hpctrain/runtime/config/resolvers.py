@@ -2,7 +2,7 @@
 
   ${project_root:}               the directory that holds conf/ and src/
   ${project_name:}               the package's name (the W&B project, for instance)
-  ${run_id:}                     slurm-<job id>, torchrun-<rdzv id> or a timestamp (hpctrain.runtime.distributed.cluster.run_id)
+  ${run_id:}                     slurm-<job id>, torchrun-<rdzv id> or a timestamp (hpctrain.runtime.cluster.run_id)
   ${rank_zero_only:<value>}      <value> on global rank 0, null on the other ranks
   ${rank_zero_file:<path>}       <path> on global rank 0, os.devnull on the other ranks
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hpctrain.runtime.distributed import cluster
+from hpctrain.runtime import cluster
 
 
 @functools.cache

@@ -18,9 +18,13 @@ from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from hpctrain.runtime import cluster
+
 # Hydra flags that are not overrides but choose the config; children need them too.
 from hpctrain.runtime.config.compose import task_overrides
-from hpctrain.runtime.distributed import cluster, watchdog
+
+# Hydra flags that are not overrides but choose the config; children need them too.
+from hpctrain.runtime.distributed import watchdog
 
 # Hydra flags that are not overrides but choose the config; children need them too.
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from hpctrain.runtime.distributed import cluster, signals, watchdog
+from hpctrain.runtime import cluster
+from hpctrain.runtime.distributed import signals, watchdog
 
 log = logging.getLogger(__package__)
 

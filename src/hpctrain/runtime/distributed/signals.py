@@ -26,7 +26,7 @@ class Interrupted(Exception):
     hpctrain.runtime.distributed.requeue); `checkpoint` (if any) holds everything to continue from."""
 
     def __init__(self, code: int, checkpoint: Path | None, where: str) -> None:
-        from hpctrain.runtime.distributed import cluster
+        from hpctrain.runtime import cluster
 
         name = requeue_signal_name() if code == REQUEUE else "SIGTERM"
         super().__init__(f"{name} {where}" + (f": saved {checkpoint}" if checkpoint else ""))

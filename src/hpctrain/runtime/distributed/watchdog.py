@@ -62,7 +62,7 @@ def _rank() -> int:
 
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    from hpctrain.runtime.distributed import cluster
+    from hpctrain.runtime import cluster
 
     return cluster.global_rank()
 

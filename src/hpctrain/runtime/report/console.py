@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.runtime.distributed import cluster
+from hpctrain.runtime import cluster
 
 log = logging.getLogger("hpctrain")
 
@@ -117,7 +117,7 @@ class _DropMessages(logging.Filter):
 def quiet_lightning() -> None:
     """Drop Lightning's advertising and the notices that do not apply here.
 
-    The srun hint is covered by `hpctrain.runtime.distributed.cluster.preflight`, which fails instead of hinting; the
+    The srun hint is covered by `hpctrain.runtime.cluster.preflight`, which fails instead of hinting; the
     non-resumable dataloader notice by `hpctrain.runtime.run.checkpoints`, which says what it means here.
     """
     logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(

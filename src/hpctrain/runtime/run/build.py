@@ -2,7 +2,7 @@
 
 `run_objects` is the one build path of src/train.py and src/eval.py. Besides what the config names,
 the trainer always gets:
-- the cluster environment chosen by `hpctrain.runtime.distributed.cluster` (SLURM without Lightning's auto-requeue);
+- the cluster environment chosen by `hpctrain.runtime.cluster` (SLURM without Lightning's auto-requeue);
 - `HydraDDPStrategy` for `strategy: ddp` (or `auto` with more than one process), with the
   collective timeout from `dist.timeout_min`;
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
@@ -33,7 +33,8 @@ from pytorch_lightning.loggers import Logger
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
-from hpctrain.runtime.distributed import cluster, launch, signals
+from hpctrain.runtime import cluster
+from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy, HydraFSDPStrategy
 from hpctrain.runtime.distributed.requeue import RequeueOnSignal
 from hpctrain.runtime.errors import UserError

@@ -17,7 +17,7 @@ from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
 
-from hpctrain.runtime.distributed import cluster
+from hpctrain.runtime import cluster
 
 
 def stable_run_key(run_dir: str | os.PathLike[str]) -> str:

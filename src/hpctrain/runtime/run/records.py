@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.runtime.distributed import cluster
+from hpctrain.runtime import cluster
 from hpctrain.runtime.errors import UserError
 
 RECORDED_PACKAGES = ("torch", "torchvision", "pytorch-lightning", "torchmetrics", "hydra-core", "omegaconf")

@@ -35,7 +35,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, se
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf, open_dict, read_write
 
-from hpctrain.runtime.distributed.cluster import GPU_ACCELERATORS
+from hpctrain.runtime.cluster import GPU_ACCELERATORS
 from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__.split(".")[0])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hpctrain.runtime.distributed import cluster
+from hpctrain.runtime import cluster
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.records import read_run_record
 
