@@ -17,7 +17,12 @@ from tests.helpers import ROOT
 
 SRC = ROOT / "src"
 LAYERS = [
-    {"hpctrain.runtime.errors", "hpctrain.runtime.cluster", "hpctrain.runtime.moved"},
+    {
+        "hpctrain.runtime.errors",
+        "hpctrain.runtime.cluster",
+        "hpctrain.runtime.moved",
+        "hpctrain.runtime.internals",
+    },
     {"hpctrain.runtime.config"},
     {"hpctrain.runtime.distributed"},
     {"hpctrain.runtime.report"},

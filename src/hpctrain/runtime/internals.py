@@ -1,0 +1,126 @@
+"""Every private name of Lightning, Hydra and torch that the template relies on, in one list.
+
+A library's private names can change in any release. Each entry says where the template uses the name
+and why no public API does the job, and `tests/test_internals.py` resolves every one of them, so an
+upgrade that moves or renames one fails that test (and the behaviour test named here) at once, instead
+of silently changing a run. Pinned versions: pyproject.toml / uv.lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Internal:
+    name: str  # module:attribute.path, resolvable by tests/test_internals.py
+    used_in: str  # the template module that relies on it
+    why: str
+    test: str  # the behaviour test that fails if its meaning changes
+
+
+INTERNALS = (
+    Internal(
+        "hydra._internal.utils:run_and_report",
+        "runtime/config/command_line.py",
+        "Hydra reports composition errors through it; wrapped so a mistake is one sentence, exit 2",
+        "tests/test_train.py::test_unknown_override_key_fails_naming_the_key",
+    ),
+    Internal(
+        "hydra._internal.hydra:Hydra",
+        "runtime/config/command_line.py",
+        "--help lists each group's options from its config repository once instead of deep-copying it per group",
+        "tests/test_config.py::test_help_builds_one_config_repository",
+    ),
+    Internal(
+        "hydra._internal.core_plugins.basic_sweeper:BasicSweeper.split_arguments",
+        "runtime/sweeps/grid.py",
+        "a job array expands the grid in Hydra's own job order",
+        "tests/test_sweeps.py",
+    ),
+    Internal(
+        "hydra.core.utils:JobReturn",
+        "runtime/sweeps/slurm.py",
+        "a failed launcher job carries its exception in JobReturn._return_value, as Hydra's own launchers do",
+        "tests/test_slurm_sweeps.py",
+    ),
+    Internal(
+        "torch.distributed.distributed_c10d:_get_default_store",
+        "runtime/distributed/watchdog.py",
+        "the job's key-value store, where a failing rank or one whose data ran out records it for the others",
+        "tests/test_faults.py::test_an_exception_in_one_rank_ends_the_job_naming_that_rank",
+    ),
+    Internal(
+        "pytorch_lightning.strategies.launchers.subprocess_script:_SubprocessScriptLauncher._call_children_scripts",
+        "runtime/distributed/launch.py",
+        "local ranks are started per Hydra job (the same run dir, the composed config, no replayed sweep)",
+        "tests/test_ddp.py",
+    ),
+    Internal(
+        "pytorch_lightning.strategies:DDPStrategy._configure_launcher",
+        "runtime/distributed/launch.py",
+        "installs the Hydra-aware launcher in place of Lightning's",
+        "tests/test_ddp.py",
+    ),
+    Internal(
+        "pytorch_lightning.trainer.connectors.signal_connector:_SignalConnector.register_signal_handlers",
+        "runtime/distributed/signals.py",
+        "switched off: the template owns SIGTERM and the requeue signal (Lightning's handlers act inside the handler)",
+        "tests/test_signals.py::test_lightning_still_has_what_the_template_switches_off",
+    ),
+    Internal(
+        "pytorch_lightning.loops.training_epoch_loop:_TrainingEpochLoop._broadcast_sigterm_tensor",
+        "runtime/distributed/signals.py",
+        "switched off: a broadcast at every training step that the template's agreed checks replace",
+        "tests/test_signals.py::test_lightning_still_has_what_the_template_switches_off",
+    ),
+    Internal(
+        "pytorch_lightning.loops.fit_loop:_FitLoop.setup_data",
+        "runtime/run/checkpoints/contents.py",
+        "on resume the train loader built early by estimated_stepping_batches (fit_loop._combined_loader, "
+        "fit_loop._data_fetcher) is dropped so Lightning rebuilds and restores it (Lightning #20550)",
+        "tests/test_differential.py::test_onecycle_resumed_mid_epoch_ends_as_the_uninterrupted_run",
+    ),
+    Internal(
+        "pytorch_lightning.callbacks:ModelCheckpoint._save_last_checkpoint",
+        "runtime/run/callbacks.py",
+        "last.ckpt brought up to the current step at every epoch end (Lightning writes it only with a new best)",
+        "tests/test_differential.py::test_early_stopping_leaves_the_last_epoch_in_last_ckpt",
+    ),
+    Internal(
+        "pytorch_lightning.callbacks:ModelCheckpoint._monitor_candidates",
+        "runtime/run/callbacks.py",
+        "the metrics last.ckpt's name and state are formatted from",
+        "tests/test_differential.py::test_early_stopping_leaves_the_last_epoch_in_last_ckpt",
+    ),
+    Internal(
+        "pytorch_lightning.callbacks:ModelCheckpoint._should_save_on_train_epoch_end",
+        "runtime/run/callbacks.py",
+        "whether Lightning saves at the end of the training epoch or of validation: last.ckpt follows it",
+        "tests/test_differential.py::test_user_code_behaves_as_under_bare_lightning",
+    ),
+    Internal(
+        "pytorch_lightning.callbacks:ModelCheckpoint._save_topk_checkpoint",
+        "runtime/run/callbacks.py",
+        "a monitored metric missing after validation becomes one sentence",
+        "tests/test_bring_your_own.py",
+    ),
+    Internal(
+        "pytorch_lightning.callbacks:EarlyStopping._validate_condition_metric",
+        "runtime/run/callbacks.py",
+        "a monitored metric missing is one sentence instead of Lightning's RuntimeError",
+        "tests/test_bring_your_own.py",
+    ),
+    Internal(
+        "lightning_fabric.utilities.types:_Stateful",
+        "runtime/run/checkpoints/contents.py",
+        "the protocol Lightning uses to decide whether a train loader resumes mid-epoch",
+        "tests/test_bring_your_own.py::test_a_plain_dataloader_resumes_from_the_last_step_and_says_so",
+    ),
+    Internal(
+        "pytorch_lightning.loggers.csv_logs:ExperimentWriter._check_log_dir_exists",
+        "runtime/run/loggers.py",
+        "a resumed run appends to metrics.csv instead of Lightning deleting it",
+        "tests/test_outputs.py::test_csv_logger_appends_when_a_run_continues",
+    ),
+)

@@ -1,0 +1,29 @@
+"""Every private library name in hpctrain.runtime.internals still exists: an upgrade that moves one
+fails here first, naming the entry, where the template uses it and the behaviour test to run."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from hpctrain.runtime.internals import INTERNALS
+from tests.helpers import ROOT
+
+
+@pytest.mark.parametrize("entry", INTERNALS, ids=[i.name for i in INTERNALS])
+def test_private_name_still_exists(entry):
+    module_name, _, path = entry.name.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in path.split("."):
+        assert hasattr(obj, part), (
+            f"{entry.name} is gone (used in {entry.used_in}: {entry.why}); run {entry.test}"
+        )
+        obj = getattr(obj, part)
+
+
+@pytest.mark.parametrize("entry", INTERNALS, ids=[i.name for i in INTERNALS])
+def test_each_entry_names_real_files(entry):
+    assert (ROOT / "src" / "hpctrain" / entry.used_in).is_file(), entry.used_in
+    assert Path(ROOT / entry.test.split("::")[0]).is_file(), entry.test
