@@ -34,8 +34,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hpctrain.runtime.errors import UserError
-
 log = logging.getLogger(__package__)
 
 FAILED_KEY = f"{__package__}/failed-rank"
@@ -89,6 +87,11 @@ class RankFailed(RuntimeError):
 def in_sweep() -> None:
     """This process runs a sweep's jobs one after another: a failure ends the job, not the process."""
     _state["in_sweep"] = True
+
+
+def pending_verdict() -> str | None:
+    """The failure line recorded for a sweep's job, left for `take_verdict` (a rank died: the job failed)."""
+    return _state.get("verdict")
 
 
 def take_verdict() -> str | None:
@@ -296,10 +299,10 @@ def _announce(store: Any | None, line: str) -> None:
 
 
 def _expected(err: BaseException) -> bool:
-    """Ways a run ends on purpose: a user error (one sentence), a signal, an exit, Ctrl-C."""
-    from hpctrain.runtime.distributed.signals import Interrupted
+    """Ways a run ends on purpose (hpctrain.runtime.distributed.endings): not a rank's failure."""
+    from hpctrain.runtime.distributed.endings import ending
 
-    return isinstance(err, (UserError, Interrupted, SystemExit, KeyboardInterrupt))
+    return ending(err).on_purpose
 
 
 def note_failure(err: BaseException) -> None:

@@ -196,14 +196,14 @@ def _remove_if_only_logs(run_dir: Path) -> None:
 
 
 def _ending(err: BaseException) -> tuple[str, str | None]:
-    from hpctrain.runtime.distributed.signals import Interrupted
+    from hpctrain.runtime.distributed import watchdog
+    from hpctrain.runtime.distributed.endings import REFUSED, ending
 
-    if isinstance(err, Interrupted):
-        return ("requeued" if getattr(err, "requeue", False) else "stopped"), str(err)
-    if isinstance(err, SystemExit) and err.code in (0, None):
-        return "completed", None
-    text = str(err) if isinstance(err, UserError) else " ".join(f"{type(err).__name__}: {err}".split())
-    return "failed", text[:500]
+    if isinstance(err, KeyboardInterrupt) and watchdog.pending_verdict():  # a sweep job's rank died
+        return "failed", watchdog.pending_verdict()
+    found = ending(err)
+    # outcome.yaml (and sweep summaries) keep their two words for a job that did not complete
+    return ("failed" if found.status in (REFUSED, "exited") else found.status), found.detail
 
 
 def read_outcome(run_dir: str | Path) -> dict[str, Any]:
