@@ -76,7 +76,7 @@ def commands(args: argparse.Namespace) -> list[str]:
         ]
         line = f"{_launcher(['torchrun', *sizes, *rendezvous])} {shlex.join(train)}"
         return [
-            'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+            "source slurm/job_env.sh  # slurm/site.sh, then MASTER_ADDR (the first node) and a free MASTER_PORT",
             f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {line}",
         ]
     if args.c10d:

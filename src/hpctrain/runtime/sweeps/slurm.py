@@ -44,16 +44,10 @@ TOPOLOGY = ("trainer.num_nodes", "trainer.devices", "trainer.accelerator", "trai
 
 
 def setup_lines(root_dir: str | None) -> list[str]:
-    """What slurm/train.sbatch does before srun: the site's settings (slurm/site.sh), then the first
-    node's name and a port free on it."""
-    python = shlex.quote(sys.executable)
-    free_port = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
-    site = Path(root_dir or ".") / "slurm" / "site.sh"
-    return [
-        *([f"source {shlex.quote(str(site))}"] if site.is_file() else []),
-        'export MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}"',
-        f'export MASTER_PORT="${{MASTER_PORT:-$({python} -c "{free_port}")}}"',
-    ]
+    """What slurm/train.sbatch does before srun, from the same file (slurm/job_env.sh): the site's
+    settings, then the first node's name and a port free on it (asked of this interpreter)."""
+    job_env = Path(root_dir or ".") / "slurm" / "job_env.sh"
+    return [f"export PYTHON={shlex.quote(sys.executable)}", f"source {shlex.quote(str(job_env))}"]
 
 
 def refuse_swept_topology(job_overrides: Sequence[Sequence[str]]) -> None:

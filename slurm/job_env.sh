@@ -1,0 +1,13 @@
+# The job's setup lines, in one place: sourced by slurm/train.sbatch and slurm/sweep.sbatch (through it),
+# by every job of the SLURM launcher (hydra/launcher=slurm) and by the `srun torchrun` form that
+# scripts/torchrun_command.py --srun prints. Run from the project root, on the allocation's first node.
+
+# Your site's modules, environment and network settings.
+source "$(dirname "${BASH_SOURCE[0]}")/site.sh"
+
+# Rank 0 runs on this node (the allocation's first). A port free here now, rather than Lightning's
+# default (15000 + the job id's last four digits), which collides when two jobs whose ids share those
+# digits share a node. PYTHON: the interpreter to ask (the launcher passes its own).
+MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)}"
+MASTER_PORT="${MASTER_PORT:-$("${PYTHON:-python}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}"
+export MASTER_ADDR MASTER_PORT
