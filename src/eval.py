@@ -9,9 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without `pip install -e .`
 
-from hpctrain.runtime.run.entry import start
+from hpctrain.runtime.run import entry
 
-start("eval")  # signals recorded from the first moment; config mistakes as one sentence
+entry.start("eval")  # signals recorded from the first moment; config mistakes as one sentence
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

@@ -10,9 +10,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without `pip install -e .`
 
-from hpctrain.runtime.run.entry import start
+from hpctrain.runtime.run import entry
 
-start("train")  # signals recorded from the first moment; config mistakes as one sentence
+entry.start("train")  # signals recorded from the first moment; config mistakes as one sentence
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
@@ -29,11 +29,10 @@ def main(cfg: DictConfig) -> float | None:
 
 def train(cfg: DictConfig) -> float | None:
     with Job(cfg) as job:  # preflight: config, launcher vs trainer, run dir (one sentence if wrong)
-        start = start_point(
-            cfg.ckpt_path, job.run_dir, cfg.paths.runs_dir
-        )  # fresh, a file, or this job's own
+        # fresh, a checkpoint to continue, or this job's own when SLURM requeued it
+        start = start_point(cfg.ckpt_path, job.run_dir, cfg.paths.runs_dir, init_from=cfg.init_from.path)
         run = job.build(cfg)  # data (checked on every rank), model, callbacks, loggers, trainer
-        start.announce(run.model, cfg.model)  # where it starts, and what resuming overrides
+        start.announce(run, cfg)  # resume, or init_from's weights; where the run starts
         with job.running(run):  # a signal: checkpoint where every rank agrees, then requeue or stop
             if cfg.train:
                 run.fit(start.checkpoint)

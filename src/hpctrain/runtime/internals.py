@@ -118,6 +118,12 @@ INTERNALS = (
         "tests/test_bring_your_own.py::test_a_plain_dataloader_resumes_from_the_last_step_and_says_so",
     ),
     Internal(
+        "torch.nn.modules.batchnorm:_BatchNorm",
+        "runtime/run/checkpoints/init_from.py",
+        "the base of every BatchNorm layer, whose statistics init_from.freeze keeps fixed",
+        "tests/test_init_from.py::test_fine_tuning_starts_a_new_run_from_weights_and_freezes",
+    ),
+    Internal(
         "pytorch_lightning.loggers.csv_logs:ExperimentWriter._check_log_dir_exists",
         "runtime/run/loggers.py",
         "a resumed run appends to metrics.csv instead of Lightning deleting it",

@@ -45,24 +45,51 @@ class StartPoint:
     reason: str
     run_dir: Path | None = None
 
-    def announce(self, model: Any, model_cfg: Any) -> None:
-        """Before fit: refuse weights of another model, then say (rank 0) where the run starts and which
-        configured optimizer values a resumed checkpoint overrides; clear half-written saves."""
+    def announce(self, run: Any, cfg: Any) -> None:
+        """Before fit: refuse weights of another model, apply `init_from` to a fresh start (a restart
+        continues from its own checkpoint instead), freeze what `init_from.freeze` names, and say (rank 0)
+        where the run starts and which configured optimizer values a resumed checkpoint overrides."""
+        from omegaconf import OmegaConf
+
+        from hpctrain.runtime.run.checkpoints import contents, init_from
+
+        lines: list[str] = []
+        warning = None
+        weights = init_from.configured(cfg)
         if self.checkpoint is not None:
-            from omegaconf import OmegaConf
-
-            from hpctrain.runtime.run.checkpoints import contents
-
-            contents.check_matches_model(self.checkpoint, model)
-            note = contents.resume_overrides(self.checkpoint, OmegaConf.to_container(model_cfg, resolve=True))
-        else:
-            note = None
+            contents.check_matches_model(self.checkpoint, run.model)
+            warning = contents.resume_overrides(
+                self.checkpoint, OmegaConf.to_container(cfg.model, resolve=True)
+            )
+            if weights:
+                lines.append(
+                    f"init_from.path={weights['path']} skipped: the run continues from {self.checkpoint}"
+                )
+        elif weights:
+            lines.append(
+                init_from.apply(
+                    run.model,
+                    weights["path"],
+                    strict=bool(weights.get("strict", True)),
+                    exclude=list(weights.get("exclude") or []),
+                    prefix=str(weights.get("prefix") or ""),
+                )
+            )
+        freeze = list((cfg.get("init_from") or {}).get("freeze") or [])
+        if freeze:
+            frozen = init_from.FrozenParts(run.model, freeze)
+            run.trainer.callbacks.append(frozen)
+            lines.append(
+                f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"
+            )
         if cluster.is_rank_zero():
             if self.run_dir is not None:
                 remove_partial_saves(self.run_dir)
             log.info(self.describe())
-            if note:
-                log.warning(note)
+            for line in lines:
+                log.info(line)
+            if warning:
+                log.warning(warning)
 
     def describe(self) -> str:
         return (
@@ -85,14 +112,22 @@ def is_restart(record: Mapping[str, Any], env: Mapping[str, str] | None = None) 
 
 
 def start_point(
-    ckpt_path: str | None, run_dir: str | Path, runs_root: str | Path, env: Mapping[str, str] | None = None
+    ckpt_path: str | None,
+    run_dir: str | Path,
+    runs_root: str | Path,
+    env: Mapping[str, str] | None = None,
+    init_from: str | None = None,
 ) -> StartPoint:
     """What `trainer.fit` starts from (see `_choose`), for the run in `run_dir`."""
-    return replace(_choose(ckpt_path, run_dir, runs_root, env), run_dir=Path(run_dir))
+    return replace(_choose(ckpt_path, run_dir, runs_root, env, init_from), run_dir=Path(run_dir))
 
 
 def _choose(
-    ckpt_path: str | None, run_dir: str | Path, runs_root: str | Path, env: Mapping[str, str] | None = None
+    ckpt_path: str | None,
+    run_dir: str | Path,
+    runs_root: str | Path,
+    env: Mapping[str, str] | None = None,
+    init_from: str | None = None,
 ) -> StartPoint:
     """What `trainer.fit` starts from; refuses, in one sentence, everything ambiguous.
 
@@ -106,6 +141,11 @@ def _choose(
     run_dir = Path(run_dir)
     own = newest_checkpoint(run_dir)
     given = None if ckpt_path in (None, "", "null") else str(ckpt_path)
+    if given is not None and init_from not in (None, "", "null"):
+        raise UserError(
+            f"ckpt_path={given} and init_from.path={init_from} are both given: ckpt_path continues a run (its "
+            "optimizer, epoch and schedule), init_from starts a new one from weights; pass one of them."
+        )
     if own is not None:
         record = read_run_record(run_dir)
         if is_restart(record, env):
