@@ -11,6 +11,26 @@ from tests.local_slurm import ClusterUnavailable, LocalSlurmCluster, missing_bin
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """The pair tests/contract checks: `pytest tests/contract --model=<option> --data=<option>`.
+
+    Registered here, not in tests/contract/conftest.py: pytest reads command-line options only from
+    plugins and the conftest files it loads before parsing the command line, and a run of the whole
+    suite, or of another test file, does not load the one in tests/contract first.
+    """
+    group = parser.getgroup("contract", "contract tests of a model x data pair (tests/contract)")
+    # The default pair is quickstart's: every project has it, with or without the examples.
+    group.addoption("--model", default="mnist_cnn", metavar="OPTION", help="a conf/model option (mnist_cnn)")
+    group.addoption("--data", default="digits", metavar="OPTION", help="a conf/data option (digits)")
+    group.addoption(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every contract check, as on the train.py command line; repeatable",
+    )
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data dir holding every dataset the configs read from files, written in their official formats
