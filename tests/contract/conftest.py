@@ -18,10 +18,12 @@ import pytest
 from omegaconf import DictConfig
 from pytorch_lightning import Callback, Trainer
 
-from hpctrain import build, console
-from hpctrain.config import compose
-from hpctrain.config_checks import check_config
-from hpctrain.errors import UserError, describe_hydra_error
+from hpctrain.runtime.config.checks import check_config
+from hpctrain.runtime.config.compose import compose
+from hpctrain.runtime.config.hydra_errors import describe_hydra_error
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.report import console
+from hpctrain.runtime.run import build
 
 
 @dataclass(frozen=True)

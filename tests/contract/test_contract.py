@@ -34,8 +34,9 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torchmetrics import Metric
 
-from hpctrain import build, checkpointing
-from hpctrain.errors import UserError
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run import build
+from hpctrain.runtime.run.checkpoints import contents as checkpointing
 from tests.differential.user_code import SaveAtStep
 from tests.helpers import train
 
