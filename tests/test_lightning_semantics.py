@@ -77,7 +77,7 @@ def test_unused_parameters_under_ddp_name_the_key(tmp_path: Path):
 @pytest.mark.slow
 def test_a_target_that_cannot_be_imported_is_one_sentence(tmp_path: Path):
     result = train(
-        tmp_path, "data=digits", "trainer=ddp_cpu", "model=autoencoder", "model._target_=mypkg.models.LitNet"
+        tmp_path, "data=digits", "trainer=ddp_cpu", "model=mlp", "model._target_=mypkg.models.LitNet"
     )
     assert result.returncode == 2
     (sentence,) = _errors(result.stdout)
@@ -93,16 +93,21 @@ def test_a_target_that_cannot_be_imported_is_one_sentence(tmp_path: Path):
 def test_the_epoch_line_shows_validation_metrics_whatever_their_names(tmp_path: Path):
     result = train(
         tmp_path,
-        "data=digits",
-        "model=autoencoder",
+        f"hydra.searchpath=[file://{CONF}]",
+        "model=user",
+        f"model._target_={USER}.LitClassifier",  # logs train_loss, val_loss, val_acc
+        "data=user",
+        "monitor.metric=val_loss",
+        "monitor.mode=min",
         "trainer=cpu",
         "trainer.max_epochs=1",
         "trainer.limit_train_batches=3",
         "callbacks.progress.mode=log",
+        env={"PYTHONPATH": str(ROOT)},
     )
     assert_ok(result)
     (line,) = [x for x in result.stdout.splitlines() if "epoch 0 validation" in x]
-    assert "val_loss" in line, line
+    assert "val_loss " in line and "val_acc " in line and "train_loss" not in line, line
     assert read_metrics(run_dirs(tmp_path)[0])
 
 
