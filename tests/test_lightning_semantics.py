@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.runtime import cluster
-from tests.differential.cases import CONF, USER
+from tests.differential.cases import user_overrides
 from tests.helpers import ROOT, assert_ok, read_metrics, run_dirs, train
 
 DIGITS = (
@@ -57,14 +57,9 @@ def test_resume_says_which_configured_values_the_checkpoint_overrides(tmp_path: 
 def test_unused_parameters_under_ddp_name_the_key(tmp_path: Path):
     result = train(
         tmp_path,
-        f"hydra.searchpath=[file://{CONF}]",
-        "model=user",
-        f"model._target_={USER}.TwoOptimizerGAN",
-        "data=user",
+        *user_overrides("TwoOptimizerGAN"),
         "trainer=ddp_cpu",
         "trainer.max_epochs=1",
-        "monitor.metric=val_loss",
-        "monitor.mode=min",
         env={"PYTHONPATH": str(ROOT)},
     )
     assert result.returncode != 0
@@ -93,12 +88,7 @@ def test_a_target_that_cannot_be_imported_is_one_sentence(tmp_path: Path):
 def test_the_epoch_line_shows_validation_metrics_whatever_their_names(tmp_path: Path):
     result = train(
         tmp_path,
-        f"hydra.searchpath=[file://{CONF}]",
-        "model=user",
-        f"model._target_={USER}.LitClassifier",  # logs train_loss, val_loss, val_acc
-        "data=user",
-        "monitor.metric=val_loss",
-        "monitor.mode=min",
+        *user_overrides("LitClassifier"),  # logs train_loss, val_loss, val_acc
         "trainer=cpu",
         "trainer.max_epochs=1",
         "trainer.limit_train_batches=3",

@@ -12,16 +12,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from hpctrain.data.iterable import ShardedIterable, shares_itself_out, stream_share
-from tests.differential.cases import CONF, USER
+from tests.differential.cases import user_overrides
 from tests.helpers import ROOT, assert_ok, train
 
-STREAM = [
-    f"hydra.searchpath=[file://{CONF}]",
-    "model=user",
-    f"model._target_={USER}.LitClassifier",
-    "data=user",
-]
-STREAM += ["trainer=ddp_cpu", "monitor.metric=val_loss", "monitor.mode=min", "test=false"]
+STREAM = ["trainer=ddp_cpu", "test=false"]
 
 
 class _Numbers(torch.utils.data.IterableDataset):
@@ -42,8 +36,8 @@ def test_sharded_iterable_gives_each_worker_its_share():
 def test_a_stream_that_does_not_share_itself_out_is_warned_about_once(tmp_path: Path):
     result = train(
         tmp_path,
+        *user_overrides("LitClassifier", data="UnshardedStreamData"),
         *STREAM,
-        f"data._target_={USER}.UnshardedStreamData",
         "trainer.max_epochs=1",
         env={"PYTHONPATH": str(ROOT)},
     )
@@ -60,8 +54,8 @@ def test_ranks_with_unequal_data_end_the_job_naming_the_rank(tmp_path: Path):
     started = time.monotonic()
     result = train(
         tmp_path,
+        *user_overrides("LitClassifier", data="UnevenStreamData"),
         *STREAM,
-        f"data._target_={USER}.UnevenStreamData",
         "trainer.max_epochs=2",
         env={"PYTHONPATH": str(ROOT)},
     )

@@ -126,3 +126,19 @@ def template_overrides(
     for name, config in own.items():
         overrides += _overrides(f"+callbacks.{name}", config)
     return overrides
+
+
+def user_overrides(
+    module: str, data: str = "DigitsData", monitor: tuple[str, str] = ("val_loss", "min")
+) -> list[str]:
+    """`python src/train.py` overrides that train a user's module and datamodule from user_code.py, found
+    through hydra.searchpath (run with PYTHONPATH holding the project root)."""
+    return [
+        f"hydra.searchpath=[file://{CONF}]",
+        "model=user",
+        f"model._target_={USER}.{module}",
+        "data=user",
+        f"data._target_={USER}.{data}",
+        f"monitor.metric={monitor[0]}",
+        f"monitor.mode={monitor[1]}",
+    ]

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -118,17 +119,6 @@ def start_point(
     env: Mapping[str, str] | None = None,
     init_from: str | None = None,
 ) -> StartPoint:
-    """What `trainer.fit` starts from (see `_choose`), for the run in `run_dir`."""
-    return replace(_choose(ckpt_path, run_dir, runs_root, env, init_from), run_dir=Path(run_dir))
-
-
-def _choose(
-    ckpt_path: str | None,
-    run_dir: str | Path,
-    runs_root: str | Path,
-    env: Mapping[str, str] | None = None,
-    init_from: str | None = None,
-) -> StartPoint:
     """What `trainer.fit` starts from; refuses, in one sentence, everything ambiguous.
 
     1. A restarted job (the same SLURM job id, requeued) continues from its run dir's newest checkpoint,
@@ -139,6 +129,7 @@ def _choose(
     4. `ckpt_path=<file>`, which must exist; none: a fresh start.
     """
     run_dir = Path(run_dir)
+    point = partial(StartPoint, run_dir=run_dir)
     own = newest_checkpoint(run_dir)
     given = None if ckpt_path in (None, "", "null") else str(ckpt_path)
     if given is not None and init_from not in (None, "", "null"):
@@ -149,14 +140,14 @@ def _choose(
     if own is not None:
         record = read_run_record(run_dir)
         if is_restart(record, env):
-            return StartPoint(
+            return point(
                 own,
                 f"restart {cluster.restart_count(env) or cluster.torchrun_restart_count(env)} of this job",
             )
         if given is not None and given != "last":
             path = existing_checkpoint(given)
             if path.resolve().parent == checkpoint_dir(run_dir).resolve():
-                return StartPoint(path, f"ckpt_path={given}, in this run dir")
+                return point(path, f"ckpt_path={given}, in this run dir")
         previous = (record.get("attempts") or [{}])[-1]
         started = previous.get("started", "an earlier run")
         conflict = f"ckpt_path={given} conflicts with the" if given else "this run dir already holds"
@@ -170,7 +161,7 @@ def _choose(
             f"to continue that run there, or {fresh}."
         )
     if given is None:
-        return StartPoint(None, "no checkpoint given")
+        return point(None, "no checkpoint given")
     if given == "last":
         here = run_dir.resolve()
         candidates = [
@@ -184,10 +175,10 @@ def _choose(
                 f"ckpt_path=last but no earlier run under {runs_root} has a last.ckpt; "
                 "train once without ckpt_path, or pass ckpt_path=<path/to/file.ckpt>."
             )
-        return StartPoint(
+        return point(
             max(candidates, key=lambda p: p.stat().st_mtime), "ckpt_path=last: the newest earlier run"
         )
-    return StartPoint(existing_checkpoint(given), f"ckpt_path={given}")
+    return point(existing_checkpoint(given), f"ckpt_path={given}")
 
 
 def existing_checkpoint(ckpt_path: str | None) -> Path:
