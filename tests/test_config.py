@@ -101,7 +101,15 @@ def test_every_model_fits_some_data():
     assert ("mnist_cnn", "digits") in PAIRS and ("mlp", "random") in PAIRS
 
 
-@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+# Loggers whose import alone takes seconds (mlflow, wandb): checked in the full suite, not the quick tier.
+HEAVY_OPTIONS = {("logger", "mlflow"), ("logger", "wandb")}
+
+
+@pytest.mark.parametrize(
+    ("group", "option"),
+    [pytest.param(g, o, marks=pytest.mark.slow) if (g, o) in HEAVY_OPTIONS else (g, o) for g, o in OPTIONS],
+    ids=[f"{g}={o}" for g, o in OPTIONS],
+)
 def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path: Path, data_dir: Path):
     overrides = [] if group == "hydra" else [f"{group}={option}"]
     overrides += partners(group, option)

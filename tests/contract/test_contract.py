@@ -40,6 +40,9 @@ from hpctrain.runtime.run.checkpoints import contents as checkpointing
 from tests.differential.user_code import SaveAtStep
 from tests.helpers import train
 
+# Each check trains a little (seconds): they run in the full suite and on demand, not in the quick tier.
+pytestmark = pytest.mark.slow
+
 if TYPE_CHECKING:
     from tests.contract.conftest import Contract, Pair
 
@@ -260,7 +263,6 @@ def test_checkpoint_loads_weights_only_and_gives_the_same_outputs(contract: Cont
 # --------------------------------------------------------------------------------------- 3. DDP on CPU
 
 
-@pytest.mark.slow
 def test_trains_with_ddp_on_cpu_in_two_processes(tmp_path: Path, pair: Pair):
     # The pair's trainer choice, if any, gives way to ddp_cpu (a later choice of a group wins).
     command = [
