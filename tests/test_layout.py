@@ -31,7 +31,7 @@ LAYERS = [
 ]
 USER_PARTS = ("hpctrain.models", "hpctrain.data", "hpctrain.examples")
 # What the user's part may import from the machinery: its named extension points.
-EXTENSION_POINTS = {"hpctrain.runtime.errors"}
+EXTENSION_POINTS = {"hpctrain.runtime.errors", "hpctrain.runtime.distributed.streams"}
 
 
 def modules() -> dict[str, Path]:

@@ -30,7 +30,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-MARK = "shards_across_ranks"  # class or instance attribute of an IterableDataset that shares itself out
+from hpctrain.runtime.distributed.streams import MARK, shares_itself_out
+
+__all__ = ["MARK", "ShardedIterable", "StreamShare", "shares_itself_out", "stream_share"]
+
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,3 @@ class ShardedIterable(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         share = stream_share()
         return itertools.islice(iter(self.stream), share.index, None, share.count)
-
-
-def shares_itself_out(dataset: Any) -> bool:
-    """Whether a dataset is map-style (Lightning's sampler shares it) or a stream marked as sharing itself."""
-    return not isinstance(dataset, IterableDataset) or bool(getattr(dataset, MARK, False))

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning import Callback, LightningModule, Trainer
-from torch.utils.data import IterableDataset
 
 from hpctrain.runtime.distributed import watchdog
+from hpctrain.runtime.distributed.streams import shares_itself_out
 from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__)
@@ -215,7 +215,7 @@ class RankWatchdog(Callback):
         loaders = trainer.train_dataloader
         for loader in loaders.values() if isinstance(loaders, dict) else _as_list(loaders):
             dataset = getattr(loader, "dataset", None)
-            if isinstance(dataset, IterableDataset) and not getattr(dataset, "shards_across_ranks", False):
+            if dataset is not None and not shares_itself_out(dataset):
                 log.warning(
                     "the training set %s is an IterableDataset, which Lightning does not share out across "
                     "ranks: each of the %d ranks reads all of it, the same samples; wrap it in "
