@@ -32,6 +32,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 log = logging.getLogger(__package__)
@@ -265,17 +266,20 @@ def note_training_data_end(epoch: int, batches: int, world_size: int, timeout_s:
     if store is None:
         return
     key = f"{DATA_END_KEY}/{epoch}"
+    everyone = f"{key}/everyone"  # set by the last rank to arrive
     store.compare_set(key, "", f"{_rank()} {socket.gethostname()} {batches}")
     if store.add(f"{key}/arrived", 1) >= world_size:
+        store.set(everyone, "1")
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if store.add(f"{key}/arrived", 0) >= world_size:
+        try:
+            store.wait([everyone], timedelta(seconds=POLL_S))  # one request, answered when the key is set
             return
-        if store.check([FAILED_KEY]):
-            _exit(f"error: {store.get(FAILED_KEY).decode(errors='replace')}; rank {_rank()} stops too.")
-            return
-        time.sleep(0.01)
+        except Exception:  # not yet: has a rank failed meanwhile (or ran past this one's data)?
+            if store.check([FAILED_KEY]):
+                _exit(f"error: {store.get(FAILED_KEY).decode(errors='replace')}; rank {_rank()} stops too.")
+                return
 
 
 def start() -> None:

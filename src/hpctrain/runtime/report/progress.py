@@ -180,18 +180,18 @@ class LogProgress(ProgressBar):
             for c in (trainer.checkpoint_callback, trainer.early_stopping_callback)
             if c is not None and getattr(c, "monitor", None)
         ]
-        names = list(dict.fromkeys([*monitored, *logged]))
-        log.info("epoch %d validation  %s", trainer.current_epoch, self._format(trainer, pl_module, names))
+        values = trainer.callback_metrics  # once per validation: reading them here costs nothing per step
+        names = dict.fromkeys([*monitored, *logged])
+        shown = {k: _number(values[k]) for k in names if k in values}
+        log.info("epoch %d validation  %s", trainer.current_epoch, _joined(shown))
 
-    def _format(self, trainer: Trainer, pl_module: LightningModule, chosen: str | list[str]) -> str:
-        """The shown metrics whose name starts with `chosen` (a prefix), or those named in it (a list)."""
+    def _format(self, trainer: Trainer, pl_module: LightningModule, prefix: str) -> str:
         metrics = shown_metrics(trainer, self.get_metrics(trainer, pl_module))
-        if isinstance(chosen, str):
-            picked = {k: v for k, v in metrics.items() if k.startswith(chosen)}
-        else:
-            values = {k: _number(v) for k, v in trainer.callback_metrics.items()}
-            picked = {k: metrics.get(k, values.get(k)) for k in chosen if k in metrics or k in values}
-        return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in picked.items())
+        return _joined({k: v for k, v in metrics.items() if k.startswith(prefix)})
+
+
+def _joined(metrics: dict[str, Any]) -> str:
+    return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
 
 def _number(value: Any) -> Any:

@@ -89,8 +89,7 @@ def run_objects(cfg: DictConfig, run_dir: str | Path, training: bool = True) -> 
     data = datamodule(cfg)
     check_data_available(data)
     module = tune_model(model(cfg), cfg)
-    monitor = monitored_metric(cfg) if training else None
-    requeue = requeue_on_signal(cfg, run_dir)
+    monitor, requeue = own_callbacks(cfg, run_dir, training)
     own = [c for c in (monitor, requeue) if c is not None]
     return Run(data, module, trainer(cfg, run_dir, training=training, own=own), monitor, requeue)
 
@@ -192,22 +191,27 @@ def loggers(cfg: DictConfig) -> list[Logger]:
     return _instantiate_group(cfg.get("logger"), "logger")
 
 
-def monitored_metric(cfg: DictConfig) -> MonitoredMetric | None:
-    monitor = cfg.get("monitor")
-    if monitor is None or not monitor.get("metric"):
-        return None
-    return MonitoredMetric(monitor.metric, monitor.get("mode", "max"))
-
-
-def requeue_on_signal(cfg: DictConfig, run_dir: str | Path) -> RequeueOnSignal | None:
-    requeue = cfg.get("requeue")
-    if requeue is None or not requeue.enabled:
-        return None
-    return RequeueOnSignal(
-        checkpoint_dir(run_dir) / REQUEUE_CHECKPOINT,
-        check_every_n_steps=requeue.check_every_n_steps,
-        timeout_min=_timeout_min(cfg),
+def own_callbacks(
+    cfg: DictConfig, run_dir: str | Path, training: bool
+) -> tuple[MonitoredMetric | None, RequeueOnSignal | None]:
+    """The two template callbacks an entry point asks about: the monitored metric (training only) and
+    the requeue on a signal (when `requeue.enabled`)."""
+    monitor, requeue = cfg.get("monitor"), cfg.get("requeue")
+    monitored = (
+        MonitoredMetric(monitor.metric, monitor.get("mode", "max"))
+        if training and monitor is not None and monitor.get("metric")
+        else None
     )
+    on_signal = (
+        RequeueOnSignal(
+            checkpoint_dir(run_dir) / REQUEUE_CHECKPOINT,
+            check_every_n_steps=requeue.check_every_n_steps,
+            timeout_min=_timeout_min(cfg),
+        )
+        if requeue is not None and requeue.enabled
+        else None
+    )
+    return monitored, on_signal
 
 
 def _timeout_min(cfg: DictConfig) -> float:
@@ -232,7 +236,7 @@ def callbacks(
         stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data") if k in cfg}
         chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir))]
     if own is None:
-        own = [c for c in (monitored_metric(cfg) if training else None, requeue_on_signal(cfg, run_dir)) if c]
+        own = [c for c in own_callbacks(cfg, run_dir, training) if c is not None]
     return chosen + own
 
 
@@ -348,21 +352,12 @@ def log_hyperparameters(trainer: Trainer, cfg: DictConfig) -> None:
 def can_test(module: LightningModule, data: LightningDataModule) -> bool:
     """Whether `test=true` can test this model on this data: a module without a test_step (a GAN, say)
     or data without a test split is not an error, it is said once and the run completes."""
-    missing = [
-        what
-        for what, owner, hook in (
-            ("test_step", module, "test_step"),
-            ("test_dataloader", data, "test_dataloader"),
-        )
-        if not is_overridden(hook, owner)
-    ]
-    if missing and cluster.is_rank_zero():
-        log.info(
-            "no test: the %s has no %s (pass test=false to skip it silently)",
-            "model" if missing[0] == "test_step" else "datamodule",
-            missing[0],
-        )
-    return not missing
+    for owner, what, hook in ((module, "model", "test_step"), (data, "datamodule", "test_dataloader")):
+        if not is_overridden(hook, owner):
+            if cluster.is_rank_zero():
+                log.info("no test: the %s has no %s (pass test=false to skip it silently)", what, hook)
+            return False
+    return True
 
 
 def best_checkpoint(trainer: Trainer) -> str | None:

@@ -56,27 +56,27 @@ class StartPoint:
 
         lines: list[str] = []
         warning = None
-        weights = init_from.configured(cfg)
+        settings = cfg.get("init_from") or {}
         if self.checkpoint is not None:
-            contents.check_matches_model(self.checkpoint, run.model)
-            warning = contents.resume_overrides(
-                self.checkpoint, OmegaConf.to_container(cfg.model, resolve=True)
-            )
-            if weights:
+            content = contents.read(self.checkpoint)  # once, for both checks
+            contents.check_matches_model(self.checkpoint, run.model, content=content)
+            model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+            warning = contents.resume_overrides(self.checkpoint, model_cfg, content=content)
+            if settings.get("path"):
                 lines.append(
-                    f"init_from.path={weights['path']} skipped: the run continues from {self.checkpoint}"
+                    f"init_from.path={settings.path} skipped: the run continues from {self.checkpoint}"
                 )
-        elif weights:
+        elif settings.get("path"):
             lines.append(
                 init_from.apply(
                     run.model,
-                    weights["path"],
-                    strict=bool(weights.get("strict", True)),
-                    exclude=list(weights.get("exclude") or []),
-                    prefix=str(weights.get("prefix") or ""),
+                    settings.path,
+                    strict=bool(settings.get("strict", True)),
+                    exclude=list(settings.get("exclude") or []),
+                    prefix=str(settings.get("prefix") or ""),
                 )
             )
-        freeze = list((cfg.get("init_from") or {}).get("freeze") or [])
+        freeze = list(settings.get("freeze") or [])
         if freeze:
             frozen = init_from.FrozenParts(run.model, freeze)
             run.trainer.callbacks.append(frozen)

@@ -97,9 +97,12 @@ def stored_config(path: str | Path) -> dict[str, Any]:
     return read(path).get(CONFIG_KEY) or {}
 
 
-def check_matches_model(path: str | Path, module: torch.nn.Module, what: str = "ckpt_path") -> None:
-    """Refuse a checkpoint whose weights do not fit `module` (another model, or other sizes)."""
-    stored: dict[str, Tensor] = read(path, what)["state_dict"]
+def check_matches_model(
+    path: str | Path, module: torch.nn.Module, what: str = "ckpt_path", content: dict[str, Any] | None = None
+) -> None:
+    """Refuse a checkpoint whose weights do not fit `module` (another model, or other sizes); `content`:
+    the checkpoint already read, if the caller has it."""
+    stored: dict[str, Tensor] = (content or read(path, what))["state_dict"]
     expected = module.state_dict()
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
@@ -147,12 +150,14 @@ def _optimizer_keys(flat: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def resume_overrides(path: str | Path, model_cfg: dict[str, Any]) -> str | None:
+def resume_overrides(
+    path: str | Path, model_cfg: dict[str, Any], content: dict[str, Any] | None = None
+) -> str | None:
     """What resuming from `path` does to the configured optimizer and schedule, in one line (None if
     nothing): Lightning restores the optimizer and schedulers from the checkpoint, so a value changed on
     the command line (model.optimizer.lr=...) would otherwise be ignored without a word. An optimizer of
     another class cannot take the saved state at all: that is refused, in one sentence."""
-    stored = (read(path).get(CONFIG_KEY) or {}).get("model")
+    stored = ((content or read(path)).get(CONFIG_KEY) or {}).get("model")
     if not isinstance(stored, dict):
         return None  # not a checkpoint of this template: nothing to compare with
     then, now = _optimizer_keys(_flat(stored)), _optimizer_keys(_flat(model_cfg))

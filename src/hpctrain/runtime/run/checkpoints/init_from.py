@@ -22,7 +22,6 @@ import logging
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from pytorch_lightning import Callback, LightningModule, Trainer
@@ -139,9 +138,3 @@ class FrozenParts(Callback):
         modules = dict(pl_module.named_modules())
         for name in self.norms:
             modules[name].eval()
-
-
-def configured(cfg: Any) -> dict[str, Any] | None:
-    """The init_from settings when a path is given, else None."""
-    node = cfg.get("init_from") or {}
-    return dict(node) if node.get("path") else None
