@@ -425,3 +425,29 @@ def test_import_paths_from_before_the_runtime_package_still_resolve():
     import hpctrain.sweeps.summary as old
 
     assert old is new
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("callbacks.model_checkpoint.save_last=false", "callbacks.model_checkpoint.save_last=False"),
+        ("callbacks.model_checkpoint.dirpath=/elsewhere", "is not this run's checkpoint folder"),
+    ],
+)
+def test_a_checkpoint_entry_that_resume_could_not_find_is_refused(
+    override: str, says: str, tmp_path: Path, data_dir: Path
+):
+    cfg = compose_train(tmp_path, data_dir, "data=digits", "trainer=cpu", override)
+    with pytest.raises(UserError, match=re.escape(says)):
+        build.trainer(cfg, tmp_path, logger=False)
+    own = {"_target_": "pytorch_lightning.callbacks.ModelCheckpoint", "every_n_train_steps": 5}
+    cfg = compose_train(
+        tmp_path,
+        data_dir,
+        "data=digits",
+        "trainer=cpu",
+        *(f"+callbacks.mine.{k}={v}" for k, v in own.items()),
+    )
+    assert build.trainer(
+        cfg, tmp_path, logger=False
+    )  # a checkpoint callback of your own is Lightning's business

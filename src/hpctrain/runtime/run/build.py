@@ -227,8 +227,9 @@ def callbacks(
 ) -> list[Callback]:
     """The config's callbacks, then the template's own (see the module docstring); `own` are those the
     caller built itself (the monitored metric, requeue), else they are built here."""
+    if training:
+        check_checkpoint_entry(cfg.get("callbacks"), run_dir)
     chosen = _instantiate_group(cfg.get("callbacks"), "callbacks")
-    check_checkpoint_callbacks(chosen, run_dir, training)
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
     chosen.append(RankWatchdog(_timeout_min(cfg)))
@@ -240,26 +241,27 @@ def callbacks(
     return chosen + own
 
 
-def check_checkpoint_callbacks(chosen: list[Callback], run_dir: str | Path, training: bool) -> None:
-    """A ModelCheckpoint must write last.ckpt into the run's checkpoint folder: that is where a restarted
-    job, `ckpt_path=last` and eval look. Another `dirpath`, or `save_last: false`, would make resume
-    silently find nothing, so either is refused here, in one sentence."""
+def check_checkpoint_entry(group: DictConfig | None, run_dir: str | Path) -> None:
+    """The template's `callbacks.model_checkpoint` writes the last.ckpt that a restarted job,
+    `ckpt_path=last` and eval look for, in the run's checkpoint folder. Another `dirpath`, or
+    `save_last: false`, would make resume silently find nothing, so either is refused, in one sentence.
+    Checkpoint callbacks of your own, under other names, are Lightning's business and left alone."""
+    entry = (group or {}).get("model_checkpoint")
+    if not entry:
+        return
     expected = checkpoint_dir(run_dir).resolve()
-    for callback in chosen:
-        if not (training and isinstance(callback, pl.callbacks.ModelCheckpoint)):
-            continue
-        name = type(callback).__name__
-        if callback.dirpath is None or Path(callback.dirpath).resolve() != expected:
-            raise UserError(
-                f"callbacks: the {name}'s dirpath={callback.dirpath} is not this run's checkpoint folder "
-                f"{expected}, where a restarted job and ckpt_path=last look for last.ckpt; keep "
-                "dirpath: ${paths.output_dir}/checkpoints (the file names are yours: filename=...)."
-            )
-        if not callback.save_last:
-            raise UserError(
-                f"callbacks: the {name} has save_last={callback.save_last}, but a restarted job and ckpt_path=last "
-                "resume from last.ckpt; keep save_last: true (save_top_k chooses which other checkpoints stay)."
-            )
+    dirpath = entry.get("dirpath")
+    if dirpath is None or Path(str(dirpath)).resolve() != expected:
+        raise UserError(
+            f"callbacks.model_checkpoint.dirpath={dirpath} is not this run's checkpoint folder {expected}, where "
+            "a restarted job and ckpt_path=last look for last.ckpt; keep dirpath: ${paths.output_dir}/checkpoints "
+            "(the file names are yours: filename=...), or add a checkpoint callback of your own under another name."
+        )
+    if not entry.get("save_last"):
+        raise UserError(
+            f"callbacks.model_checkpoint.save_last={entry.get('save_last')}, but a restarted job and ckpt_path=last "
+            "resume from last.ckpt; keep save_last: true (save_top_k chooses which other checkpoints stay)."
+        )
 
 
 def _processes(trainer_cfg: DictConfig) -> int | None:
