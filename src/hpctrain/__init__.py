@@ -11,5 +11,19 @@ from hpctrain.runtime.config.resolvers import register_resolvers
 
 __version__ = "0.1.0"
 
+
+def load(ckpt_path: str) -> "Predictor":  # noqa: F821
+    """The model of one of this template's checkpoints, ready to call on the raw inputs its datamodule
+    gave it (uint8 images: the normalisation is inside), in eval mode, on the CPU:
+
+        model = hpctrain.load("logs/train/runs/<run>/checkpoints/last.ckpt")
+        probabilities = model(images).softmax(dim=1)
+
+    `model.model` is the LightningModule, `model.preprocess` what goes in front, `model.config` the model and
+    data config it was trained with. torch is imported here, on the first call, not with the package."""
+    from hpctrain.runtime.run.loaded import load as load_checkpoint
+
+    return load_checkpoint(ckpt_path)
+
 register_resolvers(PROJECT_ROOT)
 moved.install()  # the import paths machinery modules had before hpctrain.runtime keep working

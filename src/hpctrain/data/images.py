@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from pytorch_lightning import LightningDataModule
-from torch import Tensor
+from torch import Tensor, nn
 
 from hpctrain.data.loading import (
     ResumableDataLoader,
@@ -73,7 +73,7 @@ class ImageDataModule(LightningDataModule):
         self.pin_memory = pin_memory
         self.seed = seed
         self.splits: tuple[TensorDataset, TensorDataset, TensorDataset] | None = None
-        self._normalisers: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+        self._normalisers: dict[torch.device, Normalise] = {}
 
     def load(self) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
         """Return (train, val, test) datasets of uint8 images (N, C, H, W) and int64 labels."""
@@ -149,12 +149,33 @@ class ImageDataModule(LightningDataModule):
         return images, labels
 
     def normalise(self, images: Tensor) -> Tensor:
-        """uint8 images -> float32, (x / 255 - mean) / std per channel."""
-        key = (images.device, torch.float32)
-        if key not in self._normalisers:
-            shape = (1, -1, 1, 1)
-            mean = torch.tensor(self.mean, dtype=torch.float32).mul_(255.0).view(shape)
-            scale = torch.tensor(self.std, dtype=torch.float32).mul_(255.0).reciprocal_().view(shape)
-            self._normalisers[key] = (mean.to(images.device), scale.to(images.device))
-        mean, scale = self._normalisers[key]
-        return images.float().sub_(mean).mul_(scale)
+        """uint8 images -> float32, (x / 255 - mean) / std per channel (`Normalise`, one per device)."""
+        normaliser = self._normalisers.get(images.device)
+        if normaliser is None:
+            normaliser = self._normalisers[images.device] = self.preprocessing().to(images.device)
+        return normaliser(images)
+
+    def preprocessing(self) -> Normalise:
+        """What a model trained on this data expects in front of it: `hpctrain.load` and the exported
+        models carry it, so they take the same uint8 images as this datamodule's batches."""
+        return Normalise(self.mean, self.std)
+
+
+class Normalise(nn.Module):
+    """uint8 images (B, C, H, W) -> float32 (x / 255 - mean) / std per channel."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        super().__init__()
+        shape = (1, -1, 1, 1)
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+        self.register_buffer("offset", torch.tensor(self.mean).mul_(255.0).view(shape), persistent=False)
+        self.register_buffer(
+            "scale", torch.tensor(self.std).mul_(255.0).reciprocal_().view(shape), persistent=False
+        )
+
+    def forward(self, images: Tensor) -> Tensor:
+        return (images.float() - self.offset) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"mean={list(self.mean)}, std={list(self.std)}"

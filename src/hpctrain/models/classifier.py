@@ -17,7 +17,8 @@ from hpctrain.models.metrics import Accuracy, Mean
 
 class ImageClassifier(LightningModule):
     """Trains `net` with cross-entropy and logs train/loss (every log_every_n_steps), train/acc,
-    val/loss, val/acc, val/acc_best, test/loss and test/acc (once per epoch).
+    val/loss, val/acc, val/acc_best, test/loss and test/acc (once per epoch); predicts the class and the
+    probabilities.
 
     Accuracy and loss are metric states summed across ranks when an epoch ends, so with DDP every
     sample counts once and no collective runs per step. `val/acc_best` is part of the state dict, so
@@ -94,6 +95,12 @@ class ImageClassifier(LightningModule):
     def on_test_epoch_end(self) -> None:
         self.log("test/loss", self.test_loss)
         self.log("test/acc", self.test_acc)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        """The class and the probability of every class, per sample (src/predict.py writes them as CSV)."""
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        probs = self(images).float().softmax(dim=1)
+        return {"class": probs.argmax(dim=1), "probs": probs}
 
     def configure_optimizers(self) -> Any:
         return optim.configure(

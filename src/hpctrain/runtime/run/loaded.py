@@ -1,0 +1,70 @@
+"""A trained model ready to use, from one of this template's checkpoints, with no config to compose:
+
+    import hpctrain
+    model = hpctrain.load("logs/train/runs/<run>/checkpoints/last.ckpt")
+    logits = model(images)            # uint8 images (B, C, H, W), as the datamodule's batches were
+
+The checkpoint holds the resolved model and data config it was trained with (`contents.CONFIG_KEY`):
+the LightningModule is rebuilt from it and gets the weights (read with weights_only=True), and the
+datamodule's `preprocessing()` (for the template's image datamodules: the normalisation) goes in front,
+so the model is fed exactly what it was trained on. src/predict.py and src/export.py start from here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from pytorch_lightning import LightningModule
+from torch import Tensor, nn
+
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.checkpoints import contents
+
+
+class Predictor(nn.Module):
+    """`model(preprocess(images))`, in eval mode; `config` is the model and data config it was trained with."""
+
+    def __init__(self, model: LightningModule, preprocess: nn.Module, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.preprocess = preprocess
+        self.config = config
+        self.eval()
+
+    def forward(self, images: Tensor) -> Any:
+        return self.model(self.preprocess(images))
+
+    @property
+    def image_shape(self) -> tuple[int, ...] | None:
+        shape = (self.config.get("data") or {}).get("image_shape")
+        return tuple(int(d) for d in shape) if shape else None
+
+
+def preprocessing_of(datamodule: Any) -> nn.Module:
+    """The datamodule's `preprocessing()` (a module taking its raw batches' inputs), else nothing to do."""
+    make = getattr(datamodule, "preprocessing", None)
+    return make() if callable(make) else nn.Identity()
+
+
+def load(ckpt_path: str | Path) -> Predictor:
+    """The model of a checkpoint of this template, with its preprocessing in front (see the module docstring)."""
+    from hpctrain.runtime.run.build import datamodule, model
+
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; pass a checkpoint file (see <run dir>/checkpoints/).")
+    content = contents.read(path)
+    stored = content.get(contents.CONFIG_KEY) or {}
+    if "model" not in stored:
+        raise UserError(
+            f"{path} holds no model config (it was not written by this template); build its LightningModule "
+            "yourself and call load_state_dict(torch.load(path, weights_only=True)['state_dict'])."
+        )
+    config = OmegaConf.create(stored)
+    module = model(config)
+    contents.check_matches_model(path, module, content=content)
+    module.load_state_dict(content["state_dict"])
+    preprocess = preprocessing_of(datamodule(config)) if "data" in stored else nn.Identity()
+    return Predictor(module, preprocess, stored)
