@@ -16,7 +16,6 @@ entry.start("eval")  # signals recorded from the first moment; config mistakes a
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from hpctrain.runtime.config.checks import check_config  # noqa: E402
 from hpctrain.runtime.distributed import watchdog  # noqa: E402
 from hpctrain.runtime.run.checkpoints import existing_checkpoint  # noqa: E402
 from hpctrain.runtime.run.job import Job  # noqa: E402
@@ -26,14 +25,8 @@ from hpctrain.runtime.run.job import Job  # noqa: E402
 def main(cfg: DictConfig) -> dict[str, float]:
     with Job(cfg) as job:
         checkpoint = existing_checkpoint(cfg.get("ckpt_path"))
-        from hpctrain.runtime.run.checkpoints import contents
-
-        cfg = contents.config_from_checkpoint(
-            cfg, checkpoint, job.overrides
-        )  # model (and data) it was trained with
-        check_config(cfg)
-        run = job.build(cfg, training=False)
-        contents.check_matches_model(checkpoint, run.model)
+        cfg = job.from_checkpoint(cfg, checkpoint)  # the model (and data) it was trained with
+        run = job.build(cfg, training=False)  # weights of another model: refused here
         with job.running(run):  # under SLURM a signal requeues the job, which tests again
             run.test(checkpoint)
             return job.finish(run)

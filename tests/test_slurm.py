@@ -271,3 +271,57 @@ def test_srun_torchrun_with_one_task_per_node_trains_one_model(slurm_cluster, tm
     (attempt,) = record["attempts"]
     assert attempt["launcher"] == "torchrun" and attempt["world_size"] == 2, attempt
     assert 0 <= last_value(read_metrics(runs / f"torchrun-{job}"), "test/acc") <= 1
+
+
+def test_a_signal_during_prediction_requeues_the_job_which_predicts_everything_again(
+    slurm_cluster, tmp_path: Path
+):
+    """ENTRY=src/predict.py through slurm/train.sbatch on two nodes: USR1 mid-prediction -> scontrol
+    requeue -> the restarted job predicts again and writes the whole output once, in input order."""
+    from tests.differential.cases import user_overrides
+    from tests.differential.user_code import PredictingClassifier, _digits
+    from tests.helpers import run_entry
+
+    user = {"PYTHONPATH": str(ROOT)}
+    trained = run_entry(
+        "train.py",
+        *user_overrides("PredictingClassifier", data="PredictData"),
+        "trainer=cpu",
+        "trainer.max_epochs=1",
+        f"hydra.run.dir={tmp_path}/trained",
+        env=user,
+    )
+    assert trained.returncode == 0, trained.stdout[-3000:]
+    checkpoint = tmp_path / "trained" / "checkpoints" / "last.ckpt"
+    output = tmp_path / "predictions.pt"
+    job = slurm_cluster.sbatch(
+        f"--output={tmp_path}/%x-%j.out",
+        *CPU_JOB,
+        SBATCH_FILE,
+        "trainer=ddp_cpu",
+        f"ckpt_path={checkpoint}",
+        "data.batch_size=4",  # 81 samples per rank: 21 batches, checked for a signal every 10
+        f"predict.output={output}",
+        f"paths.log_dir={tmp_path}",
+        cwd=ROOT,
+        env={**user, "ENTRY": "src/predict.py", "SLOW_PREDICT": "0.3"},
+    )
+    deadline = time.monotonic() + 180
+    while "predict batch 3" not in _output(tmp_path, job):
+        assert time.monotonic() < deadline, _output(tmp_path, job)[-3000:]
+        assert slurm_cluster.job(job).get("JobState") != "FAILED", _output(tmp_path, job)[-3000:]
+        time.sleep(0.2)
+    assert slurm_cluster.run("scancel", "--signal=USR1", job).returncode == 0
+    info = slurm_cluster.wait(job, timeout_s=300)
+    log = _output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", log[-4000:]
+    assert f"requeued SLURM job {job} (SIGUSR1 during prediction)" in log, log[-4000:]
+
+    predictions = torch.load(output, weights_only=True)
+    assert predictions["index"].tolist() == list(range(161))  # every sample once, in input order
+    module = PredictingClassifier()
+    module.load_state_dict(torch.load(checkpoint, weights_only=True)["state_dict"])
+    with torch.no_grad():
+        expected = module.eval()(_digits(161)[0]).softmax(dim=-1)
+    torch.testing.assert_close(predictions["predictions"], expected, rtol=1e-4, atol=1e-5)
+    assert not list(tmp_path.rglob("part-rank*.pt")) and not list(tmp_path.glob(".predictions.pt.tmp-*"))

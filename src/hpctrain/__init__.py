@@ -25,5 +25,6 @@ def load(ckpt_path: str) -> "Predictor":  # noqa: F821
 
     return load_checkpoint(ckpt_path)
 
+
 register_resolvers(PROJECT_ROOT)
 moved.install()  # the import paths machinery modules had before hpctrain.runtime keep working

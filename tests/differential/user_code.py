@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -78,6 +79,14 @@ class DigitsData(pl.LightningDataModule):
 
     def test_dataloader(self):
         return DataLoader(self.test_set, batch_size=self.batch_size)
+
+
+class PredictData(DigitsData):
+    """Has a predict_dataloader: the first 161 digits, unlabelled (an odd count, so padding would show)."""
+
+    def predict_dataloader(self):
+        x, _ = _digits(161)
+        return DataLoader(TensorDataset(x), batch_size=self.batch_size)
 
 
 class DigitStream(IterableDataset):
@@ -170,6 +179,18 @@ class LitClassifier(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class PredictingClassifier(LitClassifier):
+    """Has its own predict_step: the probabilities of each class. With $SLOW_PREDICT set, each batch takes
+    that many seconds and says so (a test signals the job mid-prediction)."""
+
+    def predict_step(self, batch, batch_idx):
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        if os.environ.get("SLOW_PREDICT"):
+            time.sleep(float(os.environ["SLOW_PREDICT"]))
+            print(f"predict batch {batch_idx}", flush=True)
+        return self(x).softmax(dim=-1)
 
 
 class ValLossOnly(LitClassifier):

@@ -5,13 +5,15 @@ catch what composes but cannot work, and say so in one sentence instead of a sta
 inside Lightning ten seconds later:
 - a value of the wrong type or out of range (the table in `hpctrain.runtime.config.schema`);
 - a required value left out (`???`) or an interpolation that points nowhere;
-- a precision this accelerator cannot run, a logger whose package is missing, a secret in the config.
+- a precision this accelerator cannot run, a logger whose package is missing, a secret in the config;
+- an output file that exists already (it is not overwritten).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import re
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -104,3 +106,14 @@ def check_config(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "trainer.precision") is not None:
         _check_precision(cfg)
     _check_loggers(cfg)
+    _check_outputs(cfg)
+
+
+def _check_outputs(cfg: DictConfig) -> None:
+    """An output file named on the command line that exists already is kept, not overwritten."""
+    for key in ("predict.output",):
+        output = OmegaConf.select(cfg, key)
+        if output and Path(str(output)).expanduser().exists():
+            raise UserError(
+                f"{key}={output} exists already and is not overwritten; remove it or choose another file."
+            )

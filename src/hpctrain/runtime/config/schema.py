@@ -155,6 +155,17 @@ KEYS: tuple[Key, ...] = (
         "true",
         "DDP: the graph is the same every step",
     ),
+    Key(
+        "predict.split",
+        {"enum": ["test", "val", "train"]},
+        "test, val or train",
+        "val",
+        "the split to predict",
+    ),
+    Key(
+        "predict.batch_size", {"type": ["integer", "null"], "minimum": 1}, "a positive integer or null", "256"
+    ),
+    Key("predict.num_workers", _int(0), "a non-negative integer", "4"),
     Key("paths.data_dir", {"type": "string"}, "a directory", "/shared/datasets"),
     Key("paths.log_dir", {"type": "string"}, "a directory", "/shared/logs"),
 )

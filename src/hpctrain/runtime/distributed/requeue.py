@@ -8,8 +8,8 @@ points, and if any rank was signalled, all of them act:
 - during training, at a step boundary (every `check_every_n_steps` steps; `auto`: about once a
   second, agreed from the measured step time): save requeue.ckpt together and leave fit;
 - after fit (a signal during the last validation): save requeue.ckpt, skip the test;
-- during testing, at a test-batch boundary every rank reaches: stop the test (the restarted job
-  tests again; training is complete in its checkpoint).
+- during testing or prediction, at a batch boundary every rank reaches: stop (the restarted job tests
+  or predicts again; training is complete in its checkpoint, and predictions are written only at the end).
 
 Then `requeue_and_wait`: on the requeue signal under SLURM, rank 0 runs `scontrol requeue` and every
 rank waits for SLURM to end it; on SIGTERM the process exits with status 143.
@@ -50,7 +50,7 @@ class RequeueOnSignal(Callback):
         self._batches = 0
         self._first_step_at: float | None = None
         self._group: Any = None
-        self._test_limit = 0
+        self._eval_limit = 0
         self._stop: signals.Interrupted | None = None
 
     # ------------------------------------------------------------------------------------ agreement
@@ -136,14 +136,19 @@ class RequeueOnSignal(Callback):
     # ------------------------------------------------------------------------------------ testing
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Evaluation shards are not padded, so ranks may run different numbers of test batches: checks
-        # happen only below the smallest count, where every rank gets to.
-        batches = int(sum(trainer.num_test_batches))
+        self._eval_limit = self._smallest(int(sum(trainer.num_test_batches)))
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_limit = self._smallest(int(sum(trainer.num_predict_batches)))
+
+    def _smallest(self, batches: int) -> int:
+        # Evaluation and prediction shards are not padded, so ranks may run different numbers of batches:
+        # checks happen only below the smallest count, where every rank gets to.
         if self._group is not None:
             smallest = torch.tensor([batches], dtype=torch.int64)
             dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self._group)
             batches = int(smallest.item())
-        self._test_limit = batches
+        return batches
 
     def on_test_batch_end(
         self,
@@ -154,12 +159,26 @@ class RequeueOnSignal(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
+        self._check_evaluation(batch_idx, "during testing")
+
+    def on_predict_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._check_evaluation(batch_idx, "during prediction")
+
+    def _check_evaluation(self, batch_idx: int, where: str) -> None:
         done = batch_idx + 1
-        if done >= self._test_limit or done % (self.every or TEST_CHECK_EVERY):
+        if done >= self._eval_limit or done % (self.every or TEST_CHECK_EVERY):
             return
         (code,) = self._agree()
         if code != signals.NO_SIGNAL:
-            raise signals.Interrupted(int(code), None, "during testing")
+            raise signals.Interrupted(int(code), None, where)
 
 
 def requeue_and_wait(interrupted: signals.Interrupted, wait_s: float = REQUEUE_WAIT_S) -> None:

@@ -43,6 +43,7 @@ class Job:
         self.run_dir = Path(self.hydra_cfg.runtime.output_dir)
         self.overrides = task_overrides(self.hydra_cfg)
         self.outcome: records.Outcome | None = None
+        self.checkpoint: Path | None = None  # the trained checkpoint an eval or predict job starts from
         self._stack = ExitStack()
 
     def __enter__(self) -> Job:
@@ -75,6 +76,16 @@ class Job:
         if cluster.is_rank_zero():
             records.check_writable(self.run_dir)
 
+    def from_checkpoint(self, cfg: DictConfig, checkpoint: Path) -> DictConfig:
+        """`cfg` with the model (and, unless the command line chose one, the data) the checkpoint was
+        trained with, checked again (eval, predict)."""
+        from hpctrain.runtime.run.checkpoints import contents
+
+        cfg = contents.config_from_checkpoint(cfg, checkpoint, self.overrides)
+        check_config(cfg)
+        self.checkpoint = checkpoint
+        return cfg
+
     def build(self, cfg: DictConfig, training: bool = True) -> Any:
         """The run's objects (torch from here on), and on rank 0 its record in the run dir."""
         from hpctrain.runtime.run import build
@@ -82,6 +93,10 @@ class Job:
         console.apply_extras(cfg)
         build.configure_process(cfg)
         run = build.run_objects(cfg, self.run_dir, training=training)
+        if self.checkpoint is not None:  # weights of another model: one sentence before anything runs
+            from hpctrain.runtime.run.checkpoints import contents
+
+            contents.check_matches_model(self.checkpoint, run.model)
         if cluster.is_rank_zero():
             records.write_run_record(
                 cfg, self.run_dir, self.overrides, PROJECT_ROOT, run.trainer.world_size, self.hydra_cfg

@@ -1,0 +1,85 @@
+"""Image files -> uint8 tensors (C, H, W) of a fixed shape: the one decoding path of the template.
+
+Pillow decodes (JPEG and PNG; torchvision.io is deprecated in favour of TorchCodec, which needs a system
+FFmpeg, and adds nothing for single still images). Each file is turned the way a camera meant it (EXIF
+orientation), forced to the channels the model takes (1: grayscale, 3: RGB) and resized to its size,
+deterministically (bilinear, Pillow's antialiasing), so the same file always gives the same tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from hpctrain.runtime.errors import UserError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+_MODES = {1: "L", 3: "RGB"}
+
+
+def image_files(folder: str | Path, what: str = "predict.input") -> list[Path]:
+    """The PNG and JPEG files under `folder` (any depth), sorted by their path: one sentence if none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{what}={folder} is not a folder.")
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not files:
+        raise UserError(f"{what}={folder} holds no image files (.png, .jpg, .jpeg).")
+    return files
+
+
+def decode_image(path: str | Path, image_shape: Sequence[int]) -> Tensor:
+    """The image in `path` as uint8 (C, H, W) with `image_shape`; one sentence naming the file if it cannot be read."""
+    from PIL import Image, ImageOps
+
+    channels, height, width = (int(d) for d in image_shape)
+    if channels not in _MODES:
+        raise UserError(
+            f"image files can be read as 1 (grayscale) or 3 (RGB) channels, not the {channels} of image shape "
+            f"{list(image_shape)}."
+        )
+    try:
+        with Image.open(path) as image:
+            image = ImageOps.exif_transpose(image).convert(_MODES[channels])
+            if image.size != (width, height):
+                image = image.resize((width, height), Image.Resampling.BILINEAR)
+            pixels = np.asarray(image, dtype=np.uint8)
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        reason = " ".join(str(err).split())[:160] or type(err).__name__
+        raise UserError(f"{path} cannot be read as an image ({reason}); remove or replace the file.") from err
+    tensor = torch.from_numpy(pixels.copy())
+    return tensor.unsqueeze(0) if channels == 1 else tensor.permute(2, 0, 1).contiguous()
+
+
+def check_headers(files: Sequence[Path]) -> None:
+    """Open every file's header (cheap: no pixels are decoded), so a file that is not an image is one
+    sentence before the run starts rather than an error in a loader worker halfway through."""
+    from PIL import Image, UnidentifiedImageError
+
+    for path in files:
+        try:
+            with Image.open(path):
+                pass
+        except (OSError, UnidentifiedImageError) as err:
+            raise UserError(f"{path} is not a readable image ({type(err).__name__}); remove or replace the file.") from err
+
+
+class ImageFiles(Dataset):
+    """The images of `files` as (uint8 image, -1): batches shaped like a labelled split's, so the
+    datamodule's batch hooks (normalisation) treat them alike; `paths` are relative to `root`."""
+
+    def __init__(self, files: Sequence[Path], image_shape: Sequence[int], root: str | Path) -> None:
+        self.files = list(files)
+        self.image_shape = tuple(int(d) for d in image_shape)
+        self.paths = [str(Path(f).relative_to(root)) for f in self.files]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        return decode_image(self.files[index], self.image_shape), torch.tensor(-1)

@@ -1,0 +1,365 @@
+"""Prediction with a trained model: every sample exactly once, on one process or many, in input order.
+
+What is predicted, in this order of choice:
+- `predict.input`: a folder of PNG/JPEG images (any depth, sorted by path; decoded as in
+  `hpctrain.data.decode`) or a tensor file (`.pt` read with weights_only, or `.npy`) of uint8 images
+  (N, C, H, W) with the checkpoint's `data.image_shape`;
+- the datamodule's own `predict_dataloader`, if it has one (and `predict.split` was not given);
+- the split `predict.split` (test, val or train), unshuffled.
+Batches of an input look like a labelled split's (images, -1), so the datamodule's batch hooks (the
+normalisation) treat them as in training.
+
+Lightning shards a predict loader without padding (its UnrepeatedDistributedSamplerWrapper) and records
+which samples each batch holds. `PredictionWriter` keeps each rank's predictions with those indices,
+writes them to `<run dir>/predictions/part-rank<N>.pt`, and rank 0 merges the parts by index into one
+file, written atomically: a job stopped by a signal leaves no half-written output (under SLURM it is
+requeued and predicts again). A module whose `predict_step` returns `{"class", "probs"}` (the template's
+classifier) gets a CSV `index,path,class,prob_0..prob_{K-1}`; any other gets `predictions.pt`
+(`{"index": ..., "predictions": ...}`, loadable with weights_only=True).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_fabric.utilities.apply_func import move_data_to_device
+from omegaconf import DictConfig
+from pytorch_lightning import LightningDataModule, LightningModule, Trainer
+from pytorch_lightning.callbacks import BasePredictionWriter
+from pytorch_lightning.utilities.model_helpers import is_overridden
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.checkpoints import contents
+
+log = logging.getLogger("hpctrain")
+
+SPLITS = {
+    "train": ("fit", "train_dataloader"),
+    "val": ("validate", "val_dataloader"),
+    "test": ("test", "test_dataloader"),
+}
+PARTS_DIR = "predictions"
+TENSOR_SUFFIXES = (".pt", ".pth", ".npy")
+
+
+def predict(
+    run: Any, checkpoint: Path, settings: DictConfig, run_dir: str | Path, split_given: bool
+) -> Path | None:
+    """Predict what `settings` chooses with the checkpoint's weights; returns the output file (rank 0)."""
+    source, paths = choose_source(run.datamodule, settings, split_given)
+    if run.trainer.is_global_zero:
+        log.info("predicting %s", source)
+    output = Path(str(settings.output)).expanduser() if settings.get("output") else None
+    writer = PredictionWriter(run_dir, output, paths)
+    run.trainer.callbacks.append(writer)
+    # The weights only (as trainer.predict(ckpt_path=...) would load), without Lightning's warning that
+    # the training callbacks stored in the checkpoint are missing: prediction needs none of them.
+    run.model.load_state_dict(contents.read(checkpoint)["state_dict"])
+    run.trainer.predict(run.model, run.datamodule, return_predictions=False)
+    return writer.written
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+def choose_source(
+    datamodule: LightningDataModule, settings: DictConfig, split_given: bool
+) -> tuple[str, list[str] | None]:
+    """Point the datamodule's `predict_dataloader` at what is to be predicted; returns its description and,
+    for a folder of images, each sample's path."""
+    batch_size = int(settings.get("batch_size") or getattr(datamodule, "batch_size", None) or 64)
+    workers = int(settings.get("num_workers") or 0)
+    if settings.get("input"):
+        dataset, paths = input_dataset(Path(str(settings.input)).expanduser(), _image_shape(datamodule))
+        loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers)
+        _serve(datamodule, lambda: loader)
+        return f"{len(dataset)} samples of predict.input={settings.input}", paths
+    if is_overridden("predict_dataloader", datamodule) and not split_given:
+        return f"the datamodule's predict_dataloader ({type(datamodule).__name__})", None
+    split = str(settings.split)
+    stage, hook = SPLITS[split]
+    if not is_overridden(hook, datamodule):
+        raise UserError(
+            f"predict.split={split}, but {type(datamodule).__name__} has no {hook}; choose another split."
+        )
+
+    def split_loader() -> Any:
+        datamodule.setup(stage)  # a datamodule written as in Lightning's docs sets a split up for its stage
+        return unshuffled(getattr(datamodule, hook)(), batch_size, workers)
+
+    _serve(datamodule, split_loader)
+    return f"the {split} split", None
+
+
+def _serve(datamodule: LightningDataModule, make_loader: Callable[[], Any]) -> None:
+    # On the datamodule itself rather than a loader passed to trainer.predict: its batch hooks (the
+    # normalisation on the device, in the template's datamodules) must run on these batches too.
+    datamodule.predict_dataloader = make_loader  # type: ignore[method-assign]
+
+
+def unshuffled(loader: Any, batch_size: int, workers: int) -> Any:
+    """The template's loaders shuffle and pad the training split; for prediction, a plain DataLoader over
+    the same dataset in its order (Lightning shards it and records each batch's samples)."""
+    from hpctrain.data.loading import ResumableDataLoader
+
+    if isinstance(loader, ResumableDataLoader):
+        return DataLoader(loader.dataset, batch_size=loader.sampler.batch_size, num_workers=workers)
+    return loader
+
+
+def _image_shape(datamodule: LightningDataModule) -> tuple[int, ...]:
+    shape = getattr(datamodule, "image_shape", None)
+    if not shape:
+        raise UserError(
+            f"predict.input needs the image shape the model takes, but {type(datamodule).__name__} has no "
+            "image_shape; give the datamodule one, or predict with its own predict_dataloader."
+        )
+    return tuple(int(d) for d in shape)
+
+
+def input_dataset(path: Path, image_shape: Sequence[int]) -> tuple[Any, list[str] | None]:
+    """A folder of image files, or a file of uint8 images (see the module docstring)."""
+    from hpctrain.data import decode
+    from hpctrain.data.loading import TensorDataset
+
+    if path.is_dir():
+        files = decode.image_files(path)
+        decode.check_headers(files)
+        dataset = decode.ImageFiles(files, image_shape, root=path)
+        return dataset, dataset.paths
+    images = read_tensor_file(path, image_shape)
+    return TensorDataset(images, torch.full((len(images),), -1, dtype=torch.int64)), None
+
+
+def read_tensor_file(path: Path, image_shape: Sequence[int]) -> Tensor:
+    if not path.is_file():
+        raise UserError(f"predict.input={path} does not exist; pass a folder of images or a .pt/.npy file.")
+    if path.suffix not in TENSOR_SUFFIXES:
+        raise UserError(
+            f"predict.input={path} is neither a folder of images nor a tensor file ({', '.join(TENSOR_SUFFIXES)})."
+        )
+    try:
+        if path.suffix == ".npy":
+            import numpy as np
+
+            images = torch.from_numpy(np.load(path, allow_pickle=False))
+        else:
+            images = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        reason = " ".join(str(err).split())[:160] or type(err).__name__
+        raise UserError(f"predict.input={path} cannot be read ({reason}).") from err
+    expected = [int(d) for d in image_shape]
+    if not (
+        isinstance(images, Tensor)
+        and images.dtype == torch.uint8
+        and images.dim() == 4
+        and list(images.shape[1:]) == expected
+    ):
+        found = (
+            f"{images.dtype} {list(images.shape)}" if isinstance(images, Tensor) else type(images).__name__
+        )
+        raise UserError(
+            f"predict.input={path} holds {found}; it must be uint8 images (N, {', '.join(map(str, expected))}) as the "
+            "model was trained on."
+        )
+    return images
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Keeps this rank's predictions with their sample indices; at the end, rank 0 merges every rank's
+    part into one output in input order (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path, output: Path | None, paths: list[str] | None = None) -> None:
+        super().__init__(write_interval="batch")
+        self.parts_dir = Path(run_dir) / PARTS_DIR
+        self.output = output
+        self.paths = paths
+        self.written: Path | None = None
+        self._indices: list[Tensor] = []
+        self._outputs: list[Any] = []
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._indices, self._outputs = [], []
+        loaders = trainer.predict_dataloaders
+        if isinstance(loaders, (list, tuple)) and len(loaders) != 1:
+            raise UserError(
+                f"the datamodule's predict_dataloader returns {len(loaders)} loaders; src/predict.py writes one output, "
+                "so return one loader (or predict each in a run of its own)."
+            )
+
+    def write_on_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        prediction: Any,
+        batch_indices: Sequence[int] | None,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
+        if prediction is None:
+            raise UserError(
+                f"{type(pl_module).__name__}.predict_step returned None; return the predictions (tensors with one "
+                "row per sample, or dicts, lists or tuples of them)."
+            )
+        prediction = move_data_to_device(_detached(prediction), torch.device("cpu"))
+        rows = _rows(prediction)
+        if batch_indices:
+            indices = torch.as_tensor(list(batch_indices), dtype=torch.int64)
+        elif trainer.world_size == 1:  # a loader without indices (an iterable stream): its order is the order
+            done = sum(len(i) for i in self._indices)
+            indices = torch.arange(done, done + rows)
+        else:
+            raise UserError(
+                "the predict loader does not say which samples each batch holds (an iterable dataset), so predictions "
+                "of several processes cannot be put in input order; predict on one process, or from a map-style dataset."
+            )
+        if rows != len(indices):
+            raise UserError(
+                f"{type(pl_module).__name__}.predict_step returned {rows} rows for a batch of {len(indices)} samples; "
+                "return one row per sample so predictions can be written in input order."
+            )
+        self._indices.append(indices)
+        self._outputs.append(prediction)
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.parts_dir.mkdir(parents=True, exist_ok=True)
+        part = self.parts_dir / f"part-rank{trainer.global_rank}.pt"
+        empty = {"index": torch.zeros(0, dtype=torch.int64), "predictions": None}
+        content = (
+            {"index": torch.cat(self._indices), "predictions": _cat(self._outputs)}
+            if self._indices
+            else empty
+        )
+        _save_atomically(content, part)
+        trainer.strategy.barrier("prediction_parts")
+        if trainer.is_global_zero:
+            self.written = self._merge(trainer.world_size)
+        trainer.strategy.barrier("predictions_merged")
+
+    def _merge(self, world_size: int) -> Path:
+        parts = [self.parts_dir / f"part-rank{rank}.pt" for rank in range(world_size)]
+        contents = [torch.load(p, map_location="cpu", weights_only=True) for p in parts]
+        contents = [c for c in contents if c["predictions"] is not None]
+        if not contents:
+            raise UserError("there was nothing to predict: the predict loader yielded no batch.")
+        index = torch.cat([c["index"] for c in contents])
+        predictions = _cat([c["predictions"] for c in contents])
+        order = torch.argsort(index, stable=True)
+        index = index[order]
+        keep = torch.ones(len(index), dtype=torch.bool)
+        keep[1:] = index[1:] != index[:-1]  # a sample predicted twice (a padding sampler of the user's): once
+        order = order[keep]
+        index, predictions = index[keep], _take(predictions, order)
+        classifier = _is_classification(predictions)
+        output = self.output or self.parts_dir.parent / (
+            "predictions.csv" if classifier else "predictions.pt"
+        )
+        if classifier and output.suffix != ".pt":
+            _write_csv(output, index, predictions, self.paths)
+        else:
+            _save_atomically({"index": index, "predictions": predictions}, output)
+        for p in parts:
+            p.unlink(missing_ok=True)
+        if not any(self.parts_dir.iterdir()):
+            self.parts_dir.rmdir()
+        log.info("predictions of %d samples: %s", len(index), output)
+        return output
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def _rows(prediction: Any) -> int:
+    """The number of samples a prediction covers: the first dimension every tensor in it shares."""
+    leaves = _leaves(prediction)
+    sizes = {len(t) if isinstance(t, Tensor) and t.dim() > 0 else None for t in leaves}
+    if len(sizes) != 1 or None in sizes:
+        kinds = sorted(
+            {f"{type(t).__name__}{list(t.shape) if isinstance(t, Tensor) else ''}" for t in leaves}
+        )
+        raise UserError(
+            f"predict_step returned {', '.join(kinds)}; return tensors with one row per sample (or dicts, lists or "
+            "tuples of them) so that predictions can be written in input order."
+        )
+    return sizes.pop()
+
+
+def _cat(items: list[Any]) -> Any:
+    first = items[0]
+    if isinstance(first, Tensor):
+        return torch.cat(items)
+    if isinstance(first, dict):
+        return {k: _cat([i[k] for i in items]) for k in first}
+    return type(first)(_cat(list(parts)) for parts in zip(*items, strict=True))
+
+
+def _take(value: Any, order: Tensor) -> Any:
+    if isinstance(value, Tensor):
+        return value[order]
+    if isinstance(value, dict):
+        return {k: _take(v, order) for k, v in value.items()}
+    return type(value)(_take(v, order) for v in value)
+
+
+def _is_classification(predictions: Any) -> bool:
+    return (
+        isinstance(predictions, dict)
+        and set(predictions) == {"class", "probs"}
+        and predictions["probs"].dim() == 2
+    )
+
+
+def _write_csv(output: Path, index: Tensor, predictions: dict[str, Tensor], paths: list[str] | None) -> None:
+    classes, probs = predictions["class"].tolist(), predictions["probs"].float().tolist()
+    header = ["index", "path", "class", *(f"prob_{k}" for k in range(len(probs[0]) if probs else 0))]
+    tmp = _temporary(output)
+    try:
+        with open(tmp, "w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(header)
+            for i, c, p in zip(index.tolist(), classes, probs, strict=True):
+                writer.writerow([i, paths[i] if paths else "", c, *(f"{x:.6g}" for x in p)])
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _temporary(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _save_atomically(content: Any, path: Path) -> None:
+    tmp = _temporary(path)
+    try:
+        torch.save(content, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

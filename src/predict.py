@@ -1,0 +1,41 @@
+"""Predict with a checkpoint: python src/predict.py ckpt_path=<file.ckpt> [predict.input=<folder or file>] [key=value ...]
+
+The model and data come from the config stored in the checkpoint (as in eval.py). Every sample is
+predicted exactly once, on one process or many (trainer=ddp_cpu, SLURM), and written in input order:
+a CSV `index,path,class,prob_*` for a classifier, predictions.pt for any other predict_step.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without `pip install -e .`
+
+from hpctrain.runtime.run import entry
+
+entry.start("predict")  # signals recorded from the first moment; config mistakes as one sentence
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from hpctrain.runtime.distributed import watchdog  # noqa: E402
+from hpctrain.runtime.run.checkpoints import existing_checkpoint  # noqa: E402
+from hpctrain.runtime.run.job import Job  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="predict")
+def main(cfg: DictConfig) -> None:
+    with Job(cfg) as job:  # preflight, and an existing predict.output is refused before anything runs
+        checkpoint = existing_checkpoint(cfg.get("ckpt_path"))
+        cfg = job.from_checkpoint(cfg, checkpoint)  # the model (and data) it was trained with
+        run = job.build(cfg, training=False)  # weights of another model: refused here
+        from hpctrain.runtime.run.predict import predict
+
+        with job.running(run):  # under SLURM a signal requeues the job, which predicts again
+            given = any(o.startswith("predict.split=") for o in job.overrides)
+            predict(run, checkpoint, cfg.predict, job.run_dir, split_given=given)
+            job.finish(run)
+
+
+if __name__ == "__main__":
+    main()
+    watchdog.exit_if_finished_worker()  # ranks > 0 skip the C++ destructors that can abort at exit
