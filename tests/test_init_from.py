@@ -101,3 +101,152 @@ def test_fine_tuning_starts_a_new_run_from_weights_and_freezes(tmp_path: Path):
     ]  # a linear and its BatchNorm
     assert frozen and all(torch.equal(before[k], after["state_dict"][k]) for k in frozen)
     assert not all(torch.equal(before[k], after["state_dict"][k]) for k in before if k not in frozen)
+
+
+def test_a_new_run_leaves_the_metric_states_of_the_file_behind(tmp_path: Path):
+    from hpctrain.models.classifier import ImageClassifier
+    from hpctrain.models.nets import MLP
+
+    def classifier() -> ImageClassifier:
+        return ImageClassifier(MLP((1, 8, 8), num_classes=10), optimizer=torch.optim.SGD)
+
+    trained = classifier()
+    trained.val_acc_best.update(torch.tensor(0.97))  # a persistent metric state: the old run's best
+    torch.save({"state_dict": trained.state_dict()}, tmp_path / "old.ckpt")
+    fresh = classifier()
+    line = init_from.apply(
+        fresh, tmp_path / "old.ckpt"
+    )  # strict: the metric state is neither loaded nor missing
+    assert "loaded" in line and "not loaded" not in line
+    assert float(fresh.val_acc_best.max_value) != 0.97
+    assert torch.equal(fresh.net.layers[1].weight, trained.net.layers[1].weight)
+
+
+class _Module(__import__("pytorch_lightning").LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _Classifier().net
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.1, weight_decay=0.1)
+
+
+def _fit(module: _Module, callback: init_from.FrozenParts, epochs: int) -> None:
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randint(0, 10, (64,))), batch_size=16)
+    pl.Trainer(
+        max_epochs=epochs,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module, data)
+
+
+def test_unfreezing_at_an_epoch_trains_the_frozen_part_from_then_on():
+    torch.manual_seed(0)
+    module = _Module()
+    start = {k: v.clone() for k, v in module.state_dict().items()}
+    frozen_keys = [k for k in start if k.startswith(("net.0.", "net.1."))]  # a linear and its BatchNorm
+    frozen = init_from.FrozenParts(module, [r"^net\.[01]\."], unfreeze_at_epoch=2)
+    assert module.net[0].weight.requires_grad  # requires_grad never changes: DDP's buckets stay right
+    _fit(module, frozen, epochs=2)
+    after_two = module.state_dict()
+    assert all(torch.equal(start[k], after_two[k]) for k in frozen_keys)  # weights and BatchNorm statistics
+    assert not torch.equal(start["net.2.weight"], after_two["net.2.weight"])
+    _fit(module, init_from.FrozenParts(module, [r"^net\.[01]\."], unfreeze_at_epoch=2), epochs=3)
+    after_three = module.state_dict()
+    assert not torch.equal(start["net.0.weight"], after_three["net.0.weight"])
+    assert not torch.equal(start["net.1.running_mean"], after_three["net.1.running_mean"])
+
+
+@pytest.mark.slow
+def test_torchvision_weights_load_into_the_torchvision_net_with_a_new_head(tmp_path: Path):
+    """A state dict saved from torchvision's ResNet-18 (no download: random weights), loaded with the
+    prefix and exclude the config comment names; the backbone frozen, BatchNorm statistics included."""
+    from torchvision.models import resnet18
+
+    weights = resnet18(weights=None).state_dict()  # 1000 classes, as torchvision's pretrained files
+    torch.save(weights, tmp_path / "resnet18.pth")
+    result = train(
+        tmp_path,
+        "model/net=torchvision_resnet18",
+        "data=random",
+        "data.image_shape=[3,32,32]",
+        "data.mean=[0.5,0.5,0.5]",
+        "data.std=[0.5,0.5,0.5]",
+        "data.num_samples=64",
+        "data.val_samples=16",
+        "data.test_samples=16",
+        "data.batch_size=16",
+        "trainer=cpu",
+        "trainer.max_epochs=1",
+        f"init_from.path={tmp_path}/resnet18.pth",
+        "init_from.prefix=net.",
+        "init_from.exclude=['^net[.]fc[.]']",
+        "init_from.freeze=['^net[.](?!fc[.])']",
+    )
+    assert_ok(result)
+    assert f"init_from: loaded 120 of the model's 122 tensors from {tmp_path}/resnet18.pth" in result.stdout
+    (run,) = run_dirs(tmp_path)
+    after = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    backbone = [k for k in weights if not k.startswith("fc.")]
+    assert all(torch.equal(weights[k], after[f"net.{k}"]) for k in backbone)
+    assert after["net.fc.weight"].shape == (10, 512)
+
+
+@pytest.mark.slow
+def test_unfreezing_under_ddp_keeps_the_ranks_in_step(tmp_path: Path):
+    result = train(
+        tmp_path,
+        "data=digits",
+        "model=mlp",
+        "trainer=ddp_cpu",
+        "trainer.devices=2",
+        "trainer.max_epochs=2",
+        "trainer.limit_train_batches=4",
+        "trainer.limit_val_batches=2",
+        "test=false",
+        "init_from.freeze=['^net[.]layers[.][12][.]']",
+        "init_from.unfreeze_at_epoch=1",
+        "callbacks.model_checkpoint.save_top_k=-1",  # every epoch's checkpoint, to compare
+    )
+    assert_ok(result)
+    assert "init_from: 4 frozen parameters are trained from epoch 1 on" in result.stdout
+    (run,) = run_dirs(tmp_path)
+    epochs = sorted((run / "checkpoints").glob("epoch_*.ckpt"))
+    first, second = (torch.load(p, weights_only=True)["state_dict"] for p in epochs)
+    frozen = [k for k in first if k.startswith(("net.layers.1.", "net.layers.2."))]
+    assert all(torch.equal(first[k], second[k]) is False for k in frozen if k.endswith("weight"))
+
+
+@pytest.mark.slow
+def test_the_finetune_digits_experiment_learns_odd_or_even_from_a_quickstart_checkpoint(tmp_path: Path):
+    from tests.helpers import last_value, read_metrics
+
+    missing = train(tmp_path / "none", "experiment=finetune_digits")
+    assert (
+        missing.returncode == 2 and "init_from.path" in missing.stdout and "Traceback" not in missing.stdout
+    )
+
+    assert_ok(train(tmp_path / "quickstart", "experiment=quickstart", "trainer.max_epochs=3", "test=false"))
+    (start,) = (tmp_path / "quickstart").rglob("last.ckpt")
+    result = train(
+        tmp_path / "finetune", "experiment=finetune_digits", f"init_from.path={start}", "trainer.max_epochs=2"
+    )
+    assert_ok(result)
+    assert "init_from: loaded 6 of the model's 8 tensors" in result.stdout  # all but the ten-class head
+    assert "left out by init_from.exclude: 2" in result.stdout
+    (run,) = run_dirs(tmp_path / "finetune")
+    before = torch.load(start, weights_only=True)["state_dict"]
+    after = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("net.conv"))
+    assert after["net.fc2.weight"].shape == (2, 50)
+    assert last_value(read_metrics(run), "test/acc") > 0.9  # odd or even, from frozen digit features

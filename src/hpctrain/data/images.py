@@ -39,6 +39,9 @@ class ImageDataModule(LightningDataModule):
     Python work. Training batches pass through `augment` first (uint8, on the device). `batch_size`
     is per process (per GPU), as in Lightning.
 
+    `label_map` (optional) gives each class a new label: `[0, 1, 0, 1, ...]` with `num_classes: 2` turns
+    digits into odd-or-even, a changed task on the same images (experiment=finetune_digits).
+
     `num_classes` and `image_shape` are what models read from the config (`${data.num_classes}`); they
     are checked against the loaded data, so a model can never be built for the wrong sizes. `mean` and
     `std` (per channel, of pixels in [0, 1]) default to the dataset's own (`default_mean`, `default_std`).
@@ -57,6 +60,7 @@ class ImageDataModule(LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool | None = None,
         seed: int = 0,
+        label_map: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.num_classes = int(num_classes)
@@ -72,6 +76,7 @@ class ImageDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.seed = seed
+        self.label_map = None if label_map is None else torch.tensor([int(c) for c in label_map])
         self.splits: tuple[TensorDataset, TensorDataset, TensorDataset] | None = None
         self._normalisers: dict[torch.device, Normalise] = {}
 
@@ -89,8 +94,21 @@ class ImageDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
-            self.splits = self.load()
-            self._check_sizes(self.splits)
+            splits = self.load()
+            if self.label_map is not None:
+                splits = tuple(self._relabelled(part) for part in splits)
+            self._check_sizes(splits)
+            self.splits = splits
+
+    def _relabelled(self, part: TensorDataset) -> TensorDataset:
+        """`label_map[c]` in place of every label c: a new task on the same images (classes merged)."""
+        assert self.label_map is not None
+        if len(part) and int(part.labels.max()) >= len(self.label_map):
+            raise UserError(
+                f"data.label_map has {len(self.label_map)} entries but {type(self).__name__} has label "
+                f"{int(part.labels.max())}; give one new label per class."
+            )
+        return TensorDataset(part.images, self.label_map[part.labels])
 
     def _check_sizes(self, splits: tuple[TensorDataset, ...]) -> None:
         name = type(self).__name__

@@ -107,6 +107,21 @@ def check_config(cfg: DictConfig) -> None:
         _check_precision(cfg)
     _check_loggers(cfg)
     _check_outputs(cfg)
+    _check_init_from(cfg)
+
+
+def _check_init_from(cfg: DictConfig) -> None:
+    """`init_from.exclude` or `.prefix` say how to load a weights file: without one they mean a file was
+    forgotten (an experiment that fine-tunes, run without init_from.path=...)."""
+    settings = OmegaConf.select(cfg, "init_from")
+    if not settings or settings.get("path"):
+        return
+    for key in ("exclude", "prefix"):
+        if settings.get(key):
+            raise UserError(
+                f"init_from.{key} is set but init_from.path is not; pass the weights to start from: "
+                "init_from.path=<checkpoint, .pt/.pth state dict or .safetensors file>."
+            )
 
 
 def _check_outputs(cfg: DictConfig) -> None:

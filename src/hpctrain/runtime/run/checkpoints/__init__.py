@@ -78,10 +78,12 @@ class StartPoint:
             )
         freeze = list(settings.get("freeze") or [])
         if freeze:
-            frozen = init_from.FrozenParts(run.model, freeze)
+            until = settings.get("unfreeze_at_epoch")
+            frozen = init_from.FrozenParts(run.model, freeze, None if until is None else int(until))
             run.trainer.callbacks.append(frozen)
             lines.append(
                 f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"
+                + (f", until epoch {until}" if until is not None else "")
             )
         if cluster.is_rank_zero():
             if self.run_dir is not None:

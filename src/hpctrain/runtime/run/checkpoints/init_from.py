@@ -10,7 +10,9 @@ a `.safetensors` file (with the safetensors package). Loaded with `weights_only=
   the first few of each, with counts; false loads every key whose name and shape match and says in
   one line what was skipped;
 - `init_from.freeze`: regular expressions of parameter names to freeze; the BatchNorm layers inside a
-  frozen part keep their statistics too (they stay in eval mode while training).
+  frozen part keep their statistics too (they stay in eval mode while training);
+- `init_from.unfreeze_at_epoch`: train the frozen part too from this epoch on (correct under DDP: see
+  `FrozenParts`).
 
 A requeued attempt of the same job continues from its own checkpoint; init_from is skipped there (said
 once), never applied on top. Given together with `ckpt_path` it is refused: one or the other.
@@ -22,10 +24,12 @@ import logging
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from pytorch_lightning import Callback, LightningModule, Trainer
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints.contents import read
@@ -79,7 +83,11 @@ def apply(
     dropped = [k for k in weights if any(re.search(p, k) for p in exclude)]
     for key in dropped:
         del weights[key]
-    expected = module.state_dict()
+    # A new run's metrics start empty: a persistent metric state in the file (val_acc_best, say) belongs
+    # to the run that wrote it, and would otherwise make the new run's first epochs look worse than "best".
+    metrics = tuple(f"{name}." for name, m in module.named_modules() if isinstance(m, Metric) and name)
+    expected = {k: v for k, v in module.state_dict().items() if not k.startswith(metrics)}
+    weights = {k: v for k, v in weights.items() if not k.startswith(metrics)}
     missing = sorted(k for k in expected if k not in weights and not any(re.search(p, k) for p in exclude))
     unexpected = sorted(k for k in weights if k not in expected)
     reshaped = sorted(
@@ -110,31 +118,61 @@ def apply(
 
 
 class FrozenParts(Callback):
-    """Parameters matching `patterns` get no gradient; BatchNorm layers whose parameters are all frozen
-    stay in eval mode, so their running statistics stay as loaded (Lightning sets train mode each epoch)."""
+    """Parameters matching `patterns` are not trained; BatchNorm layers whose parameters are all frozen
+    are in eval mode while frozen, so their running statistics stay as loaded.
 
-    def __init__(self, module: nn.Module, patterns: Sequence[str]) -> None:
+    Without `unfreeze_at_epoch` they get no gradient at all (requires_grad=False: the backward pass skips
+    them). With it they are frozen by dropping their gradients before each optimizer step until that
+    epoch, then trained like the rest. `requires_grad` never changes while training: DDP builds its
+    gradient buckets once, when it wraps the model, and a parameter switched on later would not be
+    synchronised across ranks (Lightning #20340); a dropped gradient is skipped by every torch optimizer
+    (no update, no weight decay, no momentum), on every rank alike.
+    """
+
+    def __init__(
+        self, module: nn.Module, patterns: Sequence[str], unfreeze_at_epoch: int | None = None
+    ) -> None:
         self.patterns = list(patterns)
-        frozen = [
-            name for name, p in module.named_parameters() if any(re.search(r, name) for r in self.patterns)
-        ]
+        self.unfreeze_at_epoch = unfreeze_at_epoch
+        named = dict(module.named_parameters())
+        frozen = [name for name in named if any(re.search(r, name) for r in self.patterns)]
         if not frozen:
             raise UserError(
                 f"init_from.freeze={self.patterns} matches no parameter of the model; the names look like "
-                f"{', '.join(n for n, _ in list(module.named_parameters())[:3])}."
+                f"{', '.join(list(named)[:3])}."
             )
-        for name, parameter in module.named_parameters():
-            if name in frozen:
-                parameter.requires_grad_(False)
         self.frozen = frozen
+        self._parameters = [named[name] for name in frozen]
+        if unfreeze_at_epoch is None:
+            for parameter in self._parameters:
+                parameter.requires_grad_(False)
+        chosen = set(frozen)
         self.norms = [
             name
             for name, m in module.named_modules()
             if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            and all(not p.requires_grad for p in m.parameters(recurse=False))
+            and any(True for _ in m.parameters(recurse=False))
+            and all(f"{name}.{p}" in chosen for p, _ in m.named_parameters(recurse=False))
         ]
 
+    def _frozen_now(self, trainer: Trainer) -> bool:
+        return self.unfreeze_at_epoch is None or trainer.current_epoch < self.unfreeze_at_epoch
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning keeps each module's mode across validation, so a BatchNorm layer put in eval mode
+        # stays there until it is put back in train mode here, on unfreezing.
+        frozen = self._frozen_now(trainer)
         modules = dict(pl_module.named_modules())
         for name in self.norms:
-            modules[name].eval()
+            modules[name].train(not frozen)
+        if not frozen and trainer.current_epoch == self.unfreeze_at_epoch and trainer.is_global_zero:
+            log.info(
+                "init_from: %d frozen parameters are trained from epoch %d on",
+                len(self.frozen),
+                trainer.current_epoch,
+            )
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self.unfreeze_at_epoch is not None and self._frozen_now(trainer):
+            for parameter in self._parameters:
+                parameter.grad = None
