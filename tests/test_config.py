@@ -101,6 +101,9 @@ def test_every_model_fits_some_data():
     assert ("mnist_cnn", "digits") in PAIRS and ("mlp", "random") in PAIRS
 
 
+# Options that need a value of the user's to compose (an experiment that fine-tunes names no weights file).
+NEEDS_VALUES = {("experiment", "finetune_digits"): ["init_from.path=weights-of-a-quickstart-run.ckpt"]}
+
 # Loggers whose import alone takes seconds (mlflow, wandb): checked in the full suite, not the quick tier.
 HEAVY_OPTIONS = {("logger", "mlflow"), ("logger", "wandb")}
 
@@ -112,7 +115,7 @@ HEAVY_OPTIONS = {("logger", "mlflow"), ("logger", "wandb")}
 )
 def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path: Path, data_dir: Path):
     overrides = [] if group == "hydra" else [f"{group}={option}"]
-    overrides += partners(group, option)
+    overrides += partners(group, option) + NEEDS_VALUES.get((group, option), [])
     if group == "trainer" and option in NEEDS_HARDWARE:
         overrides += ["trainer.accelerator=cpu", "trainer.devices=1"]
     cfg = compose_train(tmp_path, data_dir, *overrides)
@@ -178,7 +181,8 @@ def test_model_runs_a_batch_of_each_data_it_fits(model: str, data: str, tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_experiment_runs_a_batch(experiment: str, tmp_path: Path, data_dir: Path):
-    cfg = compose_train(tmp_path, data_dir, f"experiment={experiment}", "debug=fdr", "trainer=cpu")
+    needs = NEEDS_VALUES.get(("experiment", experiment), [])
+    cfg = compose_train(tmp_path, data_dir, f"experiment={experiment}", "debug=fdr", "trainer=cpu", *needs)
     check_config(cfg)
     _one_batch_of_everything(cfg, tmp_path)
 
@@ -203,6 +207,16 @@ def test_the_net_takes_its_sizes_from_the_data(tmp_path: Path, data_dir: Path):
     cfg = compose_train(tmp_path, data_dir, "data=random", "data.num_classes=7", "data.image_shape=[3,32,32]")
     module = build.model(cfg)
     assert module(torch.zeros(2, 3, 32, 32)).shape == (2, 7) and module.num_classes == 7
+
+
+def test_predict_config_composes_and_refuses_a_split_it_does_not_know(tmp_path: Path):
+    cfg = compose("predict", [f"paths.output_dir={tmp_path}", "ckpt_path=x.ckpt"])
+    assert cfg.predict.split == "test" and cfg.predict.input is None and "progress" in cfg.callbacks
+    check_config(cfg)
+    with pytest.raises(UserError, match=r"predict.split='holdout' is not test, val or train"):
+        check_config(
+            compose("predict", [f"paths.output_dir={tmp_path}", "ckpt_path=x.ckpt", "predict.split=holdout"])
+        )
 
 
 def test_eval_config_composes(tmp_path: Path):

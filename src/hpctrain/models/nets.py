@@ -12,8 +12,6 @@ from collections.abc import Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hpctrain.runtime.errors import UserError
-
 
 class MNISTCNN(nn.Module):
     """The classic MNIST network: two 5x5 convolutions with max-pooling, then two linear layers
@@ -76,12 +74,11 @@ class MLP(nn.Module):
 def torchvision_resnet18(image_shape: Sequence[int] = (3, 224, 224), num_classes: int = 1000) -> nn.Module:
     """torchvision's own ResNet-18 (7x7 stem and max-pool, for ImageNet-sized images), with no weights:
     its keys are torchvision's, so a state dict saved from torchvision (or its pretrained weights, copied
-    to an offline cluster) loads with `init_from.prefix=net. init_from.exclude=['^net[.]fc[.]']`."""
+    to an offline cluster) loads with `init_from.prefix=net. init_from.exclude=['^net[.]fc[.]']`.
+    Images of other than 3 channels get a first convolution of their own (leave `net.conv1.` out too)."""
     from torchvision.models import resnet18
 
+    net = resnet18(weights=None, num_classes=int(num_classes))
     if int(image_shape[0]) != 3:
-        raise UserError(
-            f"model/net=torchvision_resnet18 takes 3-channel images, but data.image_shape={list(image_shape)}; "
-            "use RGB data (data.image_shape=[3, H, W]) or another net."
-        )
-    return resnet18(weights=None, num_classes=int(num_classes))
+        net.conv1 = nn.Conv2d(int(image_shape[0]), 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return net
