@@ -26,8 +26,9 @@ SUFFIX = {"torch_export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors"
 TRACED, CHECKED = 2, 5  # export.batch_size (the default), and the batch the tests run the artifact on
 
 # Loads an artifact as its model card says, in a fresh process where what it must not need cannot be
-# imported: the template's code for the two graphs (ONNX not even torch), and for safetensors the
-# template's machinery (the model's own classes are needed: the file holds weights and config only).
+# imported: the template's code for the two graphs (ONNX not even torch), and for safetensors
+# hpctrain.load and the checkpoint code (the model's own classes are needed: the file holds weights
+# and config only).
 LOAD_WITHOUT_THE_TEMPLATE = r"""
 import json, sys
 
