@@ -142,3 +142,20 @@ def test_array_task_reads_slurms_array_variables():
     }
     assert cluster.array_task(env) == (3, 4, "0", "3")
     assert cluster.array_task({}) == (0, None, "0", "?")  # outside an array: the grid's first point
+
+
+def test_one_process_is_checked_from_the_trainer_and_the_launcher():
+    """src/export.py runs in one process: more, asked by the trainer config or started by a launcher,
+    is one sentence; python inside an sbatch script (one process, whatever --ntasks) is fine."""
+    for devices in (1, "1", "auto", [0], "0,"):
+        cluster.preflight_one_process("export", 1, devices, env={})
+    one_task = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"}
+    cluster.preflight_one_process("export", 1, 1, env=one_task)
+    cluster.preflight_one_process("export", 1, 1, env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})
+    for nodes, devices in ((1, 2), (1, -1), (1, [0, 1]), (1, "0,1"), (2, 1)):
+        with pytest.raises(UserError, match=r"export runs in one process, but trainer\.num_nodes="):
+            cluster.preflight_one_process("export", nodes, devices, env={})
+    with pytest.raises(UserError, match="one of 8 torchrun workers"):
+        cluster.preflight_one_process("export", 1, 1, env=TORCHRUN)
+    with pytest.raises(UserError, match="one of 4 tasks of this SLURM step"):
+        cluster.preflight_one_process("export", 1, 1, env={**one_task, "SLURM_STEP_NUM_TASKS": "4"})

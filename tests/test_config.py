@@ -328,7 +328,7 @@ def _help(script: str, flag: str = "--help") -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("script", ["train", "eval"])
+@pytest.mark.parametrize("script", ["train", "eval", "export"])
 def test_help_lists_every_config_group_and_option(script: str):
     """A group or option added under conf/ shows in `--help`; the groups under conf/hydra (the
     launcher, the sweeper) beside Hydra's own in `--hydra-help`, as Hydra splits them."""

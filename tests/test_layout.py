@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import ROOT
 
 SRC = ROOT / "src"
@@ -170,6 +172,7 @@ def test_the_repeat_check_finds_a_copied_block(tmp_path: Path):
     assert repeated_blocks([tmp_path / "a.py", tmp_path / "b.py"])
 
 
-def test_train_py_reads_as_a_short_story():
-    code = [ln for ln in (SRC / "train.py").read_text().splitlines() if ln.strip()]
+@pytest.mark.parametrize("entry", ["train.py", "export.py"])
+def test_the_entry_point_reads_as_a_short_story(entry: str):
+    code = [ln for ln in (SRC / entry).read_text().splitlines() if ln.strip()]
     assert len(code) <= 50, len(code)

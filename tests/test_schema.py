@@ -57,7 +57,7 @@ def test_every_config_file_validates_against_its_editor_schema():
         schema = json_schema(prefix)
         jsonschema.Draft202012Validator.check_schema(schema)
         files = (
-            [CONF_DIR / "train.yaml", CONF_DIR / "eval.yaml"]
+            [CONF_DIR / "train.yaml", CONF_DIR / "eval.yaml", CONF_DIR / "export.yaml"]
             if group == "train"
             else (CONF_DIR / group).glob("*.yaml")
         )

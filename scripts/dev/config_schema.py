@@ -24,6 +24,7 @@ FILES = {
     "train": [
         "conf/train.yaml",
         "conf/eval.yaml",
+        "conf/export.yaml",
         "conf/experiment/*.yaml",
         "conf/debug/*.yaml",
         "conf/local/*.yaml",

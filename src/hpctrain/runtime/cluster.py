@@ -18,7 +18,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hpctrain.runtime.errors import UserError
@@ -181,6 +181,52 @@ def preflight(
         )
     if accelerator in GPU_ACCELERATORS:
         _check_gpus(env, per_node, kind)
+
+
+def processes_started(env: Mapping[str, str] | None = None) -> int:
+    """How many processes the launcher started for this job: torchrun's workers, an srun step's tasks,
+    else 1 (a plain process; Lightning's local launcher starts the other ranks later, from the trainer)."""
+    env = _env(env)
+    kind = launcher(env)
+    if kind == TORCHRUN:
+        return int(env.get("WORLD_SIZE") or env["LOCAL_WORLD_SIZE"])
+    if kind == SLURM:
+        return int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+    return 1
+
+
+def _devices_asked(devices: object) -> int | None:
+    """Processes per node that trainer.devices asks for (None: one per device there is, -1)."""
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        return len(devices)
+    if devices == "auto":
+        return 1
+    count = _int_or_none(devices)
+    return None if count == -1 else count
+
+
+def preflight_one_process(
+    task: str, num_nodes: object, devices: object, env: Mapping[str, str] | None = None
+) -> None:
+    """Refuse to run `task` (export) as more than one process: it writes one file, and every further
+    process would write it again, at the same time. Before `preflight`, whose advice is for training."""
+    env = _env(env)
+    started = processes_started(env)
+    if started > 1:
+        kind = "torchrun workers" if launcher(env) == TORCHRUN else "tasks of this SLURM step"
+        raise UserError(
+            f"{task} runs in one process, but this is one of {started} {kind}; start it once: "
+            f"python src/{task}.py ... (under SLURM: srun --ntasks=1, or in the batch script itself)."
+        )
+    nodes, per_node = _int_or_none(num_nodes) or 1, _devices_asked(devices)
+    if per_node is None or nodes * per_node > 1:
+        asked = "one per device" if per_node is None else str(nodes * per_node)
+        raise UserError(
+            f"{task} runs in one process, but trainer.num_nodes={num_nodes} and trainer.devices={devices} "
+            f"ask for {asked}; pass trainer.num_nodes=1 trainer.devices=1 (or leave both out)."
+        )
 
 
 def _check_torchrun(env: Mapping[str, str], nodes: int | None, per_node: int | None) -> None:

@@ -29,6 +29,7 @@ PRECISIONS = (
     "bf16-true",
 )
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+EXPORT_FORMATS = ("torch_export", "onnx", "safetensors")  # src/export.py (hpctrain.runtime.run.export)
 INTERPOLATION = {"type": "string", "pattern": r"^\$\{.*\}$"}  # ${...}: resolved later, checked then
 
 
@@ -166,6 +167,27 @@ KEYS: tuple[Key, ...] = (
         "predict.batch_size", {"type": ["integer", "null"], "minimum": 1}, "a positive integer or null", "256"
     ),
     Key("predict.num_workers", _int(0), "a non-negative integer", "4"),
+    Key(
+        "export.format",
+        {"enum": list(EXPORT_FORMATS)},
+        f"one of {', '.join(EXPORT_FORMATS)}",
+        "onnx",
+        "what src/export.py writes",
+    ),
+    Key(
+        "export.output",
+        {"type": ["string", "null"]},
+        "a file path or null",
+        "model.onnx",
+        "the file src/export.py writes; null: <run dir>/model.<the format's suffix>",
+    ),
+    Key(
+        "export.batch_size",
+        _int(2),
+        "an integer, 2 or more (traced on a batch of 1, the export would take only batches of 1)",
+        "2",
+        "the example batch the export is traced with; the exported model takes any batch size",
+    ),
     Key("paths.data_dir", {"type": "string"}, "a directory", "/shared/datasets"),
     Key("paths.log_dir", {"type": "string"}, "a directory", "/shared/logs"),
 )

@@ -1,4 +1,4 @@
-"""One job's lifecycle, the same for every entry point (train, eval): preflight, build, run, end.
+"""One job's lifecycle, the same for every entry point (train, eval, export): preflight, build, run, end.
 
     with Job(cfg) as job:                  # preflight: config, launcher vs trainer, run dir; no torch yet
         run = job.build(cfg)               # data, model, callbacks, loggers, trainer; the run's record
@@ -6,6 +6,7 @@
             ...                            # fit, test
             return job.finish(run)
 
+A job without a trainer (export: one process, no fit or test) writes the same record with `job.record(cfg)`.
 How the job ends is recorded once, in <run dir>/outcome.yaml (read by sweep summaries), and said
 once: a mistake as one sentence and exit status 2 (`errors`), a rank's crash as one line naming it
 (`watchdog`), a signal by requeueing the SLURM job or exiting with 143 (`requeue`).
@@ -37,8 +38,9 @@ log = logging.getLogger("hpctrain")
 
 
 class Job:
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, one_process: bool = False) -> None:
         self.cfg = cfg
+        self.one_process = one_process  # export: more than one process is refused in preflight
         self.hydra_cfg = HydraConfig.get()
         self.run_dir = Path(self.hydra_cfg.runtime.output_dir)
         self.overrides = task_overrides(self.hydra_cfg)
@@ -70,6 +72,8 @@ class Job:
             watchdog.die_with_parent()
         check_config(cfg)
         signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)  # recorded, acted on later
+        if self.one_process:
+            cluster.preflight_one_process(cfg.task_name, cfg.trainer.num_nodes, cfg.trainer.devices)
         cluster.preflight(
             cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, cfg.requeue.enabled
         )
@@ -98,15 +102,22 @@ class Job:
 
             contents.check_matches_model(self.checkpoint, run.model)
         if cluster.is_rank_zero():
-            records.write_run_record(
-                cfg, self.run_dir, self.overrides, PROJECT_ROOT, run.trainer.world_size, self.hydra_cfg
-            )
+            self._write_record(cfg, run.trainer.world_size)
             if training:
                 build.log_hyperparameters(run.trainer, cfg)
             console.warn_if_bf16_is_emulated(run.trainer, cfg.trainer.precision)
             if run.trainer.world_size > 1:
                 console.log.info(cluster.network_summary(run.trainer.num_nodes))
         return run
+
+    def record(self, cfg: DictConfig) -> None:
+        """What `build` does for a job without a trainer (one process): the config printed if `extras`
+        asks, and the run's record (config.yaml, run.yaml, .hydra/) written."""
+        console.apply_extras(cfg)
+        self._write_record(cfg, world_size=1)
+
+    def _write_record(self, cfg: DictConfig, world_size: int) -> None:
+        records.write_run_record(cfg, self.run_dir, self.overrides, PROJECT_ROOT, world_size, self.hydra_cfg)
 
     @contextmanager
     def running(self, run: Any) -> Iterator[None]:

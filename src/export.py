@@ -1,0 +1,44 @@
+"""Export a checkpoint's model to run without this template:
+python src/export.py ckpt_path=<file.ckpt> export.format=torch_export|onnx|safetensors [export.output=<file>]
+
+load (the model with its data's preprocessing) -> example inputs -> trace and write -> load back and
+check at another batch size -> model card. One process, on the CPU; the lifecycle is train.py's (Job).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without `pip install -e .`
+
+from hpctrain.runtime.run import entry
+
+entry.start("export")  # signals recorded from the first moment; config mistakes as one sentence
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+import hpctrain  # noqa: E402
+from hpctrain.runtime.run import export, model_card  # noqa: E402
+from hpctrain.runtime.run.checkpoints import existing_checkpoint  # noqa: E402
+from hpctrain.runtime.run.job import Job  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="export")
+def main(cfg: DictConfig) -> str | None:
+    with Job(cfg, one_process=True) as job:  # preflight: config, one process, run dir (one sentence if wrong)
+        chosen = export.check_installed(cfg.export.format)  # onnx and safetensors need the `export` extra
+        path = export.output_path(chosen, cfg.export.output, job.run_dir)
+        checkpoint = existing_checkpoint(cfg.ckpt_path)
+        predictor = hpctrain.load(checkpoint)  # model(preprocess(raw inputs)), from the config stored in it
+        # one sample more than the traced batch: the export is checked at a batch size it was not traced with
+        inputs = export.sample_inputs(predictor, cfg.paths.data_dir, rows=cfg.export.batch_size + 1)
+        job.record(cfg)  # config.yaml and run.yaml in the run dir, as for train and eval
+        exported = export.write(predictor, chosen, path, inputs, traced_rows=cfg.export.batch_size)
+        card = model_card.write(exported, predictor, checkpoint)  # beside the export
+        export.report(exported, card, job.run_dir)
+        return str(exported.path)
+    return None
+
+
+if __name__ == "__main__":
+    main()

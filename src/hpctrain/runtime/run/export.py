@@ -1,0 +1,459 @@
+"""Export a checkpoint's model so that it runs without this template (src/export.py).
+
+    export.format  file               holds                               loads with
+    torch_export   model.pt2          the traced program (torch.export)   torch.export.load(path).module()
+    onnx           model.onnx         that program as an ONNX graph       onnxruntime.InferenceSession(path)
+    safetensors    model.safetensors  the LightningModule's weights;      the model's class, built from that
+                                      its model and data config (JSON)    config; safetensors' load_model
+
+What is exported is `hpctrain.load(ckpt)`'s Predictor: the datamodule's preprocessing in front of the
+model, so the two graphs take the data's raw inputs (uint8 images for the template's image data) and
+normalise them inside. It is traced once, by torch.export (non-strict), on `export.batch_size` samples
+with the batch dimension dynamic (torch.export.Dim); the ONNX graph is translated from that same program,
+so the two formats succeed or fail together. Before an export counts as done, it is loaded back as a user
+would load it and run on one sample more than it was traced with, and its outputs are compared with the
+checkpoint's model. A model the exporter cannot trace is one sentence: the format, torch's reason and
+the line of the model's code where the trace stopped.
+
+torch is imported inside the functions, so a mistake in the command is one sentence before it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import logging
+import re
+import sys
+import sysconfig
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, redirect_stderr
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpctrain.runtime.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+    from hpctrain.runtime.run.loaded import Predictor
+
+log = logging.getLogger("hpctrain")
+
+# how close the export's outputs must be to the checkpoint model's (tests/test_export.py asks the same)
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    suffix: str
+    packages: tuple[str, ...]  # beyond torch: what pyproject.toml's `export` extra installs for it
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        Format("torch_export", ".pt2", ()),
+        Format("onnx", ".onnx", ("onnx", "onnxscript", "onnxruntime")),  # torch's exporter imports onnxscript
+        Format("safetensors", ".safetensors", ("safetensors",)),
+    )
+}
+
+
+@dataclass
+class Exported:
+    """An export, written and checked: what src/export.py reports and the model card describes."""
+
+    path: Path
+    format: Format
+    seconds: float  # to trace and write it
+    traced_rows: int  # the batch size it was traced with
+    inputs: Tensor  # the batch it was checked on: one sample more
+    outputs: Any  # the checkpoint model's outputs on them
+    difference: float  # the largest absolute difference of the export's outputs from those
+
+
+# ------------------------------------------------------------------------------- before torch
+
+
+def check_installed(name: str) -> Format:
+    """The format (the schema allows only these names), once the packages it needs are found."""
+    chosen = FORMATS[name]
+    missing = [package for package in chosen.packages if importlib.util.find_spec(package) is None]
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise UserError(
+            f"export.format={name} needs {', '.join(missing)}, which {verb} not installed; "
+            "pip install -e '.[export]' (or make install)."
+        )
+    return chosen
+
+
+def output_path(chosen: Format, output: str | None, run_dir: Path) -> Path:
+    """export.output, or <run dir>/model<suffix>; a suffix of another format is refused (a likely slip)."""
+    if not output:
+        return run_dir / f"model{chosen.suffix}"
+    path = Path(output).expanduser()
+    if path.suffix != chosen.suffix:
+        raise UserError(
+            f"export.output={output} does not end in {chosen.suffix}, the suffix of "
+            f"export.format={chosen.name}; name the file <name>{chosen.suffix}, or pass the export.format "
+            "its suffix stands for."
+        )
+    return path
+
+
+# ------------------------------------------------------------------------------- what it takes
+
+
+def sample_inputs(predictor: Predictor, data_dir: str, rows: int) -> Tensor:
+    """`rows` inputs as the exported model takes them: uint8 images of the data's shape when the
+    datamodule has a preprocessing (the template's image data: random pixels, fixed seed, no data read),
+    else the inputs of the first batch of the data itself (a datamodule of your own), repeated as needed."""
+    import torch
+    from torch import nn
+
+    if predictor.image_shape and not isinstance(predictor.preprocess, nn.Identity):
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(0, 256, (rows, *predictor.image_shape), dtype=torch.uint8, generator=generator)
+    inputs = _first_batch_inputs(predictor.config, data_dir)
+    return inputs.repeat(-(-rows // len(inputs)), *[1] * (inputs.dim() - 1))[:rows]
+
+
+def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
+    """The inputs of the first batch of the checkpoint's data: its test split, else validation, else train."""
+    from omegaconf import OmegaConf
+    from pytorch_lightning.utilities.model_helpers import is_overridden
+    from torch import Tensor
+
+    from hpctrain.runtime.run.build import check_data_available, datamodule
+
+    if "data" not in config:
+        raise UserError(
+            "the checkpoint holds no data config, so what its model takes is unknown; export a checkpoint "
+            "written by src/train.py (it stores the model and data config)."
+        )
+    cfg = OmegaConf.create(config)
+    if "data_dir" in cfg.data:
+        cfg.data.data_dir = data_dir  # this machine's, as src/eval.py does
+    data = datamodule(cfg)
+    check_data_available(data)
+    data.prepare_data()
+    splits = (("test", "test_dataloader"), ("validate", "val_dataloader"), ("fit", "train_dataloader"))
+    stage, loader = next(s for s in splits if is_overridden(s[1], data) or s[0] == "fit")
+    data.setup(stage)
+    batch = next(iter(getattr(data, loader)()))
+    inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+    if not isinstance(inputs, Tensor):
+        raise UserError(
+            f"{type(data).__name__}'s batches hold {type(inputs).__name__} inputs, not a tensor; export "
+            "traces a model that takes one tensor (the first item of a batch): export the weights alone "
+            "with export.format=safetensors."
+        )
+    return inputs
+
+
+# ------------------------------------------------------------------------------- writing, checking
+
+
+def write(predictor: Predictor, chosen: Format, path: Path, inputs: Tensor, traced_rows: int) -> Exported:
+    """Trace on `inputs[:traced_rows]` and write `path`, then load it back and check it on all of `inputs`."""
+    import torch
+
+    log.info(
+        "exporting as %s: input %s; preprocessing: %s",
+        chosen.name,
+        describe_tensor(inputs),
+        describe(predictor.preprocess),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    WRITERS[chosen.name](predictor, inputs[:traced_rows], path)
+    seconds = time.perf_counter() - started
+    with torch.no_grad():
+        outputs = predictor(inputs)
+        difference = _check(path, chosen, predictor, inputs, outputs)
+    return Exported(path, chosen, seconds, traced_rows, inputs, outputs, difference)
+
+
+def _traced(predictor: Predictor, example: Tensor, chosen: Format) -> Any:
+    """torch.export's program of the predictor, its batch dimension dynamic."""
+    import torch
+
+    batch = torch.export.Dim("batch", min=1)
+    with _exporter(chosen):
+        return torch.export.export(predictor, (example,), dynamic_shapes=({0: batch},), strict=False)
+
+
+def _write_torch_export(predictor: Predictor, example: Tensor, path: Path) -> None:
+    import torch
+
+    torch.export.save(_traced(predictor, example, FORMATS["torch_export"]), path)
+
+
+def _write_onnx(predictor: Predictor, example: Tensor, path: Path) -> None:
+    import torch
+
+    chosen = FORMATS["onnx"]
+    program = _traced(predictor, example, chosen)
+    single = isinstance(predictor(example), torch.Tensor)
+    with _exporter(chosen):
+        onnx_program = torch.onnx.export(
+            program,
+            (example,),
+            dynamo=True,
+            verbose=False,
+            input_names=[input_name(example)],
+            output_names=["output"] if single else None,
+            dynamic_shapes=({0: "batch"},),  # the program's batch dimension, under this name
+        )
+    onnx_program.save(str(path))
+
+
+def _write_safetensors(predictor: Predictor, example: Tensor, path: Path) -> None:
+    from safetensors.torch import save_model
+
+    save_model(predictor.model, str(path), metadata=safetensors_metadata(predictor, example))
+
+
+WRITERS: dict[str, Callable[[Any, Any, Path], None]] = {
+    "torch_export": _write_torch_export,
+    "onnx": _write_onnx,
+    "safetensors": _write_safetensors,
+}
+
+
+def safetensors_metadata(predictor: Predictor, example: Tensor) -> dict[str, str]:
+    """What a safetensors file holds beside the weights (strings only): the model and data config as
+    JSON, and what goes in front of the model."""
+    return {
+        "format": "pt",
+        "config": json.dumps(predictor.config),
+        "input": describe_tensor(example),
+        "preprocessing": describe(predictor.preprocess),
+    }
+
+
+def _run_torch_export(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
+    import torch
+
+    return torch.export.load(path).module()(inputs)
+
+
+def _run_onnx(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
+    import onnxruntime
+    import torch
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    outputs = session.run(None, {session.get_inputs()[0].name: inputs.numpy()})
+    return [torch.from_numpy(output) for output in outputs]
+
+
+def _run_safetensors(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
+    """As the model card says: the model built from the config in the file, its weights loaded; the
+    preprocessing, which the file does not hold, in front."""
+    from hydra.utils import instantiate
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    with safe_open(str(path), "pt") as file:
+        config = json.loads(file.metadata()["config"])
+    model = instantiate(config["model"], _convert_="all").eval()
+    load_model(model, str(path))
+    return model(predictor.preprocess(inputs))
+
+
+RUNNERS: dict[str, Callable[[Path, Any, Any], Any]] = {
+    "torch_export": _run_torch_export,
+    "onnx": _run_onnx,
+    "safetensors": _run_safetensors,
+}
+
+
+def _check(path: Path, chosen: Format, predictor: Predictor, inputs: Tensor, outputs: Any) -> float:
+    """The export, loaded back, on a batch size it was not traced with: the largest difference of its
+    outputs from the checkpoint model's (refused beyond RTOL and ATOL)."""
+    import torch
+
+    rows = len(inputs)
+    where = f"export.format={chosen.name} wrote {path}, but loaded back and run on a batch of {rows}"
+    try:
+        got = tensors(RUNNERS[chosen.name](path, inputs, predictor))
+    except Exception as err:
+        raise UserError(
+            f"{where} it fails ({_reason(err)}); if the forward fixes the batch size (a view or reshape "
+            "with a number), make that -1, or export the weights alone with export.format=safetensors."
+        ) from err
+    want = tensors(outputs)
+    shapes = [tuple(t.shape) for t in got], [tuple(t.shape) for t in want]
+    if shapes[0] != shapes[1]:
+        raise UserError(
+            f"{where} it gives outputs of shapes {shapes[0]}, not the checkpoint model's {shapes[1]}; if the "
+            "forward fixes a size, make it follow the input, or export the weights alone with "
+            "export.format=safetensors."
+        )
+    pairs = list(zip(got, want, strict=True))  # the same number of tensors: their shapes were compared
+    difference = max(((g.double() - w.double()).abs().max().item() for g, w in pairs), default=0.0)
+    if not all(torch.allclose(g.to(w.dtype), w, rtol=RTOL, atol=ATOL) for g, w in pairs):
+        raise UserError(
+            f"{where} its outputs differ from the checkpoint model's by up to {difference:.3g} (beyond "
+            f"rtol={RTOL}, atol={ATOL}); do not rely on it (a forward that draws random numbers in eval mode "
+            "differs on every call)."
+        )
+    return difference
+
+
+# ------------------------------------------------------------------------------- exporter failures
+
+
+# the ONNX passes log a progress line per pass: kept off the terminal while an exporter runs
+_QUIETED = ("onnxscript", "onnx_ir")
+
+
+@contextmanager
+def _exporter(chosen: Format) -> Iterator[None]:
+    """Around an exporter's call: its exception as one sentence. What it writes to stderr meanwhile is
+    held back, and passed on only if it succeeds: a failed trace prints whole graphs before it raises
+    (torch.export does, unconditionally), and the sentence says what matters in them."""
+    loggers = {logging.getLogger(name): logging.getLogger(name).level for name in _QUIETED}
+    for logger in loggers:
+        logger.setLevel(max(logging.WARNING, logger.getEffectiveLevel()))
+    held = io.StringIO()
+    try:
+        with redirect_stderr(held):
+            yield
+    except UserError:
+        raise
+    except Exception as err:
+        raise UserError(
+            f"export.format={chosen.name} cannot export this model: {_reason(err)}; make its forward "
+            "traceable by torch.export (no Python branch on a tensor's values, no .item() or .numpy(), "
+            "no fixed batch size), or export the weights alone with export.format=safetensors."
+        ) from err
+    finally:
+        for logger, level in loggers.items():
+            logger.setLevel(level)
+    sys.stderr.write(held.getvalue())
+
+
+# torch's pointers to more logs, cut from its messages: the sentence keeps what went wrong
+_HINT = re.compile(r"\s*(For more information|For extended logs|consider using|Caused by)\b.*", re.I)
+_LIBRARIES = (
+    "torch",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "torchmetrics",
+    "onnx",
+    "onnxscript",
+    "onnxruntime",
+)
+
+
+def _reason(err: BaseException) -> str:
+    """The exception's reason as one clause: the first meaningful line of its innermost cause (torch's
+    exporters wrap the real reason), and the line of the model's code the trace stopped at, if any."""
+    root = err
+    while root.__cause__ is not None:
+        root = root.__cause__
+    lines = [_HINT.sub("", line).strip(" -") for line in str(root).splitlines()]
+    line = next((line for line in lines if len(line.split()) >= 4), lines[0] if lines else "")
+    sentence = re.split(r"(?<=[.!?])\s", line)[0].rstrip(".; ") or type(root).__name__
+    if len(sentence) > 200:
+        sentence = sentence[:197].rsplit(" ", 1)[0] + " ..."
+    place = _model_code_line(err)
+    return f"{sentence}, at {place}" if place else sentence
+
+
+def _model_code_line(err: BaseException) -> str | None:
+    """`file:line (code)` of the innermost frame outside the libraries, the standard library and the
+    template's machinery: the line of the model (yours or the template's) where the trace stopped."""
+    found = None
+    chain: BaseException | None = err
+    while chain is not None:
+        for frame in traceback.extract_tb(chain.__traceback__):
+            path = Path(frame.filename)
+            if path.is_file() and not _in_a_library(path):
+                found = f"{_shown(path)}:{frame.lineno} ({(frame.line or '').strip()})"
+        chain = chain.__cause__
+    return found
+
+
+def _in_a_library(path: Path) -> bool:
+    paths = sysconfig.get_paths()
+    folders = [Path(__file__).parents[1]]  # hpctrain.runtime
+    folders += [Path(m.__file__).parent for name in _LIBRARIES if (m := sys.modules.get(name)) and m.__file__]
+    installed = path.is_relative_to(paths["purelib"]) or path.is_relative_to(paths["platlib"])
+    return any(path.is_relative_to(f) for f in folders) or (
+        path.is_relative_to(paths["stdlib"]) and not installed
+    )
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+# ------------------------------------------------------------------------------- descriptions
+
+
+def tensors(value: Any) -> list[Tensor]:
+    """The tensors of a model's output (a tensor, or lists, tuples and dicts of them), in order."""
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors(v)]
+    return [value]
+
+
+def describe_tensor(value: Tensor) -> str:
+    """`uint8 (N, 1, 28, 28)`: the dtype, and the shape with any batch size N."""
+    return f"{str(value.dtype).removeprefix('torch.')} ({', '.join(['N', *map(str, value.shape[1:])])})"
+
+
+def input_name(inputs: Tensor) -> str:
+    import torch
+
+    return "images" if inputs.dtype == torch.uint8 and inputs.dim() == 4 else "inputs"
+
+
+def describe(preprocess: nn.Module) -> str:
+    """What goes in front of the model, in words."""
+    from torch import nn
+
+    from hpctrain.data.images import Normalise
+
+    if isinstance(preprocess, nn.Identity):
+        return "none (the model takes the data's batches as they are)"
+    if isinstance(preprocess, Normalise):
+        mean, std = list(preprocess.mean), list(preprocess.std)
+        return f"x / 255, minus mean {mean}, divided by std {std}, per channel (float32)"
+    return repr(preprocess)
+
+
+def file_size(path: Path) -> str:
+    size = float(path.stat().st_size)
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1000
+    return ""
+
+
+def report(exported: Exported, card: Path, run_dir: Path) -> None:
+    log.info("wrote %s (%s) in %.1f s", exported.path, file_size(exported.path), exported.seconds)
+    log.info(
+        "checked: loaded back and run on a batch of %d (traced on %d), it gives the checkpoint model's "
+        "outputs (largest difference %.1e)",
+        len(exported.inputs),
+        exported.traced_rows,
+        exported.difference,
+    )
+    log.info("model card: %s", card)
+    log.info("run dir: %s", run_dir)

@@ -1,0 +1,261 @@
+"""model_card.md beside an export: what the model is, what it takes and gives, how well it did, and how
+to load it with no template code. Everything comes from what exists: the checkpoint, the config stored in
+it, and the records of the run that trained it (its run dir is usually the checkpoint's folder's parent:
+run.yaml, outcome.yaml, metrics.csv, see `records`); a record that is missing is said, not guessed.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run import records
+from hpctrain.runtime.run.checkpoints import CHECKPOINT_DIR
+from hpctrain.runtime.run.export import (
+    ATOL,
+    RTOL,
+    Exported,
+    describe,
+    describe_tensor,
+    file_size,
+    input_name,
+    tensors,
+)
+
+if TYPE_CHECKING:
+    from hpctrain.runtime.run.loaded import Predictor
+
+CARD = "model_card.md"
+
+
+def write(exported: Exported, predictor: Predictor, checkpoint: Path) -> Path:
+    """Write model_card.md in the export's folder and return its path."""
+    card = exported.path.parent / CARD
+    card.write_text(text(exported, predictor, checkpoint))
+    return card
+
+
+def text(exported: Exported, predictor: Predictor, checkpoint: Path) -> str:
+    config = predictor.config
+    model_target = (config.get("model") or {}).get("_target_", type(predictor.model).__name__)
+    data_target = (config.get("data") or {}).get("_target_", "data not recorded")
+    run_dir = checkpoint.resolve().parent.parent if checkpoint.parent.name == CHECKPOINT_DIR else None
+    name, size, today = exported.path.name, file_size(exported.path), time.strftime("%Y-%m-%d")
+    versions = _versions(exported)
+    return "\n".join(
+        [
+            f"# {_short(model_target)} on {_short(data_target)}",
+            "",
+            f"Exported as **{exported.format.name}** to `{name}` ({size}) on {today} with {versions}, "
+            f"from `{checkpoint}`{_position(checkpoint)}.",
+            "",
+            "## Input and output",
+            "",
+            *_input_and_output(exported, predictor),
+            "",
+            "## Load it (no template code)",
+            "",
+            "```python",
+            *LOADERS[exported.format.name](exported, predictor),
+            "```",
+            "",
+            "## Metrics",
+            "",
+            *_metrics(run_dir),
+            "",
+            "## Data",
+            "",
+            f"`{data_target}`: {_data_summary(config.get('data') or {})} (all of it under Config below).",
+            "",
+            "## Code",
+            "",
+            *_code(run_dir),
+            "",
+            "## Config (model and data, as stored in the checkpoint)",
+            "",
+            "```yaml",
+            yaml.safe_dump(config, sort_keys=False).rstrip(),
+            "```",
+            "",
+        ]
+    )
+
+
+def _short(target: str) -> str:
+    return target.rsplit(".", 1)[-1]
+
+
+def _versions(exported: Exported) -> str:
+    from importlib import metadata
+
+    found = []
+    for package in ("torch", *exported.format.packages):
+        try:
+            found.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return ", ".join(found)
+
+
+def _position(checkpoint: Path) -> str:
+    """`(epoch 3, step 120)`, from the checkpoint itself, when it records them."""
+    from hpctrain.runtime.run.checkpoints import contents
+
+    content = contents.read(checkpoint)
+    if "epoch" not in content or "global_step" not in content:
+        return ""
+    return f" (saved at epoch {content['epoch']}, step {content['global_step']})"
+
+
+def _input_and_output(exported: Exported, predictor: Predictor) -> list[str]:
+    outputs = tensors(exported.outputs)
+    shown = ", ".join(describe_tensor(t) for t in outputs)
+    classes = (predictor.config.get("data") or {}).get("num_classes")
+    per_class = len(outputs) == 1 and classes and outputs[0].dim() == 2 and outputs[0].shape[1] == classes
+    meaning = (
+        f": one score per class (data.num_classes={classes}); the argmax is the predicted class"
+        if per_class
+        else ": what the model's forward returns"
+    )
+    checked = (
+        f"- Checked at export: loaded back as below and run on a batch of {len(exported.inputs)} (it was "
+        f"traced on {exported.traced_rows}), it gives the checkpoint model's outputs within "
+        f"rtol={RTOL:.0e}, atol={ATOL:.0e} (largest difference {exported.difference:.1e})."
+    )
+    inputs = describe_tensor(exported.inputs)
+    pixels = " (raw pixel values, 0-255)" if inputs.startswith("uint8") else ""
+    if exported.format.name == "safetensors":
+        return [
+            "- The file holds the LightningModule's weights, and in its metadata the model and data config "
+            "(`config`, JSON), the input format (`input`) and the preprocessing (`preprocessing`).",
+            f"- Input: {inputs}, any batch size N{pixels}; preprocessing, not in the file (apply it "
+            f"yourself, as below): {describe(predictor.preprocess)}.",
+            f"- Output: {shown}{meaning}.",
+            checked,
+        ]
+    return [
+        f"- Input: {inputs}, any batch size N{pixels}; preprocessing, inside the exported model: "
+        f"{describe(predictor.preprocess)}.",
+        f"- Output: {shown}{meaning}.",
+        checked,
+    ]
+
+
+def _torch_export_loader(exported: Exported, predictor: Predictor) -> list[str]:
+    return [
+        "import torch",
+        "",
+        f'model = torch.export.load("{exported.path.name}").module()',
+        f"outputs = model(inputs)  # inputs: a torch tensor, {describe_tensor(exported.inputs)}",
+    ]
+
+
+def _onnx_loader(exported: Exported, predictor: Predictor) -> list[str]:
+    return [
+        "import onnxruntime",
+        "",
+        f'session = onnxruntime.InferenceSession("{exported.path.name}")',
+        f'outputs = session.run(None, {{"{input_name(exported.inputs)}": inputs}})'
+        f"  # inputs: a numpy array, {describe_tensor(exported.inputs)}",
+    ]
+
+
+def _safetensors_loader(exported: Exported, predictor: Predictor) -> list[str]:
+    from torch import nn
+
+    from hpctrain.data.images import Normalise
+
+    preprocess = predictor.preprocess
+    lines = [
+        "import json",
+        "",
+        "import torch",
+        "from hydra.utils import instantiate",
+        "from safetensors import safe_open",
+        "from safetensors.torch import load_model",
+        "",
+        f'with safe_open("{exported.path.name}", "pt") as file:',
+        '    config = json.loads(file.metadata()["config"])',
+        '# the model\'s own classes must be importable (config["model"] names them)',
+        'model = instantiate(config["model"], _convert_="all").eval()',
+        f'load_model(model, "{exported.path.name}")',
+    ]
+    inputs = describe_tensor(exported.inputs)
+    if isinstance(preprocess, Normalise):
+        return [
+            *lines,
+            f"mean = torch.tensor({list(preprocess.mean)}).view(1, -1, 1, 1)",
+            f"std = torch.tensor({list(preprocess.std)}).view(1, -1, 1, 1)",
+            "with torch.no_grad():",
+            f"    outputs = model((images.float() / 255 - mean) / std)  # images: {inputs}",
+        ]
+    if isinstance(preprocess, nn.Identity):
+        call = f"model(inputs)  # inputs: {inputs}"
+    else:
+        call = f"model(preprocess(inputs))  # preprocess: {preprocess!r}, as the Input line above says"
+    return [*lines, "with torch.no_grad():", f"    outputs = {call}"]
+
+
+LOADERS = {"torch_export": _torch_export_loader, "onnx": _onnx_loader, "safetensors": _safetensors_loader}
+
+
+def _metrics(run_dir: Path | None) -> list[str]:
+    """The training run's monitored best (outcome.yaml) and last logged value of each metric (metrics.csv)."""
+    if run_dir is None:
+        return ["Not found: the checkpoint is not in a run dir's checkpoints/ folder."]
+    lines = []
+    outcome = records.read_outcome(run_dir)
+    if outcome.get("metric") and outcome.get("value") is not None:
+        status = outcome.get("status", "status unknown")
+        lines += [f"Monitored: best {outcome['metric']} {outcome['value']:.4g} (run {status}).", ""]
+    last = _last_values(run_dir / "metrics.csv")
+    if last:
+        lines += ["| metric | last logged value |", "| --- | ---: |"]
+        lines += [f"| {name} | {value:.4g} |" for name, value in last.items()]
+        lines += ["", "(the checkpoint may be of an earlier epoch than the last values)"]
+    if not lines:
+        return [f"None recorded: {run_dir} has no outcome.yaml or metrics.csv."]
+    return [*lines, "", f"From the training run {run_dir}."]
+
+
+def _last_values(metrics_csv: Path) -> dict[str, float]:
+    """The last value of each metric column (not epoch, step or learning rates)."""
+    if not metrics_csv.is_file():
+        return {}
+    last: dict[str, float] = {}
+    with open(metrics_csv, newline="") as file:
+        for row in csv.DictReader(file):
+            for key, value in row.items():
+                if key and value and key not in ("epoch", "step") and not key.startswith("lr-"):
+                    try:
+                        last[key] = float(value)
+                    except ValueError:
+                        continue
+    return dict(sorted(last.items()))
+
+
+def _data_summary(data: dict[str, Any]) -> str:
+    keys = ("num_classes", "image_shape", "mean", "std", "batch_size")
+    shown = [f"{key}={data[key]}" for key in keys if data.get(key) is not None]
+    return ", ".join(shown) or "no sizes recorded"
+
+
+def _code(run_dir: Path | None) -> list[str]:
+    """The training run's git commit and command, from its run.yaml."""
+    try:
+        record: dict[str, Any] = records.read_run_record(run_dir) if run_dir is not None else {}
+    except UserError:
+        record = {}
+    git = record.get("git") or {}
+    if not git.get("commit"):
+        return ["Git commit: not recorded (no run.yaml with a commit beside the checkpoint)."]
+    dirty = " (with uncommitted changes)" if git.get("dirty") else ""
+    lines = [f"Git commit: `{git['commit']}`{dirty}."]
+    if record.get("command"):
+        lines += ["", f"Trained with: `{record['command']}`."]
+    return lines

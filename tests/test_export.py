@@ -1,0 +1,298 @@
+"""`python src/export.py` as a user runs it: real processes, and every artifact loaded back with no
+template code (torch.export.load, onnxruntime, safetensors + the model rebuilt from the JSON config in
+its metadata) in a process where the template's modules cannot be imported, on a batch of another size
+than the export was traced with, compared with `hpctrain.load(ckpt)`'s outputs."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+import hpctrain
+from hpctrain.runtime.config.compose import compose
+from hpctrain.runtime.config.schema import EXPORT_FORMATS
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run import export
+from hpctrain.runtime.run.checkpoints.contents import CONFIG_KEY
+from tests.differential.cases import user_overrides
+from tests.helpers import PYTHON, ROOT, assert_ok, local_env, run_dirs, run_entry, train
+
+SUFFIX = {"torch_export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors"}
+TRACED, CHECKED = 2, 5  # export.batch_size (the default), and the batch the tests run the artifact on
+
+# Loads an artifact as its model card says, in a fresh process where what it must not need cannot be
+# imported: the template's code for the two graphs (ONNX not even torch), and for safetensors
+# hpctrain.load and the checkpoint code (the model's own classes are needed: the file holds weights
+# and config only).
+LOAD_WITHOUT_THE_TEMPLATE = r"""
+import json, sys
+
+fmt, artifact, inputs_file, outputs_file = sys.argv[1:]
+blocked = {
+    "torch_export": ["hpctrain", "pytorch_lightning", "lightning"],
+    "onnx": ["torch", "hpctrain", "pytorch_lightning", "lightning"],
+    "safetensors": ["hpctrain.runtime.run", "hpctrain.runtime.run.loaded"],
+}[fmt]
+for name in blocked:
+    sys.modules[name] = None  # importing it fails from here on
+
+import numpy as np
+
+inputs = np.load(inputs_file)
+if fmt == "onnx":
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(artifact)
+    outputs = session.run(None, {session.get_inputs()[0].name: inputs})[0]
+elif fmt == "torch_export":
+    import torch
+
+    outputs = torch.export.load(artifact).module()(torch.from_numpy(inputs)).detach().numpy()
+else:
+    import torch
+    from hydra.utils import instantiate
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    with safe_open(artifact, "pt") as file:
+        config = json.loads(file.metadata()["config"])
+    model = instantiate(config["model"], _convert_="all").eval()
+    load_model(model, artifact)
+    mean = torch.tensor(config["data"]["mean"]).view(1, -1, 1, 1)
+    std = torch.tensor(config["data"]["std"]).view(1, -1, 1, 1)
+    with torch.no_grad():
+        outputs = model((torch.from_numpy(inputs).float() / 255 - mean) / std).numpy()
+np.save(outputs_file, outputs)
+"""
+
+
+def run_export(
+    log_dir: Path, checkpoint: Path, *overrides: str, **kwargs
+) -> subprocess.CompletedProcess[str]:
+    return run_entry(
+        "export.py",
+        f"paths.log_dir={log_dir}",
+        "extras.print_config=false",
+        f"ckpt_path={checkpoint}",
+        *overrides,
+        **kwargs,
+    )
+
+
+def outputs_without_the_template(
+    fmt: str, artifact: Path, inputs: torch.Tensor, tmp_path: Path
+) -> torch.Tensor:
+    inputs_file, outputs_file = tmp_path / "inputs.npy", tmp_path / "outputs.npy"
+    np.save(inputs_file, inputs.numpy())
+    env = {**local_env(), "PYTHONPATH": str(ROOT / "src")}  # the model's own classes, for safetensors
+    result = subprocess.run(
+        [PYTHON, "-c", LOAD_WITHOUT_THE_TEMPLATE, fmt, str(artifact), str(inputs_file), str(outputs_file)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert_ok(result)
+    return torch.from_numpy(np.load(outputs_file))
+
+
+def assert_same_predictions(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got.argmax(dim=1), want.argmax(dim=1))
+
+
+@pytest.fixture(scope="session")
+def quickstart_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One small quickstart checkpoint (the classic CNN on the bundled digits), trained once."""
+    log_dir = tmp_path_factory.mktemp("export_quickstart")
+    assert_ok(
+        train(
+            log_dir,
+            "experiment=quickstart",
+            "trainer.max_epochs=1",
+            "trainer.limit_train_batches=5",
+            "trainer.limit_val_batches=2",
+        )
+    )
+    (run,) = run_dirs(log_dir)
+    return run / "checkpoints" / "last.ckpt"
+
+
+# ------------------------------------------------------------------------------------------ round trips
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", EXPORT_FORMATS)
+def test_an_export_runs_without_the_template_at_another_batch_size(
+    fmt: str, quickstart_checkpoint: Path, tmp_path
+):
+    assert_ok(run_export(tmp_path / "logs", quickstart_checkpoint, f"export.format={fmt}"))
+    (run,) = run_dirs(tmp_path / "logs", task="export")
+    artifact = run / f"model{SUFFIX[fmt]}"
+
+    images = torch.randint(
+        0, 256, (CHECKED, 1, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        want = hpctrain.load(quickstart_checkpoint)(images)
+    assert_same_predictions(outputs_without_the_template(fmt, artifact, images, tmp_path), want)
+
+    card = (run / "model_card.md").read_text()
+    assert f"**{fmt}**" in card and "uint8 (N, 1, 28, 28)" in card and "one score per class" in card
+    assert "## Metrics" in card and "test/acc" in card and "Git commit: `" in card
+    assert yaml.safe_load((run / "outcome.yaml").read_text())["status"] == "completed"
+    assert (run / "run.yaml").is_file() and (run / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_export_output_names_the_file_and_the_card_goes_beside_it(
+    quickstart_checkpoint: Path, tmp_path: Path
+):
+    output = tmp_path / "deploy" / "digits.onnx"
+    assert_ok(
+        run_export(tmp_path / "logs", quickstart_checkpoint, "export.format=onnx", f"export.output={output}")
+    )
+    assert output.is_file() and (output.parent / "model_card.md").is_file()
+    assert "digits.onnx" in (output.parent / "model_card.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_users_own_lightning_module_exports_to_onnx(tmp_path: Path):
+    """tests/differential/user_code.py: a LightningModule and a DataModule written the way Lightning's
+    documentation writes them (flat float vectors, no preprocessing), configured with hydra.searchpath."""
+    env = {"PYTHONPATH": str(ROOT)}
+    logs = tmp_path / "logs"
+    assert_ok(train(logs, *user_overrides("LitClassifier"), "trainer=cpu", "trainer.max_epochs=1", env=env))
+    (trained,) = run_dirs(logs)
+    checkpoint = trained / "checkpoints" / "last.ckpt"
+    assert_ok(run_export(logs, checkpoint, "export.format=onnx", env=env))
+    (run,) = run_dirs(logs, task="export")
+
+    from tests.differential.user_code import _digits
+
+    inputs = _digits(CHECKED)[0]
+    with torch.no_grad():
+        want = hpctrain.load(checkpoint)(inputs)
+    assert_same_predictions(outputs_without_the_template("onnx", run / "model.onnx", inputs, tmp_path), want)
+    card = (run / "model_card.md").read_text()
+    assert "LitClassifier on DigitsData" in card and "float32 (N, 64)" in card and "**onnx**" in card
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch_export", "onnx"])
+def test_a_model_that_cannot_be_traced_is_one_sentence(fmt: str, tmp_path: Path):
+    """tests/unexportable.py branches on its input's values: the sentence names the format, torch's
+    reason and the line of the model's code, and torch's graph dumps stay off the terminal."""
+    from tests.unexportable import BranchingClassifier
+
+    checkpoint = tmp_path / "branching.ckpt"
+    config = {
+        "model": {"_target_": "tests.unexportable.BranchingClassifier"},
+        "data": {"_target_": "tests.differential.user_code.DigitsData", "batch_size": 8},
+    }
+    torch.save({"state_dict": BranchingClassifier().state_dict(), CONFIG_KEY: config}, checkpoint)
+    result = run_export(tmp_path / "logs", checkpoint, f"export.format={fmt}", env={"PYTHONPATH": str(ROOT)})
+
+    assert result.returncode == 2, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stdout[-3000:]
+    assert f"export.format={fmt} cannot export this model: " in errors[0]
+    assert (
+        "data-dependent" in errors[0]
+        and "tests/unexportable.py:" in errors[0]
+        and "if x.mean() > 0.5" in errors[0]
+    )
+    assert "Traceback" not in result.stdout and "def forward" not in result.stdout
+    (run,) = run_dirs(tmp_path / "logs", task="export")
+    assert yaml.safe_load((run / "outcome.yaml").read_text())["status"] == "failed"
+    assert not (run / f"model{SUFFIX[fmt]}").exists()
+
+
+LAUNCHED_AS_MANY = {
+    "trainer_devices": ({}, ["trainer.devices=2"], "trainer.devices=2 ask for 2"),
+    "trainer_num_nodes": ({}, ["trainer.num_nodes=2"], "trainer.num_nodes=2"),
+    "torchrun_workers": (
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"},
+        [],
+        "one of 2 torchrun workers",
+    ),
+    "slurm_tasks": (
+        {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"},
+        [],
+        "one of 4 tasks of this SLURM step",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(LAUNCHED_AS_MANY))
+def test_more_than_one_process_is_refused_in_one_sentence(case: str, tmp_path: Path):
+    env, overrides, says = LAUNCHED_AS_MANY[case]
+    result = run_export(tmp_path / "logs", tmp_path / "any.ckpt", *overrides, env=env, timeout=60)
+    assert result.returncode == 2, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert errors == [errors[0]] and "export runs in one process, but " in errors[0] and says in errors[0]
+
+
+# ------------------------------------------------------------------------------------------ in-process
+
+
+def test_the_export_config_composes_with_its_defaults(tmp_path: Path):
+    cfg = compose("export", [f"paths.output_dir={tmp_path}", "ckpt_path=x.ckpt"])
+    assert cfg.task_name == "export" and cfg.export.format == "torch_export" and cfg.export.output is None
+    assert cfg.export.batch_size == TRACED and cfg.trainer.devices == 1 and not cfg.requeue.enabled
+
+
+def test_the_schema_names_every_format():
+    assert set(export.FORMATS) == set(EXPORT_FORMATS) == set(SUFFIX)
+    assert all(export.FORMATS[name].suffix == SUFFIX[name] for name in SUFFIX)
+
+
+def test_a_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch):
+    found = export.importlib.util.find_spec
+    monkeypatch.setattr(
+        export.importlib.util, "find_spec", lambda name, *a: None if name == "onnxscript" else found(name, *a)
+    )
+    with pytest.raises(UserError) as refused:
+        export.check_installed("onnx")
+    sentence = str(refused.value)
+    assert "export.format=onnx needs onnxscript" in sentence and "pip install -e '.[export]'" in sentence
+    assert "make install" in sentence
+    assert export.check_installed("torch_export").suffix == ".pt2"  # torch alone
+
+
+def test_an_output_with_another_formats_suffix_is_refused(tmp_path: Path):
+    assert export.output_path(export.FORMATS["onnx"], None, tmp_path) == tmp_path / "model.onnx"
+    assert export.output_path(export.FORMATS["onnx"], "a/b.onnx", tmp_path) == Path("a/b.onnx")
+    with pytest.raises(UserError, match=r"does not end in \.pt2"):
+        export.output_path(export.FORMATS["torch_export"], "model.onnx", tmp_path)
+
+
+def test_an_exporters_reason_is_its_first_meaningful_line_and_the_models_line():
+    def forward():
+        raise RuntimeError(
+            'Constraints violated (batch)! For more information, run with TORCH_LOGS="+dynamic".\n'
+            "  - You marked batch as dynamic but your code specialized it to be a constant (2). If you're ..."
+        )
+
+    try:
+        try:
+            forward()
+        except RuntimeError as inner:
+            raise ValueError("Failed to export the model. This is step 1/3.") from inner
+    except ValueError as err:
+        reason = export._reason(err)
+    assert reason.startswith(
+        "You marked batch as dynamic but your code specialized it to be a constant (2), at "
+    )
+    assert "tests/test_export.py:" in reason and "raise RuntimeError(" in reason
