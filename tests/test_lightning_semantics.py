@@ -105,3 +105,28 @@ def test_network_line_before_the_launcher_picks_a_port():
     line = cluster.network_summary(1, env={}, hostname="localhost")
     assert "rank 0 at this machine, on a free port chosen when the ranks start" in line
     assert ":a port" not in line
+
+
+@pytest.mark.slow
+def test_a_loss_that_becomes_nan_stops_the_run_naming_the_step_rank_and_last_good_checkpoint(tmp_path: Path):
+    """NaN injected at step 23 of a user's module (epoch 1; 20 steps per epoch): one sentence naming
+    step 23, the rank and the checkpoint of epoch 0; no checkpoint of the NaN weights is written."""
+    import torch
+
+    result = train(
+        tmp_path,
+        *user_overrides("NaNAtStep"),
+        "trainer=cpu",
+        "trainer.max_epochs=3",
+        "nan.check_every_n_steps=5",
+        env={"PYTHONPATH": str(ROOT), "NAN_AT_STEP": "23"},
+    )
+    (run,) = run_dirs(tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert (
+        f"error: the training loss became nan at step 23 (epoch 1) on rank 0; the last good checkpoint is {last};"
+        in result.stdout
+    ), result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+    assert torch.load(last, weights_only=True)["global_step"] == 20  # written at the end of epoch 0, finite

@@ -235,3 +235,18 @@ def test_decoding_turns_resizes_and_forces_channels(tmp_path: Path):
     assert upright.dtype == torch.uint8 and torch.equal(upright[0], torch.from_numpy(pixels))
     rgb = decode_image(tmp_path / "sideways.png", (3, 6, 4))
     assert rgb.shape == (3, 6, 4) and torch.equal(rgb[0], rgb[1])
+
+
+def test_importing_the_package_stays_free_of_torch_until_load_is_called():
+    import subprocess
+    import sys
+
+    code = "import sys, hpctrain; print(callable(hpctrain.load), 'torch' in sys.modules)"
+    found = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT / "src")},
+        capture_output=True,
+        text=True,
+    )
+    assert found.stdout.split() == ["True", "False"], found.stderr

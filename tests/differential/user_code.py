@@ -193,6 +193,14 @@ class PredictingClassifier(LitClassifier):
         return self(x).softmax(dim=-1)
 
 
+class NaNAtStep(LitClassifier):
+    """Its loss becomes NaN at step $NAN_AT_STEP (as a learning rate far too high would make it)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step == int(os.environ["NAN_AT_STEP"]) else loss
+
+
 class ValLossOnly(LitClassifier):
     """Logs nothing during training: only val_loss."""
 

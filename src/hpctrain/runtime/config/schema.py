@@ -140,6 +140,10 @@ KEYS: tuple[Key, ...] = (
         "auto",
         "how often ranks agree on signals; auto: about once a second",
     ),
+    Key(
+        "nan.action", {"enum": ["stop", "off"]}, "stop or off", "off", "what a non-finite training loss does"
+    ),
+    Key("nan.check_every_n_steps", _int(1), "a positive integer", "100", "steps between looks at the loss"),
     Key("dist.backend", {"enum": [None, "nccl", "gloo", "mpi"]}, "nccl, gloo, mpi or null", "gloo"),
     Key("dist.timeout_min", POSITIVE_NUMBER, "a positive number of minutes", "30"),
     Key(

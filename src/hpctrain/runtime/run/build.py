@@ -6,8 +6,8 @@ the trainer always gets:
 - `HydraDDPStrategy` for `strategy: ddp` (or `auto` with more than one process), with the
   collective timeout from `dist.timeout_min`;
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
-- `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`) and,
-  when `requeue.enabled`, `RequeueOnSignal`.
+- `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
+  `NonFiniteLoss` (`nan.*`) and, when `requeue.enabled`, `RequeueOnSignal`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.callbacks import MonitoredMetric, RankWatchdog, SharedRunDirCheck
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, CheckpointExtras
+from hpctrain.runtime.run.nonfinite import NonFiniteLoss
 
 log = logging.getLogger(__package__)
 
@@ -236,6 +237,9 @@ def callbacks(
     if training:
         stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data") if k in cfg}
         chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir))]
+        nan = cfg.get("nan") or {}
+        if nan.get("action", "stop") == "stop":
+            chosen.append(NonFiniteLoss(run_dir, nan.get("check_every_n_steps", 50)))
     if own is None:
         own = [c for c in own_callbacks(cfg, run_dir, training) if c is not None]
     return chosen + own
