@@ -83,6 +83,14 @@ PREFLIGHT_CASES = {
         ("--ntasks=2", f"--wrap=srun {PYTHON} src/train.py trainer=ddp_cpu"),
         "error: the SLURM job has 2 task(s) but no --ntasks-per-node",
     ),
+    "scontrol_missing": (  # inside a container without the Slurm binaries (Apptainer, Pyxis): PATH has no scontrol
+        (
+            "--nodes=1",
+            "--ntasks-per-node=1",
+            f"--wrap=srun env PATH=/nonexistent {PYTHON} src/train.py trainer=cpu data=digits",
+        ),
+        "error: scontrol is not on PATH inside the job, so it cannot requeue itself when its time runs out",
+    ),
     "gpus_not_matching_tasks": (
         ("--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=1", "--mem=1G", "--gres=none", SBATCH_FILE),
         "error: trainer.devices=4 (tasks per node) but this process sees 2 GPU(s) (CUDA_VISIBLE_DEVICES=0,1)",
