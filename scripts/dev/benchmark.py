@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -339,6 +340,43 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+def diagnostics_cost(steps: int) -> dict[str, float]:
+    """Microseconds per training step that the template's per-step diagnostics add, measured on their
+    hooks alone: the straggler clock and the collective position (RankWatchdog under DDP: three hooks,
+    two host clocks, no device sync) and the NaN watch (NonFiniteLoss: a reference to the loss kept)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpctrain.runtime.run.callbacks import RankWatchdog
+    from hpctrain.runtime.run.nonfinite import NonFiniteLoss
+
+    watchdog = RankWatchdog()
+    watchdog._several = True
+    progress = SimpleNamespace(is_last_batch=False)
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+    nan = NonFiniteLoss("unused", check_every_n_steps=1000)
+    loss = {"loss": torch.tensor(0.5)}
+
+    def per_step(step: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return 1e6 * (time.perf_counter() - start) / steps
+
+    def straggler_step() -> None:
+        watchdog.on_train_batch_start(trainer, None, None, 0)
+        watchdog.on_before_backward(trainer, None, None)
+        watchdog.on_train_batch_end(trainer, None, None, None, 0)
+
+    def nan_step() -> None:
+        nan.on_train_batch_end(trainer, None, loss, None, 0)
+        if len(nan._losses) > 500:
+            nan._losses.clear()
+
+    return {"stragglers_us": per_step(straggler_step), "nan_us": per_step(nan_step)}
+
+
 def data_pipeline(batch_size: int, batches: int) -> dict:
     """Training batches per second of CIFAR-shaped data (no model): the template's pipeline (uint8 in
     memory, one index per batch, random crop + flip + normalise on whole batches) against the common
@@ -521,6 +559,12 @@ def main() -> None:
         flush=True,
     )
     results = throughput(args)
+    diagnostics = diagnostics_cost(2_000 if args.tiny else 100_000)
+    print(
+        f"per-step diagnostics: stragglers and collective position {diagnostics['stragglers_us']:.2f} us, "
+        f"NaN watch {diagnostics['nan_us']:.2f} us (looked at every nan.check_every_n_steps, one host sync then)",
+        flush=True,
+    )
     pipeline = None
     if not args.skip_data_pipeline and importlib.util.find_spec("hpctrain.data.cifar") is not None:
         pipeline = data_pipeline(args.batch_size, 8 if args.tiny else 40)
@@ -541,6 +585,7 @@ def main() -> None:
         "first_step_s": round(first_step, 2),
         "import_lightning_s": round(import_lightning, 2),
         "data_pipeline": pipeline,
+        "diagnostics_us_per_step": {k: round(v, 3) for k, v in diagnostics.items()},
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -108,6 +108,7 @@ def template_overrides(
         f"monitor.metric={metric}",
         f"monitor.mode={mode}",
         "logger=csv",
+        "diagnostics.straggler_every_s=0",  # no per-rank columns in metrics.csv, however slow the machine
         # the template's default callbacks, less what the bare side does not have
         *(f"callbacks.{name}=null" for name in ("lr_monitor", "model_summary", "progress", "throughput")),
         *_overrides("trainer", {k: v for k, v in options.items()}),

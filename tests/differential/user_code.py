@@ -201,6 +201,28 @@ class NaNAtStep(LitClassifier):
         return loss * float("nan") if self.global_step == int(os.environ["NAN_AT_STEP"]) else loss
 
 
+class SleepyRank(LitClassifier):
+    """Rank $SLEEP_RANK sleeps $SLEEP_S seconds in its training_step at step $SLEEP_AT_STEP (a rank stuck
+    before a collective: the others wait for it in the backward pass's all-reduce), after touching
+    $SLEEP_MARK so that a test knows it is asleep."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == int(os.environ["SLEEP_RANK"]) and self.global_step == int(
+            os.environ["SLEEP_AT_STEP"]
+        ):
+            Path(os.environ["SLEEP_MARK"]).touch()
+            time.sleep(float(os.environ["SLEEP_S"]))
+        return super().training_step(batch, batch_idx)
+
+
+class SlowRankCallback(Callback):
+    """A callback that makes rank $SLOW_RANK sleep $SLOW_S seconds at the start of every training step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == int(os.environ["SLOW_RANK"]):
+            time.sleep(float(os.environ["SLOW_S"]))
+
+
 class ValLossOnly(LitClassifier):
     """Logs nothing during training: only val_loss."""
 

@@ -108,6 +108,20 @@ def check_config(cfg: DictConfig) -> None:
     _check_loggers(cfg)
     _check_outputs(cfg)
     _check_init_from(cfg)
+    _check_signals(cfg)
+
+
+def _check_signals(cfg: DictConfig) -> None:
+    """The stacks signal must not be the one that requeues the job (a look at the stacks would requeue it)."""
+    stacks_signal = OmegaConf.select(cfg, "diagnostics.stacks_signal")
+    requeue_signal = (
+        OmegaConf.select(cfg, "requeue.signal") if OmegaConf.select(cfg, "requeue.enabled") else None
+    )
+    if stacks_signal and stacks_signal == requeue_signal:
+        raise UserError(
+            f"diagnostics.stacks_signal={stacks_signal} is also requeue.signal, so asking for the stacks would requeue "
+            "the job; keep diagnostics.stacks_signal=SIGURG (ignored by processes that do not register it)."
+        )
 
 
 def _check_init_from(cfg: DictConfig) -> None:

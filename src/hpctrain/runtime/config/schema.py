@@ -144,8 +144,29 @@ KEYS: tuple[Key, ...] = (
         "nan.action", {"enum": ["stop", "off"]}, "stop or off", "off", "what a non-finite training loss does"
     ),
     Key("nan.check_every_n_steps", _int(1), "a positive integer", "100", "steps between looks at the loss"),
+    Key(
+        "diagnostics.stacks_signal",
+        {"enum": [None, "SIGURG", "SIGWINCH", "SIGUSR1", "SIGUSR2", "SIGQUIT"]},
+        "a signal name (SIGURG or SIGWINCH: ignored by processes that do not register it) or null",
+        "SIGURG",
+        "scripts/stacks.py sends it; each rank writes its stacks",
+    ),
+    Key(
+        "diagnostics.straggler_every_s",
+        {"type": "number", "minimum": 0},
+        "a number of seconds, 0 or more",
+        "60",
+    ),
+    Key("diagnostics.straggler_factor", {"type": "number", "exclusiveMinimum": 1}, "a number above 1", "2"),
     Key("dist.backend", {"enum": [None, "nccl", "gloo", "mpi"]}, "nccl, gloo, mpi or null", "gloo"),
     Key("dist.timeout_min", POSITIVE_NUMBER, "a positive number of minutes", "30"),
+    Key(
+        "dist.init_timeout_min",
+        POSITIVE_NUMBER,
+        "a positive number of minutes",
+        "30",
+        "the collective timeout until the first training step is done",
+    ),
     Key(
         "dist.find_unused_parameters",
         {"type": "boolean"},

@@ -35,10 +35,16 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+from hpctrain.runtime.distributed import stacks, stragglers
+
 log = logging.getLogger(__package__)
 
 FAILED_KEY = f"{__package__}/failed-rank"
 DATA_END_KEY = f"{__package__}/data-end"  # + /<epoch>: the first rank whose training data ran out, and when
+POSITION_KEY = (
+    f"{__package__}/position"  # + /<rank>: "<epoch> <batch> <host>", written by its watchdog each second
+)
+DUMP_KEY = f"{__package__}/dump-stacks"  # set: every rank's watchdog appends its stacks to its file, once
 PARENT_DIED = "error: rank 0 (the process that started rank {rank}) has died; ending rank {rank} too."
 STORE_LOST = "rank 0's process, which serves the job's store, stopped answering (it has died)"
 POLL_S = 1.0
@@ -51,6 +57,7 @@ _state: dict[str, Any] = {
     "finished_worker": False,  # a rank > 0 whose run completed (exit_if_finished_worker)
     "trainer": None,  # the Trainer being watched, for where this rank is in its training epoch
     "in_sweep": False,  # this process runs a sweep's jobs one after another
+    "timeout_min": None,  # dist.timeout_min, for the sentence about a collective that timed out
     # "verdict": the failure line recorded for a sweep's job (present only after a failure)
 }
 
@@ -189,6 +196,7 @@ class Watchdog(threading.Thread):
     def run(self) -> None:
         store = _store()
         misses = 0
+        dumped = False
         while not self._stopped.wait(POLL_S):
             dead = _dead_child()
             if dead and not _state["stopping"]:
@@ -197,6 +205,11 @@ class Watchdog(threading.Thread):
             if store is None:
                 continue
             try:
+                _note_position(store, self.rank)
+                _publish_timing(store, self.rank)
+                if not dumped and store.check([DUMP_KEY]):  # before the failure below ends this process
+                    stacks.dump(store.get(DUMP_KEY).decode(errors="replace"))
+                    dumped = True
                 failed = store.check([FAILED_KEY]) and store.get(FAILED_KEY).decode(errors="replace")
                 misses = 0
             except Exception:
@@ -223,6 +236,57 @@ def _position(trainer: Any) -> tuple[int, int] | None:
         return None
     progress = trainer.fit_loop.epoch_loop.batch_progress
     return trainer.current_epoch, progress.current.ready + (0 if progress.is_last_batch else 1)
+
+
+def _note_position(store: Any, rank: int) -> None:
+    """Where this rank is in training, for the sentence about a rank that does not arrive at a collective."""
+    trainer = _state["trainer"]
+    if trainer is not None and trainer.training:  # plain attribute reads, safe from this thread
+        phase = _state.get("phase", 0)
+        store.set(
+            f"{POSITION_KEY}/{rank}",
+            f"{trainer.current_epoch} {trainer.global_step} {phase} {socket.gethostname()}",
+        )
+
+
+def _publish_timing(store: Any, rank: int) -> None:
+    """This rank's step clock into the store; on rank 0, now and then, the straggler lines."""
+    clock = _state.get("clock")
+    if clock is None or not clock.steps:
+        return
+    store.set(f"{stragglers.TIMING_KEY}/{rank}", clock.record())
+    report = _state.get("stragglers")
+    if report is not None and report.due():
+        for line in report.report(store):
+            log.warning(line)
+
+
+def publish_timing() -> None:
+    """This rank's final step clock, from the training thread when training ends (the watchdog's last
+    publication may be a second old)."""
+    store, clock = _store(), _state.get("clock")
+    if store is not None and clock is not None and clock.steps:
+        store.set(f"{stragglers.TIMING_KEY}/{_rank()}", clock.record())
+
+
+def watch_steps(clock: Any, report: Any | None) -> None:
+    """Publish `clock` (a stragglers.StepClock) each second; on rank 0, `report` compares the ranks."""
+    _state["clock"], _state["stragglers"] = clock, report
+
+
+def rank_summary() -> dict[int, dict[str, Any]] | None:
+    """Rank 0 at the end of a run: each rank's time per step (for outcome.yaml), read from the store."""
+    report, store = _state.get("stragglers"), _store()
+    if report is None or store is None:
+        return None
+    report.totals = report.read(store)
+    return report.summary() or None
+
+
+def note_phase(phase: int) -> None:
+    """Where this rank is within its training step: 0 before the backward pass (the forward pass, the
+    user's training_step), 1 once it began (DDP's gradient all-reduce). A plain assignment per step."""
+    _state["phase"] = phase
 
 
 def _ran_past_another_ranks_data(store: Any, rank: int) -> str | None:
@@ -322,12 +386,81 @@ def note_failure(err: BaseException) -> None:
             f"{other}; rank {_rank()} on {socket.gethostname()} stopped too ({shorten(summary, 80)})."
         )
         return
-    hint = failure_hint(summary)
     store = _store()
+    if store is not None and _timed_out(summary):
+        line = _who_did_not_arrive(store)
+        if line:
+            _announce(store, line)
+            _state["verdict"] = f"{line}."
+            _state["explained"] = True  # the sentence says it all: no traceback of the timed-out collective
+            return
+    hint = failure_hint(summary)
     who = f"rank {_rank()} on {socket.gethostname()} failed: " if store is not None else ""
     line = f"{who}{shorten(summary, 300)}" + (f"; {hint}" if hint else "")
     _announce(store, line)
     _state["verdict"] = f"{line} (traceback above)."
+
+
+def _timed_out(summary: str) -> bool:
+    """A collective that waited past the process group's timeout (gloo and NCCL say it in these words)."""
+    lowered = summary.lower()
+    return "timed out" in lowered or (
+        "timeout" in lowered and ("collective" in lowered or "watchdog" in lowered)
+    )
+
+
+def _who_did_not_arrive(store: Any, wait_s: float = 3.0) -> str | None:
+    """After a collective timed out on this rank: every rank dumps its stacks (DUMP_KEY), and the ranks
+    whose last recorded position lags the others' are named, with where their stacks say they were."""
+    me = _rank()
+    reason = f"a collective timed out on rank {me}"
+    try:
+        store.compare_set(DUMP_KEY, "", reason)
+    except Exception:
+        return None
+    stacks.dump(reason)
+    time.sleep(wait_s)  # the other ranks' watchdogs look every second
+    import torch.distributed as dist
+
+    positions: dict[int, tuple[int, int, int, str]] = {}
+    for rank in range(dist.get_world_size()):
+        try:
+            epoch, step, phase, host = store.get(f"{POSITION_KEY}/{rank}").decode().split(" ", 3)
+            positions[rank] = (int(epoch), int(step), int(phase), host)
+        except Exception:
+            continue
+    if not positions:
+        return None
+    furthest = max(p[:3] for p in positions.values())
+    lagging = sorted(r for r, p in positions.items() if p[:3] < furthest)
+    if not lagging:
+        return None
+    run_dir = stacks.run_dir()
+    places = []
+    for rank in lagging:
+        epoch, step, phase, host = positions[rank]
+        behind = (
+            "before its backward pass"
+            if (epoch, step) == furthest[:2]
+            else f"at step {step} of epoch {epoch}"
+        )
+        place = f"rank {rank} on {host} ({behind}"
+        if run_dir is not None:
+            frames = stacks.main_thread_frames(stacks.latest_dump(stacks.rank_file(run_dir, rank)))
+            if frames:
+                place += f", {stacks.where(frames)}"
+        places.append(place + ")")
+    timeout = _state.get("timeout_min")
+    within = f" within dist.timeout_min={timeout:g}" if timeout else ""
+    where = f"; every rank's stacks: {run_dir / stacks.STACKS_DIR}/rank<N>.txt" if run_dir is not None else ""
+    return (
+        f"{'; '.join(places)} did not arrive at a collective{within} while the others waited for "
+        f"{'it' if len(lagging) == 1 else 'them'} at step {furthest[1]} of epoch {furthest[0]}{where}"
+    )
+
+
+def set_timeout_min(minutes: float) -> None:
+    _state["timeout_min"] = float(minutes)
 
 
 def shorten(text: str, limit: int) -> str:
@@ -359,8 +492,9 @@ def failures_reported() -> Iterator[None]:
         if _expected(err):
             stop()
             raise
-        traceback.print_exc()
         note_failure(err)
+        if not _state.pop("explained", False):
+            traceback.print_exc()
         _exit(f"error: {_state.pop('verdict')}")
 
 

@@ -233,7 +233,15 @@ def callbacks(
     chosen = _instantiate_group(cfg.get("callbacks"), "callbacks")
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
-    chosen.append(RankWatchdog(_timeout_min(cfg)))
+    diagnostics = cfg.get("diagnostics") or {}
+    chosen.append(
+        RankWatchdog(
+            _timeout_min(cfg),
+            (cfg.get("dist") or {}).get("init_timeout_min"),
+            straggler_every_s=diagnostics.get("straggler_every_s", 30),
+            straggler_factor=diagnostics.get("straggler_factor", 1.5),
+        )
+    )
     if training:
         stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data") if k in cfg}
         chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir))]
@@ -279,10 +287,9 @@ def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None) -> Any:
     """DDP and FSDP with the Hydra-aware launcher and the configured collective timeout; else as given."""
     chosen = trainer_cfg.get("strategy", "auto")
     dist_cfg = dist_cfg or OmegaConf.create({})
-    common = {
-        "process_group_backend": dist_cfg.get("backend"),
-        "timeout": timedelta(minutes=float(dist_cfg.get("timeout_min", 30))),
-    }
+    # Created with the startup timeout; RankWatchdog sets dist.timeout_min once the first step is done.
+    startup = dist_cfg.get("init_timeout_min") or dist_cfg.get("timeout_min", 30)
+    common = {"process_group_backend": dist_cfg.get("backend"), "timeout": timedelta(minutes=float(startup))}
     if chosen == "fsdp":
         return HydraFSDPStrategy(**common)
     if chosen == "ddp" or (chosen == "auto" and _processes(trainer_cfg) not in (None, 1)):

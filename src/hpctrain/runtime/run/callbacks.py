@@ -20,6 +20,7 @@ import pytorch_lightning as pl
 from pytorch_lightning import Callback, LightningModule, Trainer
 
 from hpctrain.runtime.distributed import watchdog
+from hpctrain.runtime.distributed.stragglers import StepClock, StragglerReport
 from hpctrain.runtime.distributed.streams import shares_itself_out
 from hpctrain.runtime.errors import UserError
 
@@ -189,25 +190,54 @@ class SharedRunDirCheck(Callback):
 
 class RankWatchdog(Callback):
     """Starts `hpctrain.runtime.distributed.watchdog` once the process group exists; Lightning's exception path (which
-    ends local child ranks itself) is an orderly stop, not a rank failure.
+    ends local child ranks itself) is an orderly stop, not a rank failure. It tells the watchdog where this
+    rank is within its step (two plain assignments per step), for the sentence that names a rank that
+    does not arrive at a collective, and gives the process group `dist.timeout_min` once the first step
+    is done (until then `dist.init_timeout_min`, as torchtitan does: startup can take much longer).
 
     Under DDP it also looks after streams (IterableDatasets), which Lightning does not share out
     across ranks: one warning for a stream that does not share itself out, and an end to the job,
     naming the rank, when the ranks' training data runs out after different numbers of batches.
     """
 
-    def __init__(self, timeout_min: float = 30) -> None:
+    def __init__(
+        self,
+        timeout_min: float = 30,
+        init_timeout_min: float | None = None,
+        straggler_every_s: float = 30,
+        straggler_factor: float = 1.5,
+    ) -> None:
         self.timeout_s = 60 * float(timeout_min)  # dist.timeout_min: how long ranks wait for each other
+        self.straggler_every_s = float(straggler_every_s)
+        self.straggler_factor = float(straggler_factor)
+        self.clock = StepClock()
+        self.report: StragglerReport | None = None
+        self._logged: dict[int, float] | None = None
+        self.timeout_min = float(timeout_min)
+        self.init_timeout_min = self.timeout_min if init_timeout_min is None else float(init_timeout_min)
+        self._training_timeout: float | None = None
         self._several = False
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         watchdog.start()
         self._several = trainer.world_size > 1
+        watchdog.set_timeout_min(self.init_timeout_min)
+        if self._several and self.init_timeout_min != self.timeout_min:
+            self._training_timeout = self.timeout_min
+        if self._several and stage == "fit":
+            every = self.straggler_every_s
+            self.report = (
+                StragglerReport(trainer.world_size, every, self.straggler_factor)
+                if trainer.is_global_zero
+                else None
+            )
+            watchdog.watch_steps(self.clock, self.report)
         if stage == "fit":
             watchdog.follow(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         watchdog.follow(None)
+        watchdog.watch_steps(None, self.report)  # the clock stops; rank 0's totals stay for outcome.yaml
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not (self._several and trainer.is_global_zero):
@@ -225,9 +255,39 @@ class RankWatchdog(Callback):
                     trainer.world_size,
                 )
 
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._several:
+            watchdog.note_phase(0)
+            self.clock.step_started()
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
+        if self._several:
+            watchdog.note_phase(1)
+            self.clock.backward_started()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.clock.epoch_ended()
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._several:
+            watchdog.publish_timing()  # complete figures for outcome.yaml
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self.clock.step_ended()
+        if self._training_timeout is not None:  # the first step is done: from now on, dist.timeout_min
+            _set_timeout(self._training_timeout)
+            self._training_timeout = None
+        report = self.report
+        if report is not None and report.latest and report.latest is not self._logged:
+            # the ranks' own time per step of the last window, at the straggler check's low rate
+            self._logged = report.latest
+            pl_module.log_dict(
+                {f"ranks/own_ms/{r}": v for r, v in report.latest.items()}, rank_zero_only=True
+            )
         if self._several and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             watchdog.note_training_data_end(
                 trainer.current_epoch,
@@ -239,6 +299,18 @@ class RankWatchdog(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         watchdog.note_failure(exception)  # now, while the other ranks can still be told
         watchdog.stop()
+
+
+def _set_timeout(minutes: float) -> None:
+    """The process group was made with dist.init_timeout_min (startup: data preparation, the first
+    compilation); once a step has run, its collectives get dist.timeout_min."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.set_timeout(timedelta(minutes=minutes))
+    watchdog.set_timeout_min(minutes)
 
 
 def _as_list(loaders: Any) -> list[Any]:

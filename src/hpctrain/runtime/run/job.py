@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config.checks import check_config
 from hpctrain.runtime.config.compose import PROJECT_ROOT, task_overrides
-from hpctrain.runtime.distributed import signals, watchdog
+from hpctrain.runtime.distributed import signals, stacks, watchdog
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import records
@@ -94,6 +94,9 @@ class Job:
         """The run's objects (torch from here on), and on rank 0 its record in the run dir."""
         from hpctrain.runtime.run import build
 
+        stacks_signal = (cfg.get("diagnostics") or {}).get("stacks_signal")
+        if stacks_signal:  # scripts/stacks.py: where every rank is, from now on, even when it hangs
+            stacks.register(self.run_dir, stacks_signal)
         console.apply_extras(cfg)
         build.configure_process(cfg)
         run = build.run_objects(cfg, self.run_dir, training=training)
@@ -140,6 +143,7 @@ class Job:
         results = console.report(self.run_dir, run.trainer, best)
         if self.outcome is not None:
             self.outcome.value = run.best_value
+            self.outcome.ranks = watchdog.rank_summary()  # each rank's time per step, under DDP
         return results
 
 

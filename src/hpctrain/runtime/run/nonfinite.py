@@ -1,8 +1,8 @@
 """A loss that becomes NaN or infinite stops the run with one sentence (`nan.action=stop`).
 
 Looking at the loss on the host every step would make a GPU wait for each step to finish (a host
-sync per step). Instead, each step copies its loss into a small buffer on the loss's device without
-waiting, and the host looks at the buffer every `nan.check_every_n_steps` steps, before every
+sync per step). Instead, each step keeps a reference to its loss (still on its device, nothing is
+copied or waited for), and the host looks at them all at once every `nan.check_every_n_steps` steps, before every
 validation and when training ends: before any checkpoint of the non-finite weights is written, so
 the newest checkpoint is the last good one.
 """
@@ -24,8 +24,7 @@ class NonFiniteLoss(Callback):
     def __init__(self, run_dir: str | Path, check_every_n_steps: int = 50) -> None:
         self.run_dir = Path(run_dir)
         self.every = max(1, int(check_every_n_steps))
-        self._losses: Tensor | None = None  # on the loss's device: the losses since the last look
-        self._pending = 0  # how many of them
+        self._losses: list[Tensor] = []  # the losses since the last look, still on their device
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -33,11 +32,8 @@ class NonFiniteLoss(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not isinstance(loss, Tensor):
             return  # manual optimization returning nothing: no loss to look at
-        if self._losses is None or self._losses.device != loss.device:
-            self._losses = torch.zeros(self.every, device=loss.device)
-        self._losses[self._pending] = loss.detach().reshape(-1)[0]  # one copy on the device, no wait
-        self._pending += 1
-        if self._pending == self.every:
+        self._losses.append(loss.detach())  # a reference, no copy and no wait
+        if len(self._losses) >= self.every:
             self._check(trainer)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -48,16 +44,16 @@ class NonFiniteLoss(Callback):
         self._check(trainer)
 
     def _check(self, trainer: Trainer) -> None:
-        if self._losses is None or self._pending == 0:
+        if not self._losses:
             return
-        pending, self._pending = self._pending, 0
-        losses = self._losses[:pending]
+        losses = torch.stack([loss.float().reshape(-1)[0] for loss in self._losses])
+        self._losses = []
         bad = (~torch.isfinite(losses)).nonzero()  # the one host sync, every `every` steps
         if len(bad) == 0:
             return
         first = int(bad[0, 0])
         # the step as the module saw it (self.global_step in that training_step; one optimizer step per batch)
-        step = trainer.global_step - pending + first
+        step = trainer.global_step - len(losses) + first
         good = newest_checkpoint(self.run_dir)
         raise UserError(
             f"the training loss became {float(losses[first])} at step {step} (epoch {trainer.current_epoch}) "

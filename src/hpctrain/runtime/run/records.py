@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.distributed.stacks import STACKS_DIR
 from hpctrain.runtime.errors import UserError
 
 RECORDED_PACKAGES = ("torch", "torchvision", "pytorch-lightning", "torchmetrics", "hydra-core", "omegaconf")
@@ -142,6 +144,7 @@ class Outcome:
     value: float | None = None
     status: str = "running"
     error: str | None = None
+    ranks: dict[int, dict[str, Any]] | None = None  # per rank: its time per step, and where it went
 
 
 @contextmanager
@@ -181,17 +184,26 @@ def outcome_recorded(
                 "overrides": list(overrides or []),
                 "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
             }
+            if outcome.ranks:
+                record["ranks"] = outcome.ranks
             with suppress(OSError):  # an unwritable run dir has already been reported
                 _write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
 
 
 def _remove_if_only_logs(run_dir: Path) -> None:
-    """Remove a run dir that holds nothing but Hydra's log file(s) of this refused start."""
-    if not run_dir.is_dir() or any(p.suffix != ".log" or p.is_dir() for p in run_dir.iterdir()):
+    """Remove a run dir that holds nothing but Hydra's log file(s) of this refused start (and the stacks
+    folder each rank opens when it starts building)."""
+    if not run_dir.is_dir():
+        return
+    entries = list(run_dir.iterdir())
+    if any(
+        not (p.suffix == ".log" and p.is_file()) and not (p.name == STACKS_DIR and p.is_dir())
+        for p in entries
+    ):
         return
     with suppress(OSError):
-        for path in run_dir.iterdir():
-            path.unlink()
+        for path in entries:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         run_dir.rmdir()
 
 

@@ -1,0 +1,169 @@
+"""A hung or slow job explains itself (real processes, DDP on CPU): stacks on demand, a rank that does
+not arrive at a collective named, stragglers named."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.differential.cases import user_overrides
+from tests.helpers import PYTHON, ROOT, local_env
+
+
+def _start(run_dir: Path, *overrides: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            PYTHON,
+            "src/train.py",
+            *user_overrides("SleepyRank"),
+            "trainer=ddp_cpu",
+            "trainer.devices=2",
+            "trainer.max_epochs=1",
+            "extras.print_config=false",
+            f"hydra.run.dir={run_dir}",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env={**local_env(), "PYTHONPATH": str(ROOT), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_for(path: Path, process: subprocess.Popen[str], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def _line_of(text: str) -> int:
+    source = (ROOT / "tests" / "differential" / "user_code.py").read_text().splitlines()
+    return next(i for i, line in enumerate(source, 1) if text in line)
+
+
+@pytest.mark.slow
+def test_stacks_names_the_rank_that_sleeps_and_its_line(tmp_path: Path):
+    mark = tmp_path / "asleep"
+    process = _start(
+        tmp_path / "run",
+        env={"SLEEP_RANK": "1", "SLEEP_AT_STEP": "3", "SLEEP_S": "60", "SLEEP_MARK": str(mark)},
+    )
+    try:
+        _wait_for(mark, process)
+        time.sleep(1)  # rank 0 is now waiting for rank 1 inside the backward pass's all-reduce
+        shown = subprocess.run(
+            [PYTHON, "scripts/stacks.py", str(tmp_path / "run"), "--wait", "2"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert shown.returncode == 0, shown.stderr
+    line = _line_of('time.sleep(float(os.environ["SLEEP_S"]))')
+    sleeping = f"rank 1: training_step at user_code.py:{line}"
+    assert sleeping in shown.stdout, shown.stdout
+    assert "rank 0: " in shown.stdout and "did not answer" not in shown.stdout, shown.stdout
+    dumps = (tmp_path / "run" / "stacks" / "rank1.txt").read_text()
+    assert "asked by scripts/stacks.py" in dumps and "in training_step" in dumps
+    print(shown.stdout)
+
+
+@pytest.mark.slow
+def test_a_rank_that_does_not_arrive_within_the_timeout_is_named_with_where_it_was(tmp_path: Path):
+    mark = tmp_path / "asleep"
+    started = time.monotonic()
+    process = _start(
+        tmp_path / "run",
+        "dist.timeout_min=0.2",  # 12 s once the first step is done
+        "dist.init_timeout_min=2",
+        env={"SLEEP_RANK": "1", "SLEEP_AT_STEP": "3", "SLEEP_S": "120", "SLEEP_MARK": str(mark)},
+    )
+    try:
+        output, _ = process.communicate(timeout=100)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode not in (0, None) and time.monotonic() - started < 100
+    line = _line_of('time.sleep(float(os.environ["SLEEP_S"]))')
+    stacks_dir = tmp_path / "run" / "stacks"
+    expected = (
+        f"rank 1 on {os.uname().nodename} (before its backward pass, training_step at user_code.py:{line}) did not "
+        "arrive at a collective within dist.timeout_min=0.2 while the others waited for it at step 3 of epoch 0; "
+    )
+    assert expected in output, output[-4000:]
+    assert f"every rank's stacks: {stacks_dir}/rank<N>.txt" in output and "Traceback" not in output
+    assert "a collective timed out on rank 0" in (stacks_dir / "rank1.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_rank_slowed_by_a_sleeping_callback_is_named_as_a_straggler(tmp_path: Path):
+    import csv
+
+    import yaml
+
+    run = tmp_path / "run"
+    process = _start(
+        run,
+        "trainer.max_epochs=4",
+        "+callbacks.slow._target_=tests.differential.user_code.SlowRankCallback",
+        "diagnostics.straggler_every_s=1",
+        "trainer.log_every_n_steps=1",
+        env={
+            "SLOW_RANK": "1",
+            "SLOW_S": "0.05",
+            "SLEEP_RANK": "-1",
+            "SLEEP_AT_STEP": "-1",
+            "SLEEP_S": "0",
+            "SLEEP_MARK": "-",
+        },
+    )
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-4000:]
+    assert f"straggler: rank 1 ({os.uname().nodename}) " in output, output[-4000:]
+    assert "straggler: rank 0" not in output
+    line = next(x for x in output.splitlines() if "straggler: rank 1" in x)
+    share = int(line.split("), ")[1].split("%")[0])
+    assert share > 80  # the sleep is in a batch-start hook: between steps
+    with open(run / "metrics.csv", newline="") as file:
+        rows = [r for r in csv.DictReader(file) if r.get("ranks/own_ms/1")]
+    assert rows and all(float(r["ranks/own_ms/1"]) > 40 > float(r["ranks/own_ms/0"]) for r in rows)
+    ranks = yaml.safe_load((run / "outcome.yaml").read_text())["ranks"]
+    assert ranks[1]["own_ms_per_step"] > 40 > ranks[0]["own_ms_per_step"] and ranks[1]["steps"] == 40
+
+
+DUMP = """Thread 0x00007fee37fff6c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007fef396a9b80 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2950 in all_reduce
+  File "/home/me/project/src/my_project/models/model.py", line 41 in training_step
+  File "/venv/lib/python3.11/site-packages/pytorch_lightning/loops/optimization/automatic.py", line 140 in closure
+  File "/home/me/project/src/train.py", line 48 in <module>
+"""
+
+
+def test_a_dump_is_summed_up_by_its_innermost_call_and_the_users_frame():
+    from hpctrain.runtime.distributed import stacks
+
+    frames = stacks.main_thread_frames(DUMP)
+    assert frames[0][2] == "wrapper" and frames[-1][2] == "<module>"  # the thread running the program
+    assert stacks.where(frames) == "wrapper in training_step at model.py:41"
+    places = {r: "wrapper in training_step at model.py:41" for r in (0, 1, 2, 4, 5, 6, 7)}
+    places[3] = "on_train_batch_start at user.py:12"
+    assert stacks.summary(places) == (
+        "ranks 0-2, 4-7: wrapper in training_step at model.py:41; rank 3: on_train_batch_start at user.py:12"
+    )
