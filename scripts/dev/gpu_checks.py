@@ -6,6 +6,8 @@
    `torch.cuda.set_sync_debug_mode("warn")`, counting the synchronising calls each step makes.
 2. Precisions: one batch of fit and test in 32-true, bf16-mixed, 16-mixed, bf16-true (fast_dev_run).
 3. DDP over nccl with every GPU of the machine (when there are 2+): a real `python src/train.py` run.
+4. NCCL's flight recorder (2+ GPUs): a run whose rank 1 sleeps past a 12-second collective timeout must
+   end naming rank 1 and leave <run dir>/flight_recorder/rank<N> files that `torchfrtrace` reads.
 Then run `python scripts/dev/benchmark.py` there for the GPU benchmark table.
 """
 
@@ -68,6 +70,64 @@ def synchronising_calls(out: Path) -> dict[str, int]:
     return places
 
 
+def flight_recorder(out: Path) -> dict[str, object]:
+    """A rank stuck past the collective timeout on nccl: the sentence naming it, and the recorder's dumps."""
+    import os
+
+    run = out / "flight"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "SLEEP_RANK": "1",
+        "SLEEP_AT_STEP": "3",
+        "SLEEP_S": "120",
+        "SLEEP_MARK": str(out / "asleep"),
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            "src/train.py",
+            f"hydra.searchpath=[file://{ROOT}/tests/differential/conf]",
+            "model=user",
+            "model._target_=tests.differential.user_code.SleepyRank",
+            "data=user",
+            "data._target_=tests.differential.user_code.DigitsData",
+            "monitor.metric=val_loss",
+            "monitor.mode=min",
+            "trainer=ddp",
+            "trainer.devices=2",
+            "trainer.max_epochs=1",
+            "dist.timeout_min=0.2",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    dumps = sorted(p.name for p in (run / "flight_recorder").glob("rank*"))
+    read = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.flight_recorder.fr_trace",
+            str(run / "flight_recorder"),
+            "--prefix",
+            "rank",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    return {
+        "rank 1 named": "rank 1 on" in result.stdout + result.stderr,
+        "dumps": dumps,
+        "torchfrtrace exit status": read.returncode,
+    }
+
+
 def main() -> int:
     import torch
 
@@ -93,6 +153,7 @@ def main() -> int:
                 [*train, "trainer=ddp", f"trainer.devices={torch.cuda.device_count()}"], cwd=ROOT
             )
             report["ddp nccl"] = result.returncode == 0
+            report["nccl flight recorder"] = flight_recorder(Path(tmp))
     (ROOT / "gpu_checks.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0

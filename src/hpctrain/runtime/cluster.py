@@ -18,7 +18,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 
 from hpctrain.runtime.errors import UserError
@@ -376,3 +376,24 @@ def requeue_job(env: Mapping[str, str] | None = None) -> subprocess.CompletedPro
     if job is None:
         raise RuntimeError("requeue_job called outside a SLURM job")
     return subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, check=False)
+
+
+FLIGHT_RECORDER_DIR = "flight_recorder"
+
+
+def flight_recorder_dumps_into(run_dir: str | Path, env: MutableMapping[str, str] | None = None) -> None:
+    """NCCL's flight recorder (the last collectives of each rank, written when a collective times out)
+    writes into `<run dir>/flight_recorder/rank<N>`, unless the environment already says where. Set
+    before the process group exists (NCCL reads it then); slurm/train.sbatch turns the recorder on."""
+    env = os.environ if env is None else env
+    if "TORCH_FR_DUMP_TEMP_FILE" not in env:
+        folder = Path(run_dir) / FLIGHT_RECORDER_DIR
+        folder.mkdir(parents=True, exist_ok=True)  # NCCL writes the files, not the folder
+        env["TORCH_FR_DUMP_TEMP_FILE"] = f"{folder}/rank"
+
+
+def node_name(env: Mapping[str, str] | None = None) -> str:
+    """This node's name as SLURM knows it (several slurmd may share a host), else the hostname."""
+    import socket
+
+    return _env(env).get("SLURMD_NODENAME") or socket.gethostname()

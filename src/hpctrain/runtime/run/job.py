@@ -97,6 +97,8 @@ class Job:
         stacks_signal = (cfg.get("diagnostics") or {}).get("stacks_signal")
         if stacks_signal:  # scripts/stacks.py: where every rank is, from now on, even when it hangs
             stacks.register(self.run_dir, stacks_signal)
+        if str(cfg.trainer.get("accelerator")) in cluster.GPU_ACCELERATORS:
+            cluster.flight_recorder_dumps_into(self.run_dir)  # NCCL's record of a timed-out collective
         console.apply_extras(cfg)
         build.configure_process(cfg)
         run = build.run_objects(cfg, self.run_dir, training=training)
