@@ -46,6 +46,9 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
         ratio = report[f"{command}_s"] / report["import_hydra_s"]
         assert report[f"{command}_over_import_hydra"] == pytest.approx(ratio, rel=0.02)
     assert 0 < report["first_step_s"] < 120
+    costs = report["diagnostics_us_per_step"]  # the straggler clock and the NaN watch, per step
+    assert set(costs) == {"stragglers_us", "nan_us"} and all(0 < v < 1000 for v in costs.values())
+    assert "per-step diagnostics: stragglers and collective position" in result.stdout
     pipeline = report["data_pipeline"] or {}
     assert not EXAMPLES or pipeline  # the row needs the CIFAR-10 datamodule of the examples
     if pipeline:

@@ -131,8 +131,18 @@ def _metrics_without_speed(run: Path) -> list[dict[str, str]]:
 
 def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path: Path):
     """USR1 mid-epoch -> checkpoint -> scontrol requeue -> the restarted job finishes with the same
-    weights and metrics as an uninterrupted job (CPU, same seed, dropout included)."""
+    weights and metrics as an uninterrupted job (CPU, same seed, dropout included).
+
+    Both jobs fine-tune (init_from.path): the requeued attempt continues from its own requeue.ckpt and
+    leaves init_from alone; re-applied, it would put the start weights back under the trained ones and
+    the final weights would differ from the uninterrupted job's."""
+    from tests.helpers import train
+
+    start = train(tmp_path / "start", "data=digits", "trainer=cpu", "trainer.max_epochs=1", "test=false")
+    assert start.returncode == 0, start.stdout[-3000:]
+    (weights,) = (tmp_path / "start").rglob("last.ckpt")
     overrides = (
+        f"init_from.path={weights}",
         "trainer=ddp_cpu",
         "data=digits",
         "data.batch_size=16",
@@ -193,6 +203,8 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         and f"starting from {requeue_ckpt} (restart 1 of this job)" in log
     )
     assert "starting fresh" in _output(tmp_path, reference)  # a new job never loads another's checkpoint
+    assert f"init_from.path={weights} skipped: the run continues from {requeue_ckpt}" in log
+    assert log.count("init_from: loaded") == 1 and "init_from: loaded" in _output(tmp_path, reference)
 
     # The checkpoint was taken mid-epoch, and the resumed run continued from there in the same run dir.
     loops = torch.load(requeue_ckpt, map_location="cpu", weights_only=True)["loops"]["fit_loop"]
@@ -333,54 +345,3 @@ def test_a_signal_during_prediction_requeues_the_job_which_predicts_everything_a
         expected = module.eval()(_digits(161)[0]).softmax(dim=-1)
     torch.testing.assert_close(predictions["predictions"], expected, rtol=1e-4, atol=1e-5)
     assert not list(tmp_path.rglob("part-rank*.pt")) and not list(tmp_path.glob(".predictions.pt.tmp-*"))
-
-
-def _signal_when(cluster, out_dir: Path, job: str, text: str, timeout_s: float = 240) -> None:
-    """scancel --signal=USR1 (as the time limit would) once the job's output shows `text`."""
-    deadline = time.monotonic() + timeout_s
-    while text not in _output(out_dir, job):
-        assert time.monotonic() < deadline, _output(out_dir, job)[-3000:]
-        assert cluster.job(job).get("JobState") != "FAILED", _output(out_dir, job)[-3000:]
-        time.sleep(0.2)
-    assert cluster.run("scancel", "--signal=USR1", job).returncode == 0
-
-
-def test_a_requeued_fine_tuning_job_continues_from_its_own_checkpoint_without_reapplying_init_from(
-    slurm_cluster, tmp_path: Path
-):
-    """init_from starts the run; the requeued attempt resumes from requeue.ckpt and leaves init_from
-    alone (re-applied, it would put the start weights back under the trained ones): the final weights
-    equal those of an uninterrupted fine-tuning job."""
-    from tests.helpers import train
-
-    start = train(
-        tmp_path / "start", "data=digits", "model=mlp", "trainer=cpu", "trainer.max_epochs=1", "test=false"
-    )
-    assert start.returncode == 0, start.stdout[-3000:]
-    (weights,) = (tmp_path / "start").rglob("last.ckpt")
-    overrides = (
-        "trainer=ddp_cpu",
-        "data=digits",
-        "model=mlp",
-        "data.batch_size=16",
-        "trainer.max_epochs=2",
-        "test=false",
-        "callbacks.progress.log_every_n_s=0",
-        f"init_from.path={weights}",
-        f"paths.log_dir={tmp_path}",
-        "extras.print_config=false",
-    )
-    interrupted = _submit(slurm_cluster, tmp_path, *CPU_JOB, SBATCH_FILE, *overrides)
-    reference = _submit(slurm_cluster, tmp_path, *CPU_JOB, SBATCH_FILE, *overrides)
-    _signal_when(slurm_cluster, tmp_path, interrupted, "epoch 1/2  step 10/")
-    for job in (interrupted, reference):
-        info = slurm_cluster.wait(job, timeout_s=400)
-        assert info["JobState"] == "COMPLETED", _output(tmp_path, job)[-4000:]
-    assert slurm_cluster.job(interrupted).get("Restarts") == "1"
-    log = _output(tmp_path, interrupted)
-    run = tmp_path / "train" / "runs" / f"slurm-{interrupted}"
-    assert f"init_from.path={weights} skipped: the run continues from {run}/checkpoints/requeue.ckpt" in log
-    assert log.count("init_from: loaded") == 1  # the first attempt only
-    final = _state_dict(run / "checkpoints" / "last.ckpt")
-    expected = _state_dict(tmp_path / "train" / "runs" / f"slurm-{reference}" / "checkpoints" / "last.ckpt")
-    assert [k for k in final if not torch.equal(final[k], expected[k])] == []
