@@ -219,6 +219,13 @@ def test_predict_config_composes_and_refuses_a_split_it_does_not_know(tmp_path: 
         )
 
 
+def test_the_stacks_signal_may_not_be_the_requeue_signal(tmp_path: Path, data_dir: Path):
+    cfg = compose_train(tmp_path, data_dir, "diagnostics.stacks_signal=SIGUSR1")
+    with pytest.raises(UserError, match="diagnostics.stacks_signal=SIGUSR1 is also requeue.signal"):
+        check_config(cfg)
+    check_config(compose_train(tmp_path, data_dir, "diagnostics.stacks_signal=SIGUSR1", "requeue.enabled=false"))
+
+
 def test_eval_config_composes(tmp_path: Path):
     cfg = compose("eval", [f"paths.output_dir={tmp_path}", "ckpt_path=x.ckpt"])
     assert cfg.ckpt_path == "x.ckpt" and "progress" in cfg.callbacks

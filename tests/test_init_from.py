@@ -41,6 +41,26 @@ def test_a_lightning_checkpoint_loads_its_state_dict(tmp_path: Path):
     )
 
 
+def test_a_safetensors_file_loads(tmp_path: Path):
+    from safetensors.torch import save_file
+
+    source = _Classifier()
+    save_file(source.state_dict(), str(tmp_path / "weights.safetensors"))
+    target = _Classifier()
+    line = init_from.apply(target, tmp_path / "weights.safetensors")
+    assert "loaded 9 of the model's 9 tensors" in line
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(source.state_dict().values(), target.state_dict().values(), strict=True)
+    )
+
+
+def test_a_file_of_pickled_objects_is_refused_in_one_sentence(tmp_path: Path):
+    torch.save({"model": _Classifier()}, tmp_path / "pickled.pt")  # a whole module: code, not weights
+    with pytest.raises(UserError, match="pickled Python objects"):
+        init_from.apply(_Classifier(), tmp_path / "pickled.pt")
+
+
 def test_a_mismatch_is_one_sentence_listing_the_keys(tmp_path: Path):
     torch.save(_Classifier(classes=3).state_dict(), tmp_path / "other.pt")
     with pytest.raises(UserError) as caught:
