@@ -8,6 +8,11 @@ GPU jobs get --ntasks-per-node = --gres=gpu:N = --gpus-per-node (one task per GP
 --gres=none, --processes-per-node tasks per node and trainer=ddp_cpu. The sbatch command is printed
 before it runs (--dry-run prints only). Everything after `--` is passed to src/train.py as Hydra
 overrides, as separate arguments: nothing goes through a shell.
+
+The job runs from a snapshot of the code taken now (hpctrain.runtime.snapshot: tracked files as they
+are, untracked ones git does not ignore, conf/local/), in logs/snapshots/<digest>/, so a requeued
+attempt runs the same code as the first however the working copy changes meanwhile; --no-snapshot runs
+the working copy instead. Logs, data and the venv stay in the project.
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--parallel", type=int, help="with --sweep: array tasks that may run at once")
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch command, do not submit")
+    parser.add_argument(
+        "--no-snapshot",
+        action="store_true",
+        help="run the working copy's code in every attempt instead of a snapshot taken now (logs/snapshots/)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for src/train.py (after --)")
     args = parser.parse_args(argv)
     for name in ("nodes", "gpus_per_node", "processes_per_node", "cpus_per_task", "parallel"):
@@ -204,11 +214,30 @@ def never_fits(flags: dict[str, str], partition: str, nodes: list[dict[str, int]
     return None
 
 
+def from_snapshot(command: list[str], code: Path) -> list[str]:
+    """The same sbatch command, run from the snapshot `code`: its batch script, its directory, and
+    HPCTRAIN_PROJECT_ROOT naming the project (whose logs/, data/ and .venv the job uses)."""
+    moved = []
+    for arg in command:
+        if arg == f"--chdir={ROOT}":
+            arg = f"--chdir={code}"
+        elif arg in (str(SBATCH_FILE), str(SWEEP_FILE)):
+            arg = str(code / Path(arg).relative_to(ROOT))
+        moved.append(arg)
+    moved.insert(1, f"--export=ALL,HPCTRAIN_PROJECT_ROOT={ROOT}")
+    return moved
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     command = sbatch_command(args)
-    print(shlex.join(command), flush=True)
     if args.dry_run:
+        print(shlex.join(command), flush=True)
+        if not args.no_snapshot:
+            print(
+                "(submitted for real, the job runs from a snapshot of the code in logs/snapshots/)",
+                file=sys.stderr,
+            )
         return 0
     if shutil.which("sbatch") is None:
         print(
@@ -223,6 +252,19 @@ def main(argv: list[str]) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     (ROOT / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
+    if not args.no_snapshot:  # every attempt, requeued ones too, runs the code as it is now
+        sys.path.insert(0, str(ROOT / "src"))
+        from hpctrain.runtime import snapshot
+
+        try:
+            code = snapshot.take(ROOT)
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        changes = f", uncommitted changes {code.diff_sha256[:12]}" if code.diff_sha256 else ""
+        print(f"code snapshot: {code.path} (commit {(code.commit or 'none')[:12]}{changes})", flush=True)
+        command = from_snapshot(command, code.path)
+    print(shlex.join(command), flush=True)
     return subprocess.run(command, check=False).returncode
 
 

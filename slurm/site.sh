@@ -4,8 +4,11 @@
 # ---- load modules and activate your environment here ---------------------------------------------
 # module load cuda/12.4
 # source ~/miniconda3/etc/profile.d/conda.sh && conda activate my_env
-if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ] && [ -f .venv/bin/activate ]; then
-    source .venv/bin/activate
+# The project's .venv by its absolute path (a job submitted with scripts/submit.py runs from a snapshot
+# of the code, which holds no venv; HPCTRAIN_PROJECT_ROOT names the project).
+venv="${HPCTRAIN_PROJECT_ROOT:-.}/.venv"
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ] && [ -f "$venv/bin/activate" ]; then
+    source "$venv/bin/activate"
 fi
 
 # A wandb-core service named by the submitting shell (a notebook's, on the login node) is not this job's.

@@ -9,6 +9,7 @@ only if it is broken itself.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import subprocess
@@ -69,6 +70,7 @@ def compatible_pairs() -> list[tuple[str, str]]:
 PAIRS = compatible_pairs()
 
 
+@functools.lru_cache(maxsize=None)  # each net option asks about every model: compose each once per worker
 def _net(*overrides: str) -> str | None:
     return OmegaConf.select(compose("train", list(overrides)), "model.net._target_")
 
@@ -221,9 +223,11 @@ def test_predict_config_composes_and_refuses_a_split_it_does_not_know(tmp_path: 
 
 def test_the_stacks_signal_may_not_be_the_requeue_signal(tmp_path: Path, data_dir: Path):
     cfg = compose_train(tmp_path, data_dir, "diagnostics.stacks_signal=SIGUSR1")
-    with pytest.raises(UserError, match="diagnostics.stacks_signal=SIGUSR1 is also requeue.signal"):
+    with pytest.raises(UserError, match=r"diagnostics\.stacks_signal=SIGUSR1 is also requeue\.signal"):
         check_config(cfg)
-    check_config(compose_train(tmp_path, data_dir, "diagnostics.stacks_signal=SIGUSR1", "requeue.enabled=false"))
+    check_config(
+        compose_train(tmp_path, data_dir, "diagnostics.stacks_signal=SIGUSR1", "requeue.enabled=false")
+    )
 
 
 def test_eval_config_composes(tmp_path: Path):

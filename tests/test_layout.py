@@ -24,6 +24,7 @@ LAYERS = [
         "hpctrain.runtime.cluster",
         "hpctrain.runtime.moved",
         "hpctrain.runtime.internals",
+        "hpctrain.runtime.snapshot",
     },
     {"hpctrain.runtime.config"},
     {"hpctrain.runtime.distributed"},

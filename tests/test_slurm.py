@@ -345,3 +345,85 @@ def test_a_signal_during_prediction_requeues_the_job_which_predicts_everything_a
         expected = module.eval()(_digits(161)[0]).softmax(dim=-1)
     torch.testing.assert_close(predictions["predictions"], expected, rtol=1e-4, atol=1e-5)
     assert not list(tmp_path.rglob("part-rank*.pt")) and not list(tmp_path.glob(".predictions.pt.tmp-*"))
+
+
+def _project_copy(target: Path) -> Path:
+    """A copy of this project's code as a git working copy of its own (the project's venv linked in)."""
+    import shutil
+    import subprocess
+
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        if (ROOT / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, target / name)
+    (target / ".venv").symlink_to(ROOT / ".venv")
+    git = ["git", "-C", str(target), "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the code as submitted"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    return target
+
+
+def test_a_requeued_attempt_runs_the_code_as_submitted_though_it_was_edited_since(
+    slurm_cluster, tmp_path: Path
+):
+    """submit.py runs each job from a snapshot of the code: the source is edited (so that it fails) after
+    submission, the job is preempted and requeued, and both attempts run the original code; the final
+    weights equal those of an uninterrupted job submitted with it."""
+    project = _project_copy(tmp_path / "project")
+    overrides = (
+        "data=digits",
+        "data.batch_size=16",
+        "trainer.max_epochs=2",
+        "test=false",
+        "callbacks.progress.log_every_n_s=0",
+        f"paths.log_dir={tmp_path}/logs",
+        "extras.print_config=false",
+    )
+    submit = (
+        PYTHON,
+        "scripts/submit.py",
+        "--nodes",
+        "2",
+        "--cpu",
+        f"--sbatch-arg=--output={tmp_path}/%x-%j.out",
+        "--",
+    )
+    jobs = []
+    for _ in range(2):  # the interrupted job and the reference, from the same code (one snapshot)
+        submitted = slurm_cluster.run(*submit, *overrides, cwd=project)
+        assert submitted.returncode == 0, submitted.stderr
+        assert "code snapshot: " in submitted.stdout
+        jobs.append(submitted.stdout.strip().split()[-1])
+    interrupted, reference = jobs
+    (snapshot,) = (project / "logs" / "snapshots").iterdir()
+    model = project / "src" / "hpctrain" / "models" / "classifier.py"
+    edited = model.read_text().replace(
+        "        loss, preds, y = self._loss_and_predictions(batch)\n        self.train_acc.update(preds, y)",
+        '        raise RuntimeError("the code edited after submission ran")',
+        1,
+    )
+    assert edited != model.read_text()
+    model.write_text(edited)
+
+    deadline = time.monotonic() + 240
+    while "epoch 1/2  step 10/" not in _output(tmp_path, interrupted):
+        assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
+        time.sleep(0.2)
+    assert slurm_cluster.run("scancel", "--signal=USR1", interrupted).returncode == 0
+    for job in (interrupted, reference):
+        info = slurm_cluster.wait(job, timeout_s=400)
+        assert info["JobState"] == "COMPLETED", _output(tmp_path, job)[-4000:]
+    assert slurm_cluster.job(interrupted).get("Restarts") == "1"
+    assert "edited after submission" not in _output(tmp_path, interrupted)
+
+    runs = tmp_path / "logs" / "train" / "runs"
+    record = yaml.safe_load((runs / f"slurm-{interrupted}" / "run.yaml").read_text())
+    assert len(record["attempts"]) == 2 and record["git"]["snapshot"] == str(snapshot)
+    final = _state_dict(runs / f"slurm-{interrupted}" / "checkpoints" / "last.ckpt")
+    expected = _state_dict(runs / f"slurm-{reference}" / "checkpoints" / "last.ckpt")
+    assert [k for k in final if not torch.equal(final[k], expected[k])] == []

@@ -397,3 +397,10 @@ def node_name(env: Mapping[str, str] | None = None) -> str:
     import socket
 
     return _env(env).get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def project_root(code_root: Path, env: Mapping[str, str] | None = None) -> Path:
+    """The project whose logs/, data/ and .venv a run uses: HPCTRAIN_PROJECT_ROOT when the code runs from
+    a snapshot (hpctrain.runtime.snapshot; scripts/submit.py sets it), else where the code is."""
+    named = _env(env).get("HPCTRAIN_PROJECT_ROOT")
+    return Path(named).resolve() if named else code_root

@@ -11,8 +11,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-PROJECT_ROOT = Path(__file__).resolve().parents[4]  # the directory holding conf/ and src/
-CONF_DIR = PROJECT_ROOT / "conf"
+from hpctrain.runtime import cluster
+
+CODE_ROOT = Path(__file__).resolve().parents[4]  # the directory holding the running code's conf/ and src/
+# The project whose logs/, data/ and .venv runs use: the same directory, unless the code runs from a
+# snapshot taken at submission (hpctrain.runtime.snapshot), which names the project it came from.
+PROJECT_ROOT = cluster.project_root(CODE_ROOT)
+CONF_DIR = CODE_ROOT / "conf"
 
 
 def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:

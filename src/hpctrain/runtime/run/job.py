@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config.checks import check_config
-from hpctrain.runtime.config.compose import PROJECT_ROOT, task_overrides
+from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
 from hpctrain.runtime.distributed import signals, stacks, watchdog
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
@@ -122,7 +122,7 @@ class Job:
         self._write_record(cfg, world_size=1)
 
     def _write_record(self, cfg: DictConfig, world_size: int) -> None:
-        records.write_run_record(cfg, self.run_dir, self.overrides, PROJECT_ROOT, world_size, self.hydra_cfg)
+        records.write_run_record(cfg, self.run_dir, self.overrides, CODE_ROOT, world_size, self.hydra_cfg)
 
     @contextmanager
     def running(self, run: Any) -> Iterator[None]:

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.runtime import cluster
+from hpctrain.runtime import cluster, snapshot
 from hpctrain.runtime.distributed.stacks import STACKS_DIR
 from hpctrain.runtime.errors import UserError
 
@@ -88,11 +88,26 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def code_record(root: Path) -> dict[str, Any]:
+    """Which code runs: the commit and whether the working copy differed from it; from a snapshot taken
+    at submission (hpctrain.runtime.snapshot), its manifest's commit, diff hash and path."""
+    taken = snapshot.manifest(root)
+    if taken is not None:
+        return {
+            "commit": taken.get("commit"),
+            "dirty": taken.get("dirty"),
+            "diff_sha256": taken.get("diff_sha256"),
+            "snapshot": str(root),
+        }
+    commit = _git(["rev-parse", "HEAD"], root)
+    return {"commit": commit, "dirty": bool(_git(["status", "--porcelain"], root)) if commit else None}
+
+
 def write_run_record(
     cfg: DictConfig,
     run_dir: str | Path,
     overrides: list[str],
-    project_root: str | Path,
+    code_root: str | Path,
     world_size: int,
     hydra_cfg: DictConfig | None = None,
 ) -> None:
@@ -110,13 +125,9 @@ def write_run_record(
         _write_atomically(hydra_dir / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})))
 
     record = read_run_record(run_dir)
-    root = Path(project_root)
-    commit = _git(["rev-parse", "HEAD"], root)
     record.setdefault("command", shlex.join([Path(sys.argv[0]).name, *overrides]))
     record.setdefault("overrides", list(overrides))
-    record.setdefault(
-        "git", {"commit": commit, "dirty": bool(_git(["status", "--porcelain"], root)) if commit else None}
-    )
+    record.setdefault("git", code_record(Path(code_root)))
     record.setdefault("versions", _versions())
     record.setdefault("attempts", []).append(
         {
