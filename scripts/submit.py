@@ -18,6 +18,7 @@ the working copy instead. Logs, data and the venv stay in the project.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import shutil
@@ -38,14 +39,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     parser.add_argument(
-        "--gpus-per-node", type=int, default=8, help="GPUs per node = tasks per node (default 8)"
+        "--cluster",
+        help="a preset of conf/cluster/ (partition, account, GPUs, CPUs and memory, time, setup lines); "
+        "flags given here win over it",
     )
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node = tasks per node (default 8)")
     parser.add_argument(
         "--cpu", action="store_true", help="CPU-only cluster: no GPUs, trainer=ddp_cpu (gloo)"
     )
-    parser.add_argument(
-        "--processes-per-node", type=int, default=1, help="with --cpu: processes per node (default 1)"
-    )
+    parser.add_argument("--processes-per-node", type=int, help="with --cpu: processes per node (default 1)")
     parser.add_argument("--cpus-per-task", type=int, help="CPU cores per task (default: the sbatch file's)")
     parser.add_argument("--time", help="time limit, e.g. 04:00:00")
     parser.add_argument("--mem", help="memory per node, e.g. 200G (default: the sbatch file's)")
@@ -83,7 +85,46 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error(
             f"{clashing[0]} is set from --nodes / --gpus-per-node (or --processes-per-node); drop it"
         )
+    args.gpu_type, args.setup = None, []
+    if args.cluster:
+        apply_preset(args, parser)
+    args.gpus_per_node = args.gpus_per_node or 8
+    args.processes_per_node = args.processes_per_node or 1
     return args
+
+
+def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fill what the command line left open from conf/cluster/<name>.yaml, and pass cluster=<name> on to
+    the job (its config records it; offline compute nodes make datamodules not download)."""
+    from omegaconf import OmegaConf
+
+    path = ROOT / "conf" / "cluster" / f"{args.cluster}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
+        parser.error(
+            f"--cluster {args.cluster}: there is no conf/cluster/{args.cluster}.yaml; the presets are {known}"
+        )
+    preset = OmegaConf.load(path)
+    gpus = int(preset.get("gpus_per_node") or 0)
+    if gpus == 0:
+        args.cpu = True
+        args.processes_per_node = args.processes_per_node or int(preset.get("tasks_per_node") or 1)
+    elif not args.cpu:
+        args.gpus_per_node = args.gpus_per_node or gpus
+        args.gpu_type = preset.get("gpu_type")
+    tasks = args.processes_per_node if args.cpu else args.gpus_per_node
+    for flag, value in (
+        ("partition", preset.get("partition")),
+        ("account", preset.get("account")),
+        ("qos", preset.get("qos")),
+        ("time", preset.get("time_min")),
+        ("cpus_per_task", preset.get("cpus_per_task")),
+        ("mem", f"{int(preset.mem_per_task_gb) * tasks}G" if preset.get("mem_per_task_gb") else None),
+    ):
+        if getattr(args, flag) is None and value is not None:
+            setattr(args, flag, str(value) if flag != "cpus_per_task" else int(value))
+    args.setup = list(preset.get("setup") or [])
+    args.overrides = [f"cluster={args.cluster}", *args.overrides]
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:
@@ -100,7 +141,7 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
         "sbatch",
         f"--nodes={args.nodes}",
         f"--ntasks-per-node={per_node}",
-        "--gres=none" if args.cpu else f"--gres=gpu:{per_node}",
+        "--gres=none" if args.cpu else f"--gres=gpu:{f'{args.gpu_type}:' if args.gpu_type else ''}{per_node}",
         f"--chdir={ROOT}",
         f"--output={ROOT / 'slurm' / 'logs'}/%x-{'%A_%a' if args.sweep else '%j'}.out",
     ]
@@ -265,7 +306,9 @@ def main(argv: list[str]) -> int:
         print(f"code snapshot: {code.path} (commit {(code.commit or 'none')[:12]}{changes})", flush=True)
         command = from_snapshot(command, code.path)
     print(shlex.join(command), flush=True)
-    return subprocess.run(command, check=False).returncode
+    # the preset's setup lines reach the job through its environment (slurm/job_env.sh runs them)
+    env = {**os.environ, "HPCTRAIN_CLUSTER_SETUP": "\n".join(args.setup)} if args.setup else None
+    return subprocess.run(command, check=False, env=env).returncode
 
 
 if __name__ == "__main__":

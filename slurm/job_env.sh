@@ -2,8 +2,12 @@
 # by every job of the SLURM launcher (hydra/launcher=slurm) and by the `srun torchrun` form that
 # scripts/torchrun_command.py --srun prints. Run from the project root, on the allocation's first node.
 
-# Your site's modules, environment and network settings.
+# Your site's modules, environment and network settings; then a cluster preset's setup lines
+# (conf/cluster/<name>.yaml `setup:`, passed by scripts/submit.py --cluster): one home for them, not both.
 source "$(dirname "${BASH_SOURCE[0]}")/site.sh"
+if [ -n "${HPCTRAIN_CLUSTER_SETUP:-}" ]; then
+    eval "${HPCTRAIN_CLUSTER_SETUP}"
+fi
 
 # Rank 0 runs on this node (the allocation's first). A port free here now, rather than Lightning's
 # default (15000 + the job id's last four digits), which collides when two jobs whose ids share those

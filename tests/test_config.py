@@ -70,7 +70,7 @@ def compatible_pairs() -> list[tuple[str, str]]:
 PAIRS = compatible_pairs()
 
 
-@functools.lru_cache(maxsize=None)  # each net option asks about every model: compose each once per worker
+@functools.cache  # each net option asks about every model: compose each once per worker
 def _net(*overrides: str) -> str | None:
     return OmegaConf.select(compose("train", list(overrides)), "model.net._target_")
 

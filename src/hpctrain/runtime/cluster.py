@@ -404,3 +404,23 @@ def project_root(code_root: Path, env: Mapping[str, str] | None = None) -> Path:
     a snapshot (hpctrain.runtime.snapshot; scripts/submit.py sets it), else where the code is."""
     named = _env(env).get("HPCTRAIN_PROJECT_ROOT")
     return Path(named).resolve() if named else code_root
+
+
+ALLOCATION = {  # what SLURM finally granted the job, as its environment says (recorded in run.yaml)
+    "partition": "SLURM_JOB_PARTITION",
+    "account": "SLURM_JOB_ACCOUNT",
+    "qos": "SLURM_JOB_QOS",
+    "nodes": "SLURM_JOB_NUM_NODES",
+    "tasks_per_node": "SLURM_NTASKS_PER_NODE",
+    "cpus_per_task": "SLURM_CPUS_PER_TASK",
+    "mem_per_node_mb": "SLURM_MEM_PER_NODE",
+    "gpus_on_node": "SLURM_GPUS_ON_NODE",
+}
+
+
+def allocation(env: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """The SLURM job's granted resources (None outside SLURM)."""
+    env = _env(env)
+    if "SLURM_JOB_ID" not in env:
+        return None
+    return {key: env[var] for key, var in ALLOCATION.items() if env.get(var)}

@@ -134,7 +134,15 @@ def _import_failure(err: InstantiationException) -> str | None:
 
 
 def datamodule(cfg: DictConfig) -> LightningDataModule:
-    return _checked_lightning_object(_instantiate(cfg.data), "data")
+    node = cfg.data
+    preset = cfg.get("cluster") or {}
+    if preset.get("offline") and node.get("download"):
+        # conf/cluster/<name>.yaml says the compute nodes have no internet: fail at once on missing data
+        # (the datamodule's own sentence) instead of trying a download that can only time out
+        node = OmegaConf.merge(node, {"download": False})
+        if cluster.is_rank_zero():
+            log.info("cluster=%s: compute nodes are offline, so data.download=false", preset.get("name"))
+    return _checked_lightning_object(_instantiate(node), "data")
 
 
 def model(cfg: DictConfig) -> LightningModule:

@@ -139,6 +139,7 @@ def write_run_record(
             "slurm_job_id": cluster.slurm_job_id(),
             "slurm_restart_count": cluster.restart_count(),
             "slurm_log": cluster.slurm_output_file(),
+            "slurm_allocation": cluster.allocation(),
         }
     )
     _write_atomically(run_dir / "run.yaml", yaml.safe_dump(record, sort_keys=False))

@@ -72,7 +72,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 f"trainer.devices={trainer.devices}; pass e.g. trainer.num_nodes=2 trainer.devices=4."
             ) from err
         gpus = per_node if str(trainer.accelerator) in GPU_ACCELERATORS else None
-        wanted = {"nodes": nodes, "tasks_per_node": per_node, "gpus_per_node": gpus}
+        wanted: dict[str, Any] = {"nodes": nodes, "tasks_per_node": per_node, "gpus_per_node": gpus}
         for key, value in wanted.items():
             given = self.params.get(key)
             if given not in (None, value):
@@ -80,6 +80,12 @@ class SlurmLauncher(SubmititSlurmLauncher):
                     f"hydra.launcher.{key}={given} disagrees with the trainer ({value}); drop it: it is "
                     "derived from trainer.num_nodes and trainer.devices."
                 )
+        preset = OmegaConf.select(self.config, "cluster") or {}
+        if self.params.get("mem_gb") is None and preset.get("mem_per_task_gb"):
+            wanted["mem_gb"] = int(preset.mem_per_task_gb) * per_node
+        if gpus and preset.get("gpu_type"):  # the site names GPU types in its GRES
+            wanted["gpus_per_node"] = None
+            wanted["gres"] = f"gpu:{preset.gpu_type}:{gpus}"
         return wanted
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
@@ -88,8 +94,9 @@ class SlurmLauncher(SubmititSlurmLauncher):
         refuse_swept_topology(job_overrides)
         params = dict(self.params)
         params.update(self._allocation())
-        if params["gpus_per_node"] is None:
-            params.pop("gpus_per_node")
+        for key in ("gpus_per_node", "mem_gb"):
+            if params.get(key) is None:
+                params.pop(key, None)
         requeue_signal = str(OmegaConf.select(self.config, "requeue.signal", default="SIGUSR1"))
         extra = dict(params.pop("additional_parameters", None) or {})
         extra.setdefault("signal", f"{requeue_signal}@90")  # the template's, replacing submitit's USR2
