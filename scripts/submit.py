@@ -86,6 +86,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
             f"{clashing[0]} is set from --nodes / --gpus-per-node (or --processes-per-node); drop it"
         )
     args.gpu_type, args.setup = None, []
+    args.resume_dir = None
+    if args.sweep and "skip_completed=true" in [o.lower() for o in args.overrides]:
+        given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("hydra.sweep.dir=")]
+        if not given:
+            parser.error(
+                "skip_completed=true re-runs an earlier sweep: name its dir with hydra.sweep.dir=<multirun dir>"
+            )
+        args.resume_dir = Path(given[-1]).expanduser().resolve()
     if args.cluster:
         apply_preset(args, parser)
     args.gpus_per_node = args.gpus_per_node or 8
@@ -135,6 +143,54 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
     return expand(overrides)
 
 
+def job_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides the job gets from here (trainer=ddp_cpu on a CPU cluster, the user's after it)."""
+    overrides = list(args.overrides)
+    if args.cpu and not any(o.startswith("trainer=") for o in overrides):
+        overrides.insert(0, "trainer=ddp_cpu")
+    return overrides
+
+
+def as_run(args: argparse.Namespace, point: list[str]) -> list[str]:
+    """One point's overrides as slurm/train.sbatch completes them for src/train.py (its trainer by default,
+    the counts from the allocation, the collective timeout), so its config signs as the task's will."""
+    per_node = args.processes_per_node if args.cpu else args.gpus_per_node
+    trainer = [] if any(o.startswith("trainer=") for o in point) else ["trainer=ddp"]
+    timeout = os.environ.get("COLLECTIVE_TIMEOUT_MIN", "30")
+    return [
+        *trainer,
+        *point,
+        f"trainer.num_nodes={args.nodes}",
+        f"trainer.devices={per_node}",
+        f"dist.timeout_min={timeout}",
+    ]
+
+
+def missing_points(args: argparse.Namespace) -> list[int]:
+    """The job numbers to submit: every point of the grid, or with skip_completed=true and
+    hydra.sweep.dir=<an earlier sweep's dir>, those that did not complete there with the same config."""
+    points = sweep_points(job_overrides(args))
+    if not args.resume_dir:
+        return list(range(len(points)))
+    from hpctrain.runtime.config.compose import compose
+    from hpctrain.runtime.run.records import completed_with, config_signature
+
+    todo = [
+        number
+        for number, point in enumerate(points)
+        if completed_with(
+            args.resume_dir / str(number), config_signature(compose("train", as_run(args, point)))
+        )
+        is None
+    ]
+    print(
+        f"skip_completed: {len(points) - len(todo)} of {len(points)} point(s) completed in {args.resume_dir} "
+        f"with the same config; submitting {len(todo)}",
+        file=sys.stderr,
+    )
+    return todo
+
+
 def sbatch_command(args: argparse.Namespace) -> list[str]:
     per_node = args.processes_per_node if args.cpu else args.gpus_per_node
     command = [
@@ -146,9 +202,9 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
         f"--output={ROOT / 'slurm' / 'logs'}/%x-{'%A_%a' if args.sweep else '%j'}.out",
     ]
     if args.sweep:
-        points = len(sweep_points(args.overrides))
         limit = f"%{args.parallel}" if args.parallel else ""
-        command.append(f"--array=0-{points - 1}{limit}")
+        todo = missing_points(args)
+        command.append(f"--array={','.join(map(str, todo)) if args.resume_dir else f'0-{todo[-1]}'}{limit}")
     optional = {
         "--cpus-per-task": args.cpus_per_task,
         "--time": args.time,
@@ -161,10 +217,7 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
     command += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
     command += args.sbatch_arg
     command.append(str(SWEEP_FILE if args.sweep else SBATCH_FILE))
-    overrides = list(args.overrides)
-    if args.cpu and not any(o.startswith("trainer=") for o in overrides):
-        overrides.insert(0, "trainer=ddp_cpu")
-    return command + overrides
+    return command + job_overrides(args)
 
 
 # ------------------------------------------------------------------ requests that can never start
@@ -269,9 +322,16 @@ def from_snapshot(command: list[str], code: Path) -> list[str]:
     return moved
 
 
+def command_has_empty_array(command: list[str]) -> bool:
+    return any(arg.startswith("--array=") and arg[len("--array=") :].split("%")[0] == "" for arg in command)
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     command = sbatch_command(args)
+    if command_has_empty_array(command):
+        print("nothing to submit: every point of the sweep completed there.", flush=True)
+        return 0
     if args.dry_run:
         print(shlex.join(command), flush=True)
         if not args.no_snapshot:
@@ -306,8 +366,12 @@ def main(argv: list[str]) -> int:
         print(f"code snapshot: {code.path} (commit {(code.commit or 'none')[:12]}{changes})", flush=True)
         command = from_snapshot(command, code.path)
     print(shlex.join(command), flush=True)
-    # the preset's setup lines reach the job through its environment (slurm/job_env.sh runs them)
-    env = {**os.environ, "HPCTRAIN_CLUSTER_SETUP": "\n".join(args.setup)} if args.setup else None
+    # the preset's setup lines and an earlier sweep's dir reach the job through its environment
+    env = dict(os.environ)
+    if args.setup:
+        env["HPCTRAIN_CLUSTER_SETUP"] = "\n".join(args.setup)  # run by slurm/job_env.sh
+    if args.resume_dir is not None:
+        env["HPCTRAIN_SWEEP_DIR"] = str(args.resume_dir)  # read by slurm/sweep.sbatch
     return subprocess.run(command, check=False, env=env).returncode
 
 

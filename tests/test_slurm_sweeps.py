@@ -199,3 +199,42 @@ def test_an_optuna_study_through_the_slurm_launcher(slurm_cluster, tmp_path: Pat
     (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
     assert [r["status"] for r in _rows(sweep)] == ["completed", "completed"]
     assert yaml.safe_load((sweep / "optuna_best.yaml").read_text())["completed"] == 2
+
+
+def test_a_job_array_re_run_submits_only_the_points_that_did_not_complete(slurm_cluster, tmp_path: Path):
+    submit = (
+        PYTHON,
+        "scripts/submit.py",
+        "--sweep",
+        "--nodes",
+        "1",
+        "--cpu",
+        "--cpus-per-task",
+        "1",
+        "--mem",
+        "1G",
+        f"--sbatch-arg=--output={tmp_path}/%x-%A_%a.out",
+        "--",
+        *QUICK,
+        f"paths.log_dir={tmp_path}",
+    )
+    first = slurm_cluster.run(*submit, "model.optimizer.lr=0.01,-1", cwd=ROOT)  # point 1 is refused
+    assert first.returncode == 0, first.stderr
+    array = first.stdout.strip().split()[-1]
+    for task in ("0", "1"):
+        slurm_cluster.wait(f"{array}_{task}", timeout_s=300)
+    sweep = tmp_path / "train" / "multiruns" / f"slurm-{array}"
+    again = slurm_cluster.run(
+        *submit, "model.optimizer.lr=0.01,0.003", f"hydra.sweep.dir={sweep}", "skip_completed=true", cwd=ROOT
+    )
+    assert again.returncode == 0, again.stderr
+    assert "skip_completed: 1 of 2 point(s) completed in" in again.stderr and "--array=1 " in again.stdout
+    second = again.stdout.strip().split()[-1]
+    info = slurm_cluster.wait(f"{second}_1", timeout_s=300)
+    assert info["JobState"] == "COMPLETED"
+    assert yaml.safe_load((sweep / "1" / "outcome.yaml").read_text())["status"] == "completed"
+    assert not (tmp_path / "train" / "multiruns" / f"slurm-{second}").exists()  # into the earlier sweep's dir
+    done = slurm_cluster.run(
+        *submit, "model.optimizer.lr=0.01,0.003", f"hydra.sweep.dir={sweep}", "skip_completed=true", cwd=ROOT
+    )
+    assert done.returncode == 0 and "nothing to submit" in done.stdout

@@ -237,3 +237,23 @@ def test_printed_torchrun_lines_leave_variables_to_the_nodes_shell(form: str):
     assert expected in words and "tag=${data.name}" in words, words
     if form == "srun":
         assert "--rdzv-id=77" in words
+
+
+@pytest.mark.slow
+def test_a_sweep_re_run_into_its_dir_skips_the_points_that_completed_there(tmp_path: Path):
+    import csv
+
+    from tests.helpers import train
+
+    sweep = tmp_path / "sweep"
+    quick = ("-m", "experiment=quickstart", "trainer.max_epochs=1", "test=false", f"hydra.sweep.dir={sweep}")
+    first = train(tmp_path, *quick, "model.optimizer.lr=0.01,-1")  # job 1 is refused: lr must be positive
+    assert first.returncode == 0, first.stdout[-3000:]
+    before = (sweep / "0" / "checkpoints" / "last.ckpt").stat().st_mtime_ns
+    again = train(tmp_path, *quick, "model.optimizer.lr=0.01,0.003", "skip_completed=true")
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "job 0: already completed in" in again.stdout
+    assert "skip_completed: 1 point(s) had completed in" in again.stdout and "(jobs 0)" in again.stdout
+    assert (sweep / "0" / "checkpoints" / "last.ckpt").stat().st_mtime_ns == before  # not trained again
+    with open(sweep / "summary.csv", newline="") as file:
+        assert [r["status"] for r in csv.DictReader(file)] == ["completed", "completed"]

@@ -424,3 +424,10 @@ def allocation(env: Mapping[str, str] | None = None) -> dict[str, str] | None:
     if "SLURM_JOB_ID" not in env:
         return None
     return {key: env[var] for key, var in ALLOCATION.items() if env.get(var)}
+
+
+def resumed_sweep_dir(env: Mapping[str, str] | None = None) -> Path | None:
+    """The multirun dir a job array re-runs the missing points of (scripts/submit.py --sweep with
+    skip_completed=true sets HPCTRAIN_SWEEP_DIR; its task ids are then the grid's job numbers)."""
+    named = _env(env).get("HPCTRAIN_SWEEP_DIR")
+    return Path(named) if named else None

@@ -60,6 +60,13 @@ KEYS: tuple[Key, ...] = (
         "last",
         "start from this checkpoint (last: the newest last.ckpt of this task's runs)",
     ),
+    Key(
+        "skip_completed",
+        {"type": "boolean"},
+        "true or false",
+        "true",
+        "a re-run sweep skips completed points",
+    ),
     Key("compile", {"type": "boolean"}, "true or false", "true", "torch.compile the model's networks"),
     Key("compile_backend", {"type": "string"}, "a torch.compile backend", "inductor"),
     Key("channels_last", {"type": "boolean"}, "true or false", "true", "channels-last memory order for CNNs"),

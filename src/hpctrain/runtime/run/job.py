@@ -55,6 +55,7 @@ class Job:
         self.outcome = self._stack.enter_context(
             records.outcome_recorded(self.run_dir, metric, self.overrides, in_sweep=in_multirun())
         )
+        self.outcome.signature = records.config_signature(self.cfg)
         try:
             self._preflight()
         except BaseException:
@@ -151,6 +152,8 @@ class Job:
 
 # ------------------------------------------------------------------- a job of a sweep (-m)
 
+SKIPPED: list[int] = []  # jobs of this sweep skipped by skip_completed=true (reported when it ends)
+
 
 def in_multirun() -> bool:
     """Whether this process runs the jobs of a sweep (not a DDP child rank started by one of them)."""
@@ -171,6 +174,13 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         )
     watchdog.in_sweep()
     job = HydraConfig.get().job.num
+    if cfg.get("skip_completed"):
+        run_dir = HydraConfig.get().runtime.output_dir
+        done = records.completed_with(run_dir, records.config_signature(cfg))
+        if done is not None:  # the same config completed in this job's dir: its result stands
+            SKIPPED.append(job)
+            log.info("job %s: already completed in %s with the same config; skipped", job, run_dir)
+            return done.get("value")
     try:
         return task(cfg)
     except SystemExit as err:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hpctrain.runtime import cluster, snapshot
 from hpctrain.runtime.distributed.stacks import STACKS_DIR
@@ -157,6 +157,7 @@ class Outcome:
     status: str = "running"
     error: str | None = None
     ranks: dict[int, dict[str, Any]] | None = None  # per rank: its time per step, and where it went
+    signature: str | None = None  # of the composed config, without paths: a re-run sweep skips what matches
 
 
 @contextmanager
@@ -196,10 +197,45 @@ def outcome_recorded(
                 "overrides": list(overrides or []),
                 "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
             }
+            if outcome.signature:
+                record["signature"] = outcome.signature
             if outcome.ranks:
                 record["ranks"] = outcome.ranks
             with suppress(OSError):  # an unwritable run dir has already been reported
                 _write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
+
+
+UNSIGNED = ("paths", "hydra", "skip_completed")  # where a run writes, not what it computes
+
+
+def config_signature(cfg: DictConfig) -> str | None:
+    """A digest of the composed config without its paths: two runs with the same signature train the
+    same thing (None if the config cannot be resolved here)."""
+    import copy
+    import hashlib
+
+    # Every path is replaced by its name before resolving, so values built from paths (the data dir,
+    # the checkpoint folder) sign the same wherever and whenever the run happens.
+    placed = copy.deepcopy(cfg)
+    with open_dict(placed):
+        for key in list(placed.get("paths") or {}):
+            placed.paths[key] = f"<paths.{key}>"
+    try:
+        content = OmegaConf.to_container(placed, resolve=True)
+    except Exception:
+        return None
+    assert isinstance(content, dict)
+    kept = {k: v for k, v in content.items() if k not in UNSIGNED}
+    return hashlib.sha256(yaml.safe_dump(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def completed_with(run_dir: str | Path, signature: str | None) -> dict[str, Any] | None:
+    """The outcome of a run that completed in `run_dir` with this config signature, else None."""
+    path = Path(run_dir) / OUTCOME_FILE
+    if signature is None or not path.is_file():
+        return None
+    record = yaml.safe_load(path.read_text()) or {}
+    return record if record.get("status") == "completed" and record.get("signature") == signature else None
 
 
 def _remove_if_only_logs(run_dir: Path) -> None:

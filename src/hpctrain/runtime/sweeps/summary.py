@@ -98,6 +98,15 @@ class SweepSummary(HydraCallback):
     """Hydra callback: when a sweep (-m) ends, write its summary.csv and summary.png."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from hpctrain.runtime.run.job import SKIPPED
+
         sweep_dir = Path(str(config.hydra.sweep.dir))
+        if SKIPPED:
+            log.info(
+                "skip_completed: %d point(s) had completed in %s with the same config and were skipped (jobs %s)",
+                len(SKIPPED),
+                sweep_dir,
+                ", ".join(map(str, SKIPPED)),
+            )
         if sweep_dir.is_dir():
             report(sweep_dir)
