@@ -26,7 +26,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # this code: the project, or a snapshot of it
+sys.path.insert(0, str(ROOT / "src"))
+
+from hpctrain.runtime import cluster, snapshot  # noqa: E402
+from hpctrain.runtime.errors import UserError  # noqa: E402
+
+PROJECT = cluster.project_root(ROOT)  # where logs/, data/ and .venv are (HPCTRAIN_PROJECT_ROOT in a snapshot)
 SBATCH_FILE = ROOT / "slurm" / "train.sbatch"
 SWEEP_FILE = ROOT / "slurm" / "sweep.sbatch"
 # Counts that the submit flags set; passing them as overrides too could only create a mismatch.
@@ -74,6 +80,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="run the working copy's code in every attempt instead of a snapshot taken now (logs/snapshots/)",
     )
+    remote = parser.add_argument_group("a cluster behind SSH (README: From your laptop)")
+    remote.add_argument(
+        "--remote", metavar="[USER@]HOST[:DIR]", help="submit on this login node, into the project DIR there"
+    )
+    remote.add_argument("--remote-python", help="the remote project's python (default: DIR/.venv/bin/python)")
+    remote.add_argument("--ssh-config", help="an ssh config file (default: yours, ~/.ssh/config)")
+    remote.add_argument("--status", metavar="JOB", help="with --remote: the job's state")
+    remote.add_argument("--logs", metavar="JOB", help="with --remote: the tail of the job's SLURM output")
+    remote.add_argument("--fetch", metavar="JOB", help="with --remote: its run dir into logs/remote/<host>/")
+    remote.add_argument("--with-checkpoints", action="store_true", help="with --fetch: the checkpoints too")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for src/train.py (after --)")
     args = parser.parse_args(argv)
     for name in ("nodes", "gpus_per_node", "processes_per_node", "cpus_per_task", "parallel"):
@@ -137,7 +153,6 @@ def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:
     """The jobs of the Hydra sweep grid in `overrides`, in Hydra's order."""
-    sys.path.insert(0, str(ROOT / "src"))
     from hpctrain.runtime.sweeps.grid import expand
 
     return expand(overrides)
@@ -199,7 +214,7 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
         f"--ntasks-per-node={per_node}",
         "--gres=none" if args.cpu else f"--gres=gpu:{f'{args.gpu_type}:' if args.gpu_type else ''}{per_node}",
         f"--chdir={ROOT}",
-        f"--output={ROOT / 'slurm' / 'logs'}/%x-{'%A_%a' if args.sweep else '%j'}.out",
+        f"--output={PROJECT / 'slurm' / 'logs'}/%x-{'%A_%a' if args.sweep else '%j'}.out",
     ]
     if args.sweep:
         limit = f"%{args.parallel}" if args.parallel else ""
@@ -318,8 +333,65 @@ def from_snapshot(command: list[str], code: Path) -> list[str]:
         elif arg in (str(SBATCH_FILE), str(SWEEP_FILE)):
             arg = str(code / Path(arg).relative_to(ROOT))
         moved.append(arg)
-    moved.insert(1, f"--export=ALL,HPCTRAIN_PROJECT_ROOT={ROOT}")
+    moved.insert(1, f"--export=ALL,HPCTRAIN_PROJECT_ROOT={PROJECT}")
     return moved
+
+
+def take_snapshot() -> snapshot.Snapshot | None:
+    try:
+        code = snapshot.take(ROOT)
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
+    changes = f", uncommitted changes {code.diff_sha256[:12]}" if code.diff_sha256 else ""
+    print(f"code snapshot: {code.path} (commit {(code.commit or 'none')[:12]}{changes})", flush=True)
+    return code
+
+
+REMOTE_ONLY = ("--remote", "--remote-python", "--ssh-config")
+
+
+def local_arguments(argv: list[str]) -> list[str]:
+    """submit.py's arguments for the remote side: without those that say how to reach it."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in REMOTE_ONLY:
+            skip = True
+            continue
+        if arg.startswith(tuple(f"{flag}=" for flag in REMOTE_ONLY)):
+            continue
+        kept.append(arg)
+    return kept
+
+
+def remote_main(args: argparse.Namespace, argv: list[str]) -> int:
+    from hpctrain.runtime.remote import Remote
+
+    try:
+        remote = Remote.parse(args.remote, args.remote_python, args.ssh_config, ROOT.name)
+        if args.status:
+            print(remote.status(args.status))
+        elif args.logs:
+            print(remote.logs(args.logs), end="")
+        elif args.fetch:
+            host = remote.host.split("@")[-1]
+            where = remote.fetch(args.fetch, PROJECT / "logs" / "remote" / host, args.with_checkpoints)
+            print(f"run dir of job {args.fetch}: {where}")
+        else:
+            code = take_snapshot()
+            if code is None:
+                return 2
+            job = remote.submit(code, local_arguments(argv))
+            print(
+                f"job {job} on {remote.host}; follow it with --remote {args.remote} --status {job} (or --logs, --fetch)"
+            )
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def command_has_empty_array(command: list[str]) -> bool:
@@ -328,6 +400,14 @@ def command_has_empty_array(command: list[str]) -> bool:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    if args.remote:
+        return remote_main(args, argv)
+    if args.status or args.logs or args.fetch:
+        print(
+            "error: --status, --logs and --fetch ask a remote cluster: add --remote [user@]host[:dir].",
+            file=sys.stderr,
+        )
+        return 2
     command = sbatch_command(args)
     if command_has_empty_array(command):
         print("nothing to submit: every point of the sweep completed there.", flush=True)
@@ -352,18 +432,13 @@ def main(argv: list[str]) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    (ROOT / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
-    if not args.no_snapshot:  # every attempt, requeued ones too, runs the code as it is now
-        sys.path.insert(0, str(ROOT / "src"))
-        from hpctrain.runtime import snapshot
-
-        try:
-            code = snapshot.take(ROOT)
-        except RuntimeError as err:
-            print(f"error: {err}", file=sys.stderr)
+    (PROJECT / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
+    if snapshot.manifest(ROOT) is not None:  # this code is a snapshot already (sent by --remote)
+        command = from_snapshot(command, ROOT)
+    elif not args.no_snapshot:  # every attempt, requeued ones too, runs the code as it is now
+        code = take_snapshot()
+        if code is None:
             return 2
-        changes = f", uncommitted changes {code.diff_sha256[:12]}" if code.diff_sha256 else ""
-        print(f"code snapshot: {code.path} (commit {(code.commit or 'none')[:12]}{changes})", flush=True)
         command = from_snapshot(command, code.path)
     print(shlex.join(command), flush=True)
     # the preset's setup lines and an earlier sweep's dir reach the job through its environment

@@ -25,6 +25,7 @@ LAYERS = [
         "hpctrain.runtime.moved",
         "hpctrain.runtime.internals",
         "hpctrain.runtime.snapshot",
+        "hpctrain.runtime.remote",
     },
     {"hpctrain.runtime.config"},
     {"hpctrain.runtime.distributed"},
