@@ -104,8 +104,13 @@ def test_the_slurm_launcher_runs_a_sweep_and_collects_results(slurm_cluster, tmp
     rows = _rows(sweep)
     assert [r["status"] for r in rows] == ["completed", "failed"]
     assert "model.optimizer.lr=-1 is not a positive number" in rows[1]["error"]
-    attempt = yaml.safe_load((Path(rows[0]["run_dir"]) / "run.yaml").read_text())["attempts"][0]
+    record = yaml.safe_load((Path(rows[0]["run_dir"]) / "run.yaml").read_text())
+    attempt = record["attempts"][0]
     assert (attempt["launcher"], attempt["world_size"]) == ("slurm", 2)  # nodes and tasks from the trainer
+    # the job ran the code as launched: a snapshot of it, with its conf/
+    snapshot = Path(record["git"]["snapshot"])
+    assert snapshot.parent == ROOT / "logs" / "snapshots" and (snapshot / "conf" / "train.yaml").is_file()
+    assert "the jobs run from a snapshot of the code" in result.stdout + result.stderr
     assert Path(rows[0]["slurm_log"]).is_file()
     log = result.stderr + result.stdout
     assert "job 0: SLURM job" in log and f"run dir {sweep}/0" in log  # said as soon as submitted

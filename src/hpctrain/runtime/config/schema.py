@@ -60,6 +60,7 @@ KEYS: tuple[Key, ...] = (
         "last",
         "start from this checkpoint (last: the newest last.ckpt of this task's runs)",
     ),
+    Key("snapshot", {"type": "boolean"}, "true or false", "false", "launcher jobs run from a code snapshot"),
     Key(
         "skip_completed",
         {"type": "boolean"},

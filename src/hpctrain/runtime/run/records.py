@@ -205,7 +205,7 @@ def outcome_recorded(
                 _write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
 
 
-UNSIGNED = ("paths", "hydra", "skip_completed")  # where a run writes, not what it computes
+UNSIGNED = ("paths", "hydra", "skip_completed", "snapshot")  # where a run writes, not what it computes
 
 
 def config_signature(cfg: DictConfig) -> str | None:

@@ -15,6 +15,8 @@ What this adds to hydra-submitit-launcher 1.2:
   (another run dir) and, with Lightning, the checkpoint would be taken inside a signal handler;
 - srun's `--kill-on-bad-exit=1`, and MASTER_ADDR / a free MASTER_PORT exported on the first node, as
   slurm/train.sbatch does;
+- the jobs run from a snapshot of the code taken at launch (hpctrain.runtime.snapshot), so a requeued
+  job runs what was launched however the working copy changes; `snapshot=false` opts out;
 - the sweep dir is resolved once, here, so every job writes under it (the config each job composes on
   its node would otherwise name its own sweep dir after its own job id);
 - the launching command prints each job's SLURM id, run dir and log as soon as it is submitted, and a
@@ -102,10 +104,12 @@ class SlurmLauncher(SubmititSlurmLauncher):
         extra.setdefault("signal", f"{requeue_signal}@90")  # the template's, replacing submitit's USR2
         extra.setdefault("requeue", True)
         params["additional_parameters"] = extra
-        params["setup"] = [
-            *setup_lines(OmegaConf.select(self.config, "paths.root_dir")),
-            *(params.get("setup") or []),
-        ]
+        root_dir = OmegaConf.select(self.config, "paths.root_dir")
+        code_lines: list[str] = []
+        if OmegaConf.select(self.config, "snapshot", default=True):
+            code, code_lines = self._run_from_snapshot()
+            root_dir = str(code)
+        params["setup"] = [*code_lines, *setup_lines(root_dir), *(params.get("setup") or [])]
         self._sweep_dir = str(self.config.hydra.sweep.dir)
 
         folder = params.pop("submitit_folder")
@@ -142,6 +146,28 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 " ".join(filter_overrides(overrides)),
             )
         return [self._result(job, number) for (_, _, number, _, _), job in zip(job_params, jobs, strict=True)]
+
+    def _run_from_snapshot(self) -> tuple[Path, list[str]]:
+        """A snapshot of the code now (hpctrain.runtime.snapshot), which every job runs, requeued attempts
+        included: its src/ first on the path, its conf/ where the jobs compose their config (the search
+        path the jobs receive is rewritten from the project's conf/ to the snapshot's), the project named
+        for logs/, data/ and the venv."""
+        from hpctrain.runtime import snapshot
+        from hpctrain.runtime.config.compose import CODE_ROOT, CONF_DIR, PROJECT_ROOT
+
+        try:
+            code = snapshot.take(CODE_ROOT).path
+        except RuntimeError as err:
+            raise UserError(f"{err} (or pass snapshot=false)") from err
+        for element in self.hydra_context.config_loader.get_search_path().get_path():
+            if element.path.removeprefix("file://") == str(CONF_DIR):
+                element.path = f"file://{code / 'conf'}"
+        log.info("the jobs run from a snapshot of the code: %s", code)
+        return code, [
+            f"export HPCTRAIN_PROJECT_ROOT={shlex.quote(str(PROJECT_ROOT))}",
+            f"cd {shlex.quote(str(code))}",
+            f"export PYTHONPATH={shlex.quote(str(code / 'src'))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        ]
 
     @staticmethod
     def _result(job: Any, number: int) -> JobReturn:
