@@ -48,6 +48,7 @@ def mnist_dir(data_dir: Path) -> Path:
     return data_dir
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the group into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) every test that uses the
     Slurm cluster runs in one worker: the cluster's node names and ports exist once per machine."""

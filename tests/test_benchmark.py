@@ -37,8 +37,10 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
         step_ms = {
             name: global_batch / rate * 1000 for name, rate in (("raw", raw), ("bare", bare), ("ours", ours))
         }
-        assert row["template_overhead_ms"] == pytest.approx(step_ms["ours"] - step_ms["bare"], abs=2e-3)
-        assert row["lightning_overhead_ms"] == pytest.approx(step_ms["bare"] - step_ms["raw"], abs=2e-3)
+        # from rates rounded in the report: on a loaded machine (steps of 100 ms) that rounding shows
+        tolerance = {"rel": 1e-3, "abs": 2e-3}
+        assert row["template_overhead_ms"] == pytest.approx(step_ms["ours"] - step_ms["bare"], **tolerance)
+        assert row["lightning_overhead_ms"] == pytest.approx(step_ms["bare"] - step_ms["raw"], **tolerance)
     assert 0 < report["help_s"] < 30 and 0 < report["help_peak_rss_mb"] < 2000
     assert 0 < report["cfg_job_s"] < 30
     assert 0 < report["import_hydra_s"] < 30 and 0 < report["import_lightning_s"] < 60

@@ -42,6 +42,16 @@ def test_flags_win_over_the_preset_and_gpu_types_reach_the_gres():
     assert (flags["mem"], flags["account"], flags["time"]) == ("496G", "def-yourpi", "60")
 
 
+def test_an_offline_preset_keeps_datamodules_from_downloading(tmp_path: Path):
+    from hpctrain.runtime.config.compose import compose
+    from hpctrain.runtime.run import build
+
+    base = ["data=mnist", f"paths.data_dir={tmp_path}", f"paths.output_dir={tmp_path}"]
+    assert build.datamodule(compose("train", base)).download  # the data config's default
+    offline = compose("train", [*base, "cluster=narval"])  # compute nodes without internet
+    assert offline.cluster.offline and not build.datamodule(offline).download
+
+
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_a_presets_values_reach_sbatch_the_array_and_the_launcher(slurm_cluster, tmp_path: Path):
@@ -93,6 +103,7 @@ def test_a_presets_values_reach_sbatch_the_array_and_the_launcher(slurm_cluster,
     assert granted(launcher_job)["MinMemoryNode"] == "2G"  # mem_per_task_gb x 1 task
     info = slurm_cluster.wait(job, timeout_s=300)
     assert info["JobState"] == "COMPLETED"
+    assert "cluster preset local: setup lines run" in next(tmp_path.glob(f"*-{job}.out")).read_text()
     (run,) = (tmp_path / "train" / "runs").iterdir()
     allocation = yaml.safe_load((run / "run.yaml").read_text())["attempts"][0]["slurm_allocation"]
     assert (allocation["partition"], allocation["cpus_per_task"], allocation["nodes"]) == ("debug", "2", "2")
