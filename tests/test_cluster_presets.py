@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import PYTHON, ROOT
+from tests.helpers import EXAMPLES, PYTHON, ROOT
 
 QUICK = ("experiment=quickstart", "trainer.max_epochs=1", "test=false", "extras.print_config=false")
 
@@ -42,6 +42,7 @@ def test_flags_win_over_the_preset_and_gpu_types_reach_the_gres():
     assert (flags["mem"], flags["account"], flags["time"]) == ("496G", "def-yourpi", "60")
 
 
+@pytest.mark.skipif(not EXAMPLES, reason="no datamodule that downloads without the examples")
 def test_an_offline_preset_keeps_datamodules_from_downloading(tmp_path: Path):
     from hpctrain.runtime.config.compose import compose
     from hpctrain.runtime.run import build
