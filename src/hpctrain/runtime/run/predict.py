@@ -21,14 +21,15 @@ classifier) gets a CSV `index,path,class,prob_0..prob_{K-1}`; any other gets `pr
 from __future__ import annotations
 
 import csv
+import io
 import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning_fabric.utilities.apply_func import move_data_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
 from omegaconf import DictConfig
 from pytorch_lightning import LightningDataModule, LightningModule, Trainer
 from pytorch_lightning.callbacks import BasePredictionWriter
@@ -38,6 +39,9 @@ from torch.utils.data import DataLoader
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import contents
+from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO
+from hpctrain.runtime.run.export import tensors
+from hpctrain.runtime.run.records import write_atomically
 
 log = logging.getLogger("hpctrain")
 
@@ -213,7 +217,9 @@ class PredictionWriter(BasePredictionWriter):
                 f"{type(pl_module).__name__}.predict_step returned None; return the predictions (tensors with one "
                 "row per sample, or dicts, lists or tuples of them)."
             )
-        prediction = move_data_to_device(_detached(prediction), torch.device("cpu"))
+        prediction = move_data_to_device(
+            apply_to_collection(prediction, Tensor, Tensor.detach), torch.device("cpu")
+        )
         rows = _rows(prediction)
         if batch_indices:
             indices = torch.as_tensor(list(batch_indices), dtype=torch.int64)
@@ -261,7 +267,7 @@ class PredictionWriter(BasePredictionWriter):
         keep = torch.ones(len(index), dtype=torch.bool)
         keep[1:] = index[1:] != index[:-1]  # a sample predicted twice (a padding sampler of the user's): once
         order = order[keep]
-        index, predictions = index[keep], _take(predictions, order)
+        index, predictions = index[keep], apply_to_collection(predictions, Tensor, lambda t: t[order])
         classifier = _is_classification(predictions)
         output = self.output or self.parts_dir.parent / (
             "predictions.csv" if classifier else "predictions.pt"
@@ -278,27 +284,9 @@ class PredictionWriter(BasePredictionWriter):
         return output
 
 
-def _detached(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach()
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detached(v) for v in value)
-    return value
-
-
-def _leaves(value: Any) -> list[Any]:
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _leaves(v)]
-    if isinstance(value, (list, tuple)):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return [value]
-
-
 def _rows(prediction: Any) -> int:
     """The number of samples a prediction covers: the first dimension every tensor in it shares."""
-    leaves = _leaves(prediction)
+    leaves = tensors(prediction)
     sizes = {len(t) if isinstance(t, Tensor) and t.dim() > 0 else None for t in leaves}
     if len(sizes) != 1 or None in sizes:
         kinds = sorted(
@@ -320,14 +308,6 @@ def _cat(items: list[Any]) -> Any:
     return type(first)(_cat(list(parts)) for parts in zip(*items, strict=True))
 
 
-def _take(value: Any, order: Tensor) -> Any:
-    if isinstance(value, Tensor):
-        return value[order]
-    if isinstance(value, dict):
-        return {k: _take(v, order) for k, v in value.items()}
-    return type(value)(_take(v, order) for v in value)
-
-
 def _is_classification(predictions: Any) -> bool:
     return (
         isinstance(predictions, dict)
@@ -339,27 +319,14 @@ def _is_classification(predictions: Any) -> bool:
 def _write_csv(output: Path, index: Tensor, predictions: dict[str, Tensor], paths: list[str] | None) -> None:
     classes, probs = predictions["class"].tolist(), predictions["probs"].float().tolist()
     header = ["index", "path", "class", *(f"prob_{k}" for k in range(len(probs[0]) if probs else 0))]
-    tmp = _temporary(output)
-    try:
-        with open(tmp, "w", newline="") as file:
-            writer = csv.writer(file)
-            writer.writerow(header)
-            for i, c, p in zip(index.tolist(), classes, probs, strict=True):
-                writer.writerow([i, paths[i] if paths else "", c, *(f"{x:.6g}" for x in p)])
-        os.replace(tmp, output)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _temporary(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(header)
+    for i, c, p in zip(index.tolist(), classes, probs, strict=True):
+        writer.writerow([i, paths[i] if paths else "", c, *(f"{x:.6g}" for x in p)])
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(output, text.getvalue())
 
 
 def _save_atomically(content: Any, path: Path) -> None:
-    tmp = _temporary(path)
-    try:
-        torch.save(content, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    AtomicCheckpointIO().save_checkpoint(content, path)  # temporary file beside it, fsync, rename

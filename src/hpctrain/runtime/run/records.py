@@ -82,7 +82,7 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     tmp.replace(path)
@@ -116,13 +116,13 @@ def write_run_record(
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
     if not config_file.exists():
-        _write_atomically(config_file, OmegaConf.to_yaml(cfg, resolve=True))
+        write_atomically(config_file, OmegaConf.to_yaml(cfg, resolve=True))
     hydra_dir = run_dir / ".hydra"
     if hydra_cfg is not None and not (hydra_dir / "config.yaml").exists():
         hydra_dir.mkdir(exist_ok=True)
-        _write_atomically(hydra_dir / "config.yaml", OmegaConf.to_yaml(cfg))
-        _write_atomically(hydra_dir / "overrides.yaml", yaml.safe_dump(list(overrides)))
-        _write_atomically(hydra_dir / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})))
+        write_atomically(hydra_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        write_atomically(hydra_dir / "overrides.yaml", yaml.safe_dump(list(overrides)))
+        write_atomically(hydra_dir / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})))
 
     record = read_run_record(run_dir)
     record.setdefault("command", shlex.join([Path(sys.argv[0]).name, *overrides]))
@@ -142,7 +142,7 @@ def write_run_record(
             "slurm_allocation": cluster.allocation(),
         }
     )
-    _write_atomically(run_dir / "run.yaml", yaml.safe_dump(record, sort_keys=False))
+    write_atomically(run_dir / "run.yaml", yaml.safe_dump(record, sort_keys=False))
 
 
 OUTCOME_FILE = "outcome.yaml"
@@ -202,7 +202,7 @@ def outcome_recorded(
             if outcome.ranks:
                 record["ranks"] = outcome.ranks
             with suppress(OSError):  # an unwritable run dir has already been reported
-                _write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
+                write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
 
 
 UNSIGNED = ("paths", "hydra", "skip_completed", "snapshot")  # where a run writes, not what it computes
