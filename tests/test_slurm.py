@@ -6,7 +6,6 @@ scontrol, and their outputs read back.
 
 from __future__ import annotations
 
-import csv
 import re
 import socket
 import time
@@ -16,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import PYTHON, ROOT, last_value, read_metrics
+from tests.helpers import PYTHON, ROOT, last_value, metrics_without_timing, read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -121,14 +120,6 @@ def _state_dict(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
-def _metrics_without_speed(run: Path) -> list[dict[str, str]]:
-    with open(run / "metrics.csv", newline="") as file:
-        rows = list(csv.DictReader(file))
-    for row in rows:
-        row.pop("train/samples_per_s", None)
-    return rows
-
-
 def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path: Path):
     """USR1 mid-epoch -> checkpoint -> scontrol requeue -> the restarted job finishes with the same
     weights and metrics as an uninterrupted job (CPU, same seed, dropout included).
@@ -222,7 +213,7 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
     assert all(torch.equal(final[k], expected[k]) for k in final), [
         k for k in final if not torch.equal(final[k], expected[k])
     ]
-    assert _metrics_without_speed(resumed) == _metrics_without_speed(uninterrupted)
+    assert metrics_without_timing(resumed) == metrics_without_timing(uninterrupted)
 
     # The loggers continued their runs: one MLflow run holding every step of both attempts, one W&B id.
     from mlflow.tracking import MlflowClient
