@@ -81,3 +81,22 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(reason)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits as an image folder (1,797 PNG and JPEG files), written once per session."""
+    from tests.helpers import write_image_folder
+
+    return write_image_folder(tmp_path_factory.mktemp("image_folder") / "digits")
+
+
+@pytest.fixture(scope="session")
+def digit_shards(image_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shards of `image_folder`, made by scripts/make_shards.py (a few shards per split)."""
+    from tests.helpers import make_shards
+
+    out = tmp_path_factory.mktemp("shards") / "digits-shards"
+    made = make_shards(image_folder, out, "--shard-mb", "0.1", "--workers", "2")
+    assert made.returncode == 0, made.stdout[-3000:]
+    return out

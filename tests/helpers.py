@@ -192,3 +192,43 @@ def write_cifar10_batches(data_dir: Path, per_batch: int = 1100, test_size: int 
     ]
     (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": names, b"num_vis": 3072}))
     return folder
+
+
+def write_image_folder(root: Path, per_split: int | None = None) -> Path:
+    """The digits datamodule's train/val/test splits as an image folder, <root>/<split>/<class>/<n>.png
+    (every third file a JPEG): real images, offline. `per_split` keeps only the first so many of each."""
+    from PIL import Image
+
+    from hpctrain.data.digits import DigitsDataModule
+
+    for split, part in zip(("train", "val", "test"), DigitsDataModule().load()):
+        count = len(part) if per_split is None else min(per_split, len(part))
+        for i in range(count):
+            folder = root / split / str(int(part.labels[i]))
+            folder.mkdir(parents=True, exist_ok=True)
+            image = Image.fromarray(part.images[i, 0].numpy())
+            image.save(folder / (f"{i:05d}.jpg" if i % 3 == 2 else f"{i:05d}.png"))
+    return root
+
+
+def make_shards(folder: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python scripts/make_shards.py data=image_folder data.root=<folder> --out <out>` for 28x28 digits."""
+    return subprocess.run(
+        [
+            PYTHON,
+            str(ROOT / "scripts" / "make_shards.py"),
+            "data=image_folder",
+            f"data.root={folder}",
+            "data.num_classes=10",
+            "data.image_shape=[1,28,28]",
+            "--out",
+            str(out),
+            *args,
+        ],
+        cwd=ROOT,
+        env=local_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )

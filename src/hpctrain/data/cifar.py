@@ -59,7 +59,9 @@ def random_crop_and_flip(images: Tensor, padding: int, flip: bool) -> Tensor:
     device = images.device
     padded = F.pad(images, (padding, padding, padding, padding)) if padding else images
     width = w + 2 * padding
-    rows = torch.randint(0, 2 * padding + 1, (b, 1, 1), device=device) + torch.arange(h, device=device).view(1, h, 1)
+    rows = torch.randint(0, 2 * padding + 1, (b, 1, 1), device=device) + torch.arange(h, device=device).view(
+        1, h, 1
+    )
     cols = torch.arange(w, device=device).view(1, 1, w).expand(b, 1, w)
     if flip:
         cols = torch.where(torch.rand(b, 1, 1, device=device) < 0.5, (w - 1) - cols, cols)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -35,6 +36,18 @@ def image_files(folder: str | Path, what: str = "predict.input") -> list[Path]:
 
 def decode_image(path: str | Path, image_shape: Sequence[int]) -> Tensor:
     """The image in `path` as uint8 (C, H, W) with `image_shape`; one sentence naming the file if it cannot be read."""
+    try:
+        return decode(path, image_shape)
+    except UnreadableImage as err:
+        raise UserError(f"{path} cannot be read as an image ({err}); remove or replace the file.") from err
+
+
+class UnreadableImage(Exception):
+    """A file that is not an image, or a truncated or corrupt one; the message is the reason."""
+
+
+def decode(source: str | Path | BinaryIO, image_shape: Sequence[int]) -> Tensor:
+    """A file (path or open binary file, e.g. the bytes of a shard) as uint8 (C, H, W) with `image_shape`."""
     from PIL import Image, ImageOps
 
     channels, height, width = (int(d) for d in image_shape)
@@ -44,14 +57,13 @@ def decode_image(path: str | Path, image_shape: Sequence[int]) -> Tensor:
             f"{list(image_shape)}."
         )
     try:
-        with Image.open(path) as image:
+        with Image.open(source) as image:
             image = ImageOps.exif_transpose(image).convert(_MODES[channels])
             if image.size != (width, height):
                 image = image.resize((width, height), Image.Resampling.BILINEAR)
             pixels = np.asarray(image, dtype=np.uint8)
-    except (OSError, ValueError, Image.DecompressionBombError) as err:
-        reason = " ".join(str(err).split())[:160] or type(err).__name__
-        raise UserError(f"{path} cannot be read as an image ({reason}); remove or replace the file.") from err
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        raise UnreadableImage(" ".join(str(err).split())[:160] or type(err).__name__) from err
     tensor = torch.from_numpy(pixels.copy())
     return tensor.unsqueeze(0) if channels == 1 else tensor.permute(2, 0, 1).contiguous()
 
@@ -66,7 +78,9 @@ def check_headers(files: Sequence[Path]) -> None:
             with Image.open(path):
                 pass
         except (OSError, UnidentifiedImageError) as err:
-            raise UserError(f"{path} is not a readable image ({type(err).__name__}); remove or replace the file.") from err
+            raise UserError(
+                f"{path} is not a readable image ({type(err).__name__}); remove or replace the file."
+            ) from err
 
 
 class ImageFiles(Dataset):

@@ -95,7 +95,9 @@ class DownloadedImageDataModule(ImageDataModule):
             self._read()  # also catches corrupt and truncated files, before any process group
             return
         if not self.download:
-            raise DataUnavailable(f"{self.name} is not in {self.files_dir} and data.download=false; {self.fix}.")
+            raise DataUnavailable(
+                f"{self.name} is not in {self.files_dir} and data.download=false; {self.fix}."
+            )
         if self._mirror_reachable() is None:
             hosts = ", ".join(dict.fromkeys(urlparse(m).hostname or m for m in self.mirrors))
             raise DataUnavailable(
@@ -108,7 +110,9 @@ class DownloadedImageDataModule(ImageDataModule):
         if self._files_present():
             return
         if not self.download:
-            raise DataUnavailable(f"{self.name} is not in {self.files_dir} and data.download=false; {self.fix}.")
+            raise DataUnavailable(
+                f"{self.name} is not in {self.files_dir} and data.download=false; {self.fix}."
+            )
         try:
             with socket_timeout(DOWNLOAD_TIMEOUT_S):
                 self.fetch()

@@ -113,7 +113,8 @@ class ImageDataModule(LightningDataModule):
     def _check_sizes(self, splits: tuple[TensorDataset, ...]) -> None:
         name = type(self).__name__
         for part in splits:
-            shape = tuple(part.images.shape[1:])
+            # files are decoded into image_shape; tensors held in memory have a shape of their own
+            shape = tuple(part.images.shape[1:]) if hasattr(part, "images") else part.image_shape
             if shape != self.image_shape:
                 raise UserError(
                     f"data.image_shape={list(self.image_shape)} but {name} holds {'x'.join(map(str, shape))} "
@@ -152,7 +153,9 @@ class ImageDataModule(LightningDataModule):
         moved = tensors_to_device(batch, device)
         return moved if moved is not None else super().transfer_batch_to_device(batch, device, dataloader_idx)
 
-    def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
+    def on_after_batch_transfer(
+        self, batch: tuple[Tensor, Tensor], dataloader_idx: int
+    ) -> tuple[Tensor, Tensor]:
         images, labels = batch
         if images.dtype != torch.uint8:
             return images, labels

@@ -35,7 +35,6 @@ from hpctrain.runtime.distributed.streams import MARK, shares_itself_out
 __all__ = ["MARK", "ShardedIterable", "StreamShare", "shares_itself_out", "stream_share"]
 
 
-
 @dataclass(frozen=True)
 class StreamShare:
     """This copy of the stream: copy `index` of `count` (ranks x loader workers), and its parts."""
@@ -55,7 +54,9 @@ def stream_share() -> StreamShare:
         world_size, rank = dist.get_world_size(), dist.get_rank()
     info = get_worker_info()
     worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-    return StreamShare(rank * num_workers + worker, world_size * num_workers, rank, world_size, worker, num_workers)
+    return StreamShare(
+        rank * num_workers + worker, world_size * num_workers, rank, world_size, worker, num_workers
+    )
 
 
 class ShardedIterable(IterableDataset):

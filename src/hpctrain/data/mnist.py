@@ -27,7 +27,9 @@ class MNISTDataModule(DownloadedImageDataModule):
         image_shape: tuple[int, ...] = (1, 28, 28),
         **image_args,
     ) -> None:
-        super().__init__(data_dir, download, val_size, num_classes=num_classes, image_shape=image_shape, **image_args)
+        super().__init__(
+            data_dir, download, val_size, num_classes=num_classes, image_shape=image_shape, **image_args
+        )
         self.name = self.dataset_class.__name__
         self.mirrors = self.dataset_class.mirrors
 

@@ -195,6 +195,31 @@ def processes_started(env: Mapping[str, str] | None = None) -> int:
     return 1
 
 
+def cpus_per_process(
+    devices: object, env: Mapping[str, str] | None = None, affinity: int | None = None
+) -> tuple[int, str]:
+    """The CPUs one process of this job may use, and how that was found: its affinity mask (where Slurm
+    puts a task's --cpus-per-task), shared by the processes on this node that share the mask."""
+    env = _env(env)
+    cpus = affinity if affinity is not None else len(os.sched_getaffinity(0))
+    kind = launcher(env)
+    if kind == SLURM:
+        per_task = _int_or_none(env.get("SLURM_CPUS_PER_TASK"))
+        if per_task:  # a site without task/affinity leaves every task the whole node: --cpus-per-task says it
+            return max(
+                1, min(cpus, per_task)
+            ), f"SLURM --cpus-per-task={per_task}, {cpus} in the affinity mask"
+        tasks = _int_or_none((env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]) or 1
+        return max(1, cpus // tasks), f"{cpus} CPUs in the affinity mask / {tasks} task(s) per node"
+    if kind == TORCHRUN:
+        local = _int_or_none(env.get("LOCAL_WORLD_SIZE")) or 1
+        return max(
+            1, cpus // local
+        ), f"{cpus} CPUs in the affinity mask / {local} torchrun worker(s) per node"
+    local = _devices_asked(devices) or 1
+    return max(1, cpus // local), f"{cpus} CPUs in the affinity mask / {local} process(es) per node"
+
+
 def _devices_asked(devices: object) -> int | None:
     """Processes per node that trainer.devices asks for (None: one per device there is, -1)."""
     if isinstance(devices, str) and "," in devices:

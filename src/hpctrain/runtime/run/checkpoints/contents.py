@@ -338,7 +338,8 @@ def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[st
     """`cfg` with `model` and `data` replaced by the checkpoint's, unless the command line chose them.
 
     `model=...` / `data=...` keep the eval config's choice; `model.<key>=...` / `data.<key>=...` are
-    applied on top of the checkpoint's config. The data directory is always this machine's.
+    applied on top of the checkpoint's config. The data directory is always this machine's, and
+    the training job's node-local staging directory (`data.stage_dir`) is not reused unless given again.
     """
     stored = stored_config(checkpoint)
     for group in ("model", "data"):
@@ -351,6 +352,8 @@ def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[st
         )
         if group == "data" and "data_dir" in replacement:
             replacement.data_dir = cfg.paths.data_dir
+        if group == "data" and "stage_dir" in replacement and not any(o.startswith("data.stage_dir=") for o in dotted):
+            replacement.stage_dir = None  # the training job's node-local scratch is gone (or another job's)
         with open_dict(cfg):
             cfg[group] = replacement
     return cfg

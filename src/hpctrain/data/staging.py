@@ -1,0 +1,166 @@
+"""A node-local copy of a shard set (`data.stage_dir`, e.g. `$SLURM_TMPDIR`), made once per node.
+
+Reading millions of small files, or even a few large ones, from a shared filesystem from every rank of
+a job is slow for the job and hard on the filesystem; sites ask for a copy to node-local scratch. Every
+process of the job calls `stage` before any process group exists (a copy that takes an hour must not
+run into a collective's timeout):
+
+- the first process on the node to create `<stage_dir>/.<name>.lock` copies, checking each file's
+  sha256 against the manifest while it copies; the node's other processes wait for its marker;
+- the marker (`<copy>/.staged.json`: the manifest's digest and every file's size) lets a later attempt
+  on the same node reuse the copy; scratch wiped between attempts means copying again;
+- not enough free space is one sentence before anything is copied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from hpctrain.data.shards import MANIFEST, manifest_files
+from hpctrain.runtime.errors import UserError
+
+log = logging.getLogger("hpctrain")
+MARKER = ".staged.json"
+CHUNK = 8 << 20
+POLL_S = 0.5
+
+
+def stage(source: Path, stage_dir: Path, manifest: dict[str, Any]) -> Path:
+    """The node-local copy of the shard set in `source` (made now, by this process or another on the
+    node, or reused from an earlier attempt): `<stage_dir>/<source's name>`."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    target = stage_dir / source.name
+    if target.resolve() == source.resolve():
+        return source
+    expected = _marker(manifest)
+    lock = stage_dir / f".{source.name}.lock"
+    waited_since = time.monotonic()
+    reported = 0.0
+    while True:
+        if _reusable(target, expected):
+            return target
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if _holder_is_gone(lock):
+                lock.unlink(missing_ok=True)  # a process of an earlier attempt died while copying
+                continue
+            if time.monotonic() - waited_since - reported >= 60:
+                reported = time.monotonic() - waited_since
+                log.info(
+                    "waiting for %s to stage %s (%.0f s so far)",
+                    _read(lock) or "another process",
+                    target,
+                    reported,
+                )
+            time.sleep(POLL_S)
+            continue
+        with os.fdopen(fd, "w") as file:
+            file.write(f"{socket.gethostname()} {os.getpid()}\n")
+        try:
+            if not _reusable(target, expected):  # another process may have finished between our two looks
+                _copy(source, target, manifest, expected)
+        finally:
+            lock.unlink(missing_ok=True)
+        return target
+
+
+def _marker(manifest: dict[str, Any]) -> dict[str, Any]:
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    return {"manifest_sha256": digest, "files": {name: size for name, size, _ in manifest_files(manifest)}}
+
+
+def _reusable(target: Path, expected: dict[str, Any]) -> bool:
+    try:
+        found = json.loads((target / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    if found != expected:
+        return False
+    return all(
+        (target / name).is_file() and (target / name).stat().st_size == size
+        for name, size in expected["files"].items()
+    )
+
+
+def _copy(source: Path, target: Path, manifest: dict[str, Any], expected: dict[str, Any]) -> None:
+    files = manifest_files(manifest)
+    needed = sum(size for _, size, _ in files)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / MARKER).unlink(missing_ok=True)
+    free = shutil.disk_usage(target).free + sum(
+        (target / name).stat().st_size for name, _, _ in files if (target / name).is_file()
+    )
+    if needed > free:
+        raise UserError(
+            f"data.stage_dir={target.parent} has {_size(free)} free but the shards in {source} need "
+            f"{_size(needed)}; free space there, or pass data.stage_dir=null to read them in place."
+        )
+    started = time.monotonic()
+    log.info("staging %s (%s) to %s", source, _size(needed), target)
+    for name, _size_bytes, sha256 in files:
+        _copy_checked(source / name, target / name, sha256)
+    shutil.copyfile(source / MANIFEST, target / MANIFEST)
+    tmp = target / f"{MARKER}.tmp"
+    tmp.write_text(json.dumps(expected))
+    os.replace(tmp, target / MARKER)
+    seconds = time.monotonic() - started
+    log.info(
+        "staged %.2f GB in %.1f s (%.2f s per GB)", needed / 1e9, seconds, seconds / max(needed / 1e9, 1e-9)
+    )
+
+
+def _copy_checked(source: Path, target: Path, sha256: str) -> None:
+    """Copy one file, computing its sha256 on the way; a mismatch is one sentence and no copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    tmp = target.with_name(target.name + ".tmp")
+    with open(source, "rb") as src, open(tmp, "wb") as dst:
+        while chunk := src.read(CHUNK):
+            digest.update(chunk)
+            dst.write(chunk)
+    if digest.hexdigest() != sha256:
+        tmp.unlink()
+        raise UserError(
+            f"{source} does not match its sha256 in {source.parent.parent / MANIFEST} (changed or corrupt); "
+            "make the shards again with scripts/make_shards.py."
+        )
+    os.replace(tmp, target)
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e9 else f"{count / 1e6:.1f} MB"
+
+
+def _read(lock: Path) -> str:
+    try:
+        return lock.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _holder_is_gone(lock: Path) -> bool:
+    """Whether the lock was left by a process of this host that no longer runs."""
+    host, _, pid = _read(lock).partition(" ")
+    if not host:  # created, never written: its process died at once (or is about to write: give it 30 s)
+        try:
+            return time.time() - lock.stat().st_mtime > 30
+        except OSError:
+            return False
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

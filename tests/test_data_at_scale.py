@@ -1,0 +1,283 @@
+"""Data that does not fit in memory: an image folder decoded in loader workers, shards made from it,
+staged per node, resumed exactly with workers (1 process and DDP)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from hpctrain.data import shards, staging
+from hpctrain.data.files import ImageFolderDataModule
+from hpctrain.runtime.errors import UserError
+from tests.helpers import assert_ok, make_shards, metrics_without_timing, run_dirs, train
+
+SHAPE = (1, 28, 28)
+
+
+def _folder(root: Path, layout: dict[str, dict[str, int]]) -> Path:
+    """<root>/<split>/<class>/<i>.png with `count` small images per class (pixel value = class * 20 + i)."""
+    for split, classes in layout.items():
+        for name, count in classes.items():
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                value = (list(classes).index(name) * 20 + i) % 256
+                Image.new("L", (8, 6), value).save(root / split / name / f"{i}.png")
+    return root
+
+
+def _data(root: Path, **kwargs) -> ImageFolderDataModule:
+    kwargs.setdefault("num_classes", 3)
+    return ImageFolderDataModule(root=str(root), image_shape=SHAPE, batch_size=4, **kwargs)
+
+
+LAYOUT = {"train": {"cat": 3, "ant": 2, "dog": 4}, "val": {"ant": 1, "dog": 2}}
+
+
+def test_folder_classes_are_sorted_folder_names_and_every_file_is_read(tmp_path: Path):
+    data = _data(_folder(tmp_path, LAYOUT))
+    data.setup("fit")
+    train, val, test = data.splits
+    assert data.classes == ["ant", "cat", "dog"]
+    assert train.labels.tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 2] and val.labels.tolist() == [0, 2, 2]
+    assert len(test) == 0 and not data.has_test  # no test/: the run says "no test" instead of failing
+    images, _ = train[torch.arange(len(train))]
+    assert images.shape == (9, *SHAPE) and images.dtype == torch.uint8  # resized to image_shape, uint8
+    assert images[2].unique().tolist() == [0]  # cat/0.png: class index 1 of the layout's order -> value 20
+    assert isinstance(train.names, np.ndarray)  # numpy, not a Python list: workers share its pages
+
+
+@pytest.mark.parametrize(
+    "bad, classes, sentence",
+    [
+        (
+            lambda r: (r / "train" / "cat" / "notes.txt").write_text("hi"),
+            3,
+            "cat/notes.txt is not a .png, .jpg or .jpeg",
+        ),
+        (lambda r: (r / "train" / "emu").mkdir(), 4, "class folder .*/train/emu holds no images"),
+        (lambda r: (r / "val" / "yak").mkdir(), 3, "val/yak is a class that .* does not have"),
+        (
+            lambda r: (r / "train" / "stray.png").write_bytes(b""),
+            3,
+            "train/stray.png is not in a class folder",
+        ),
+    ],
+)
+def test_a_bad_folder_is_one_sentence_naming_the_file(tmp_path: Path, bad, classes: int, sentence: str):
+    root = _folder(tmp_path, LAYOUT)
+    bad(root)
+    with pytest.raises(UserError, match=sentence):
+        _data(root, num_classes=classes).setup("fit")
+    skipping = _data(root, num_classes=classes, skip_bad=True)  # skip_bad: trains without them
+    if "yak" not in sentence:  # a class the model has no output for cannot be skipped
+        skipping.setup("fit")
+        assert len(skipping.splits[0]) == 9
+
+
+def test_a_wrong_number_of_classes_gives_the_right_one(tmp_path: Path):
+    with pytest.raises(UserError, match=r"data.num_classes=3\.$"):
+        _data(_folder(tmp_path, LAYOUT), num_classes=5).check_available()
+
+
+def test_an_unreadable_image_is_named_or_skipped_and_counted(tmp_path: Path):
+    root = _folder(tmp_path, LAYOUT)
+    good = (root / "train" / "dog" / "0.png").read_bytes()
+    (root / "train" / "dog" / "1.png").write_bytes(good[: len(good) // 2])  # truncated
+    (root / "train" / "ant" / "9.jpg").write_text("not an image")  # an image's name, not its content
+    data = _data(root)
+    data.setup("fit")
+    batch = data.splits[0][torch.arange(len(data.splits[0]))]
+    with pytest.raises(UserError, match=r"train/ant/9.jpg cannot be read as an image; .* data.skip_bad=true"):
+        data.on_before_batch_transfer(batch, 0)
+
+    skipping = _data(root, skip_bad=True)
+    skipping.setup("fit")
+    images, labels = skipping.on_before_batch_transfer(skipping.splits[0][torch.arange(10)], 0)
+    assert len(images) == len(labels) == 8 and skipping.skipped_files == 2  # of 10 files, 2 unreadable
+    assert (labels >= 0).all()
+
+
+def _shard_set(tmp_path: Path, sizes: tuple[int, ...] = (3, 4)) -> tuple[Path, dict]:
+    """A shard set written with the converter's own writer (no subprocess): random bytes as files."""
+    root, out = tmp_path / "files", tmp_path / "shards"
+    entries = []
+    for number, count in enumerate(sizes):
+        names = []
+        for i in range(count):
+            path = root / f"{number}-{i}.bin"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(os.urandom(1000 + i))
+            names.append(os.fsencode(path.name))
+        entries.append(
+            shards.write_shard(
+                out, "train", number, root, np.array(names), np.arange(count), check=lambda d, n: True
+            )
+        )
+    shards.write_manifest(out, ["a"], {"train": entries, "val": entries[:1]}, source=str(root))
+    return out, shards.read_manifest(out)
+
+
+def test_staging_copies_once_checks_sha256_and_a_later_attempt_reuses_it(tmp_path: Path):
+    out, manifest = _shard_set(tmp_path)
+    local = staging.stage(out, tmp_path / "scratch", manifest)
+    assert local == tmp_path / "scratch" / "shards"
+    for name, _size, _ in shards.manifest_files(manifest):
+        assert (local / name).read_bytes() == (out / name).read_bytes()
+    stamp = (local / staging.MARKER).stat().st_mtime_ns
+    assert staging.stage(out, tmp_path / "scratch", manifest) == local  # reused: the marker and sizes match
+    assert (local / staging.MARKER).stat().st_mtime_ns == stamp
+    (local / "train" / "shard-00001.bin").unlink()  # scratch partly wiped between attempts: copy again
+    staging.stage(out, tmp_path / "scratch", manifest)
+    assert (local / "train" / "shard-00001.bin").is_file()
+
+    with open(out / "train" / "shard-00000.bin", "r+b") as file:
+        file.write(b"X")  # the shared copy changed after the manifest was written
+    with pytest.raises(UserError, match="does not match its sha256"):
+        staging.stage(out, tmp_path / "elsewhere", manifest)
+
+
+def _stage_and_count(out: Path, scratch: Path, manifest: dict, copies: Path) -> None:
+    original = staging._copy_checked
+
+    def counted(source, target, sha256):
+        with open(copies, "a") as file:
+            file.write(f"{os.getpid()} {target.name}\n")
+        original(source, target, sha256)
+
+    staging._copy_checked = counted
+    staging.stage(out, scratch, manifest)
+
+
+def test_concurrent_processes_on_a_node_copy_once(tmp_path: Path):
+    out, manifest = _shard_set(tmp_path, sizes=(50, 50, 50))
+    copies = tmp_path / "copies.txt"
+    context = multiprocessing.get_context("fork")
+    processes = [
+        context.Process(target=_stage_and_count, args=(out, tmp_path / "scratch", manifest, copies))
+        for _ in range(4)
+    ]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(60)
+    assert [p.exitcode for p in processes] == [0, 0, 0, 0]
+    lines = copies.read_text().splitlines()
+    assert (
+        len(lines) == len(shards.manifest_files(manifest)) and len({line.split()[0] for line in lines}) == 1
+    )
+    assert not list((tmp_path / "scratch").glob(".*.lock"))
+
+
+def test_not_enough_space_is_one_sentence_before_copying(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    out, manifest = _shard_set(tmp_path)
+    real = staging.shutil.disk_usage
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda p: real(p)._replace(free=100))
+    with pytest.raises(
+        UserError, match=r"has 0.0 MB free but the shards in .* need 0.0 MB; free space there"
+    ):
+        staging.stage(out, tmp_path / "scratch", manifest)
+    assert not list((tmp_path / "scratch" / "shards").rglob("*.bin"))
+
+
+def test_a_datamodule_that_cannot_stage_refuses_stage_dir(tmp_path: Path):
+    with pytest.raises(UserError, match="make shards of them"):
+        _data(tmp_path, stage_dir=str(tmp_path / "scratch"))
+
+
+# --------------------------------------------------------------- real processes (converter, training)
+
+
+@pytest.mark.slow
+def test_shards_hold_exactly_the_folders_images_and_labels(
+    image_folder: Path, digit_shards: Path, tmp_path: Path
+):
+    from hpctrain.data.shards import ShardsDataModule
+
+    folder = _data(image_folder, num_classes=10)
+    sharded = ShardsDataModule(root=str(digit_shards), num_classes=10, image_shape=SHAPE)
+    folder.setup("fit"), sharded.setup("fit")
+    manifest = json.loads((digit_shards / "manifest.json").read_text())
+    assert manifest["classes"] == [str(c) for c in range(10)]
+    for a, b in zip(folder.splits, sharded.splits, strict=True):
+        assert len(a) == len(b) > 0 and torch.equal(a.labels, b.labels)
+        assert all(a.read(i) == b.read(i) and a.name(i) == b.name(i) for i in range(len(a)))  # byte for byte
+    assert len(manifest["splits"]["train"]["shards"]) > 1
+
+    again = make_shards(image_folder, digit_shards)  # nothing already written is overwritten
+    assert again.returncode == 2 and "already holds shards" in again.stdout
+
+    # Interrupted: a shard and the manifest missing. Run again: the finished shards are kept, the rest made.
+    partial = tmp_path / "partial"
+    assert make_shards(image_folder, partial, "--shard-mb", "0.1").returncode == 0
+    kept = (partial / "train" / "shard-00000.bin").stat().st_mtime_ns
+    for name in ("manifest.json", "train/shard-00001.json", "train/shard-00001.bin"):
+        (partial / name).unlink()
+    resumed = make_shards(image_folder, partial, "--shard-mb", "0.1")
+    assert resumed.returncode == 0, resumed.stdout[-2000:]
+    assert (partial / "train" / "shard-00000.bin").stat().st_mtime_ns == kept
+    assert json.loads((partial / "manifest.json").read_text())["splits"] == manifest["splits"]
+
+
+def _resume_overrides(data: list[str], out: Path, *extra: str) -> list[str]:
+    return [
+        *data,
+        "data.num_classes=10",
+        "data.image_shape=[1,28,28]",
+        "data.batch_size=32",
+        "data.num_workers=2",
+        "trainer.max_epochs=2",
+        "trainer.log_every_n_steps=1",
+        "logger=csv",
+        "test=false",
+        f"paths.log_dir={out}",
+        "extras.print_config=false",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["cpu", "ddp_cpu"])
+def test_mid_epoch_resume_with_workers_is_exact(
+    trainer: str, digit_shards: Path, image_folder: Path, tmp_path: Path
+):
+    """Shards read by 2 loader workers per process: saved mid-way through the second epoch and resumed,
+    the run ends with the uninterrupted run's weights and metrics; and the folder the shards were made
+    from trains to the same weights as the shards (the same files, in the same order)."""
+    saved = tmp_path / "mid.ckpt"
+    # 1,258 images / 32 per batch = 40 steps per epoch (20 per rank under DDP): save in the second epoch
+    at = 50 if trainer == "cpu" else 25
+    save_at = [
+        "+callbacks.save_at._target_=tests.differential.user_code.SaveAtStep",
+        f"+callbacks.save_at.step={at}",
+        f"+callbacks.save_at.path={saved}",
+    ]
+    shards_data = ["data=shards", f"data.root={digit_shards}", f"trainer={trainer}"]
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    assert_ok(train(tmp_path / "a", *_resume_overrides(shards_data, tmp_path / "a", *save_at), env=env))
+    assert saved.is_file()
+    assert_ok(train(tmp_path / "b", *_resume_overrides(shards_data, tmp_path / "b", f"ckpt_path={saved}")))
+    (uninterrupted,), (resumed,) = run_dirs(tmp_path / "a"), run_dirs(tmp_path / "b")
+    final = [
+        torch.load(r / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        for r in (uninterrupted, resumed)
+    ]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+    tail = [  # the resumed run's metrics.csv is new: compare the values logged after the save, not the columns
+        [{k: v for k, v in r.items() if v} for r in metrics_without_timing(run) if int(r["step"]) > at]
+        for run in (uninterrupted, resumed)
+    ]
+    assert tail[0] == tail[1] and tail[0]
+
+    if trainer == "cpu":  # the folder itself, same seed: the same weights as its shards
+        folder_data = ["data=image_folder", f"data.root={image_folder}", "trainer=cpu"]
+        assert_ok(train(tmp_path / "c", *_resume_overrides(folder_data, tmp_path / "c")))
+        (from_folder,) = run_dirs(tmp_path / "c")
+        weights = torch.load(from_folder / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        assert all(torch.equal(weights[k], final[0][k]) for k in weights)
