@@ -201,7 +201,7 @@ def write_image_folder(root: Path, per_split: int | None = None) -> Path:
 
     from hpctrain.data.digits import DigitsDataModule
 
-    for split, part in zip(("train", "val", "test"), DigitsDataModule().load()):
+    for split, part in zip(("train", "val", "test"), DigitsDataModule().load(), strict=True):
         count = len(part) if per_split is None else min(per_split, len(part))
         for i in range(count):
             folder = root / split / str(int(part.labels[i]))

@@ -352,7 +352,11 @@ def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[st
         )
         if group == "data" and "data_dir" in replacement:
             replacement.data_dir = cfg.paths.data_dir
-        if group == "data" and "stage_dir" in replacement and not any(o.startswith("data.stage_dir=") for o in dotted):
+        if (
+            group == "data"
+            and "stage_dir" in replacement
+            and not any(o.startswith("data.stage_dir=") for o in dotted)
+        ):
             replacement.stage_dir = None  # the training job's node-local scratch is gone (or another job's)
         with open_dict(cfg):
             cfg[group] = replacement
