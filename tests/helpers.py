@@ -195,20 +195,9 @@ def write_cifar10_batches(data_dir: Path, per_batch: int = 1100, test_size: int 
 
 
 def write_image_folder(root: Path, per_split: int | None = None) -> Path:
-    """The digits datamodule's train/val/test splits as an image folder, <root>/<split>/<class>/<n>.png
-    (every third file a JPEG): real images, offline. `per_split` keeps only the first so many of each."""
-    from PIL import Image
+    from hpctrain.data.digits import write_image_folder as write
 
-    from hpctrain.data.digits import DigitsDataModule
-
-    for split, part in zip(("train", "val", "test"), DigitsDataModule().load(), strict=True):
-        count = len(part) if per_split is None else min(per_split, len(part))
-        for i in range(count):
-            folder = root / split / str(int(part.labels[i]))
-            folder.mkdir(parents=True, exist_ok=True)
-            image = Image.fromarray(part.images[i, 0].numpy())
-            image.save(folder / (f"{i:05d}.jpg" if i % 3 == 2 else f"{i:05d}.png"))
-    return root
+    return write(root, per_split)
 
 
 def make_shards(folder: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -120,10 +120,12 @@ def _state_dict(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
-def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path: Path):
+def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path: Path, digit_shards: Path):
     """USR1 mid-epoch -> checkpoint -> scontrol requeue -> the restarted job finishes with the same
     weights and metrics as an uninterrupted job (CPU, same seed, dropout included).
 
+    The data are shards (scripts/make_shards.py) staged per node (each node's own stage dir) and read by
+    a loader worker per rank; the requeued attempt reuses its node's copy.
     Both jobs fine-tune (init_from.path): the requeued attempt continues from its own requeue.ckpt and
     leaves init_from alone; re-applied, it would put the start weights back under the trained ones and
     the final weights would differ from the uninterrupted job's."""
@@ -135,7 +137,14 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
     overrides = (
         f"init_from.path={weights}",
         "trainer=ddp_cpu",
-        "data=digits",
+        "data=shards",  # the digits datamodule's splits, as image files made into shards
+        f"data.root={digit_shards}",
+        "data.num_classes=10",
+        "data.image_shape=[1,28,28]",
+        "data.mean=[0.1310]",
+        "data.std=[0.2920]",
+        "data.num_workers=1",
+        f"data.stage_dir={tmp_path}/scratch/${{oc.env:SLURM_JOB_ID}}/${{oc.env:SLURMD_NODENAME}}",
         "data.batch_size=16",
         "trainer.max_epochs=2",
         "callbacks.progress.log_every_n_s=0",
@@ -168,6 +177,12 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
     while "epoch 1/2  step 10/" not in _output(tmp_path, interrupted):
         assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
         time.sleep(0.2)
+    staged = {
+        node: tmp_path / "scratch" / interrupted / node / digit_shards.name / ".staged.json"
+        for node in ("node1", "node2")
+    }
+    assert all(marker.is_file() for marker in staged.values()), list((tmp_path / "scratch").rglob("*"))
+    made = {node: marker.stat().st_mtime_ns for node, marker in staged.items()}
     assert slurm_cluster.run("scancel", "--signal=USR1", interrupted).returncode == 0
     # The requeued job starts again once the nodes' credential for it expires (10 s on the test cluster).
     deadline = time.monotonic() + 180
@@ -231,6 +246,8 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         for job in (interrupted, reference)
     }
     assert ports[interrupted] != ports[reference]
+    # Each node staged its own copy once; the requeued attempt read the copy its node already had.
+    assert {node: marker.stat().st_mtime_ns for node, marker in staged.items()} == made
 
 
 def test_node_local_log_dir_fails_fast(slurm_cluster, tmp_path: Path):
@@ -405,6 +422,12 @@ def test_a_requeued_attempt_runs_the_code_as_submitted_though_it_was_edited_sinc
     while "epoch 1/2  step 10/" not in _output(tmp_path, interrupted):
         assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
         time.sleep(0.2)
+    staged = {
+        node: tmp_path / "scratch" / interrupted / node / digit_shards.name / ".staged.json"
+        for node in ("node1", "node2")
+    }
+    assert all(marker.is_file() for marker in staged.values()), list((tmp_path / "scratch").rglob("*"))
+    made = {node: marker.stat().st_mtime_ns for node, marker in staged.items()}
     assert slurm_cluster.run("scancel", "--signal=USR1", interrupted).returncode == 0
     for job in (interrupted, reference):
         info = slurm_cluster.wait(job, timeout_s=400)

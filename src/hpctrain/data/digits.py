@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -39,3 +41,20 @@ class DigitsDataModule(ImageDataModule):
         rest, test = split(everything, round(n * self.test_fraction))
         train, val = split(rest, round(n * self.val_fraction), seed=1)
         return train, val, test
+
+
+def write_image_folder(root: str | Path, per_split: int | None = None) -> Path:
+    """The digits' train/val/test splits as an image folder, <root>/<split>/<class>/<n>.png (every third
+    file a JPEG): real image files for data=image_folder, made offline. `per_split`: only the first so
+    many of each split."""
+    from PIL import Image
+
+    root = Path(root)
+    for split, part in zip(("train", "val", "test"), DigitsDataModule().load(), strict=True):
+        count = len(part) if per_split is None else min(per_split, len(part))
+        for i in range(count):
+            folder = root / split / str(int(part.labels[i]))
+            folder.mkdir(parents=True, exist_ok=True)
+            image = Image.fromarray(part.images[i, 0].numpy())
+            image.save(folder / (f"{i:05d}.jpg" if i % 3 == 2 else f"{i:05d}.png"))
+    return root

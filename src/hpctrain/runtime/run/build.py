@@ -105,7 +105,7 @@ def cpu_plan(cfg: DictConfig) -> tuple[int, int | None, str]:
     asked_workers = (cfg.get("data") or {}).get("num_workers", 0)
     workers = None
     if asked_workers == "auto":
-        workers = min(8, max(1, cpus - 1)) if _decodes_files(cfg.data) else 0
+        workers = min(8, max(1, cpus - 1)) if _data_class_has(cfg.data, "decodes_files") else 0
     used_by_workers = workers if workers is not None else int(asked_workers or 0)
     asked_threads = cfg.get("num_threads", "auto")
     threads = max(1, cpus - used_by_workers) if asked_threads in ("auto", None) else int(asked_threads)
@@ -116,9 +116,10 @@ def cpu_plan(cfg: DictConfig) -> tuple[int, int | None, str]:
     return threads, workers, why
 
 
-def _decodes_files(node: DictConfig) -> bool:
+def _data_class_has(node: DictConfig, flag: str) -> bool:
+    """Whether the datamodule class the config names sets `flag` (decodes_files, can_stage)."""
     try:
-        return bool(getattr(get_class(node._target_), "decodes_files", False))
+        return bool(getattr(get_class(node._target_), flag, False))
     except Exception:  # an unimportable target is reported when the datamodule is built
         return False
 
@@ -183,6 +184,16 @@ def datamodule(cfg: DictConfig) -> LightningDataModule:
         node = OmegaConf.merge(node, {"download": False})
         if cluster.is_rank_zero():
             log.info("cluster=%s: compute nodes are offline, so data.download=false", preset.get("name"))
+    scratch = preset.get("scratch_dir")
+    if scratch and "stage_dir" in node and node.stage_dir is None and _data_class_has(node, "can_stage"):
+        # the preset's node-local scratch: data that can be staged (data=shards) is copied there per node
+        node = OmegaConf.merge(node, {"stage_dir": scratch})
+        if cluster.is_rank_zero():
+            log.info(
+                "cluster=%s: data staged to its node-local scratch, data.stage_dir=%s",
+                preset.get("name"),
+                scratch,
+            )
     return _checked_lightning_object(_instantiate(node), "data")
 
 

@@ -147,6 +147,7 @@ class Job:
         if self.outcome is not None:
             self.outcome.value = run.best_value
             self.outcome.ranks = watchdog.rank_summary()  # each rank's time per step, under DDP
+            self.outcome.skipped_files = getattr(run.datamodule, "skipped_files", None)  # data.skip_bad=true
         return results
 
 

@@ -158,6 +158,7 @@ class Outcome:
     error: str | None = None
     ranks: dict[int, dict[str, Any]] | None = None  # per rank: its time per step, and where it went
     signature: str | None = None  # of the composed config, without paths: a re-run sweep skips what matches
+    skipped_files: int | None = None  # data.skip_bad=true: files left out as unreadable (rank 0's share)
 
 
 @contextmanager
@@ -201,6 +202,8 @@ def outcome_recorded(
                 record["signature"] = outcome.signature
             if outcome.ranks:
                 record["ranks"] = outcome.ranks
+            if outcome.skipped_files:
+                record["skipped_files"] = outcome.skipped_files
             with suppress(OSError):  # an unwritable run dir has already been reported
                 write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
 
