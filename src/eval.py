@@ -16,13 +16,12 @@ entry.start("eval")  # signals recorded from the first moment; config mistakes a
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from hpctrain.runtime.distributed import watchdog  # noqa: E402
-from hpctrain.runtime.run.checkpoints import existing_checkpoint  # noqa: E402
-from hpctrain.runtime.run.job import Job  # noqa: E402
-
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> dict[str, float]:
+    from hpctrain.runtime.run.checkpoints import existing_checkpoint  # here: --help and --cfg never run a job
+    from hpctrain.runtime.run.job import Job
+
     with Job(cfg) as job:
         checkpoint = existing_checkpoint(cfg.get("ckpt_path"))
         cfg = job.from_checkpoint(cfg, checkpoint)  # the model (and data) it was trained with
@@ -35,4 +34,4 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
 if __name__ == "__main__":
     main()
-    watchdog.exit_if_finished_worker()  # ranks > 0 skip the C++ destructors that can abort at exit
+    entry.end()  # ranks > 0 skip the C++ destructors that can abort at exit

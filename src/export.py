@@ -17,14 +17,14 @@ entry.start("export")  # signals recorded from the first moment; config mistakes
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import hpctrain  # noqa: E402
-from hpctrain.runtime.run import export, model_card  # noqa: E402
-from hpctrain.runtime.run.checkpoints import existing_checkpoint  # noqa: E402
-from hpctrain.runtime.run.job import Job  # noqa: E402
-
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="export")
 def main(cfg: DictConfig) -> str | None:
+    import hpctrain  # here: --help and --cfg never run a job
+    from hpctrain.runtime.run import export, model_card
+    from hpctrain.runtime.run.checkpoints import existing_checkpoint
+    from hpctrain.runtime.run.job import Job
+
     with Job(cfg, one_process=True) as job:  # preflight: config, one process, run dir (one sentence if wrong)
         chosen = export.check_installed(cfg.export.format)  # onnx and safetensors need the `export` extra
         path = export.output_path(chosen, cfg.export.output, job.run_dir)

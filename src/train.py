@@ -17,17 +17,18 @@ entry.start("train")  # signals recorded from the first moment; config mistakes 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from hpctrain.runtime.distributed import watchdog  # noqa: E402
-from hpctrain.runtime.run.checkpoints import start_point  # noqa: E402
-from hpctrain.runtime.run.job import Job, run_job  # noqa: E402
-
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    from hpctrain.runtime.run.job import run_job  # imported here: --help and --cfg never run a job
+
     return run_job(train, cfg)  # in a sweep (-m), a failed job is recorded and the sweep goes on
 
 
 def train(cfg: DictConfig) -> float | None:
+    from hpctrain.runtime.run.checkpoints import start_point
+    from hpctrain.runtime.run.job import Job
+
     with Job(cfg) as job:  # preflight: config, launcher vs trainer, run dir (one sentence if wrong)
         # fresh, a checkpoint to continue, or this job's own when SLURM requeued it
         start = start_point(cfg.ckpt_path, job.run_dir, cfg.paths.runs_dir, init_from=cfg.init_from.path)
@@ -46,4 +47,4 @@ def train(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     main()
-    watchdog.exit_if_finished_worker()  # ranks > 0 skip the C++ destructors that can abort at exit
+    entry.end()  # ranks > 0 skip the C++ destructors that can abort at exit

@@ -25,7 +25,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from hpctrain.runtime.config.hydra_errors import describe_hydra_error
 from hpctrain.runtime.errors import EXIT_USER_ERROR
 
 
@@ -42,6 +41,8 @@ def install(config_name: str) -> None:
         try:
             result = func()
         except Exception as err:
+            from hpctrain.runtime.config.hydra_errors import describe_hydra_error  # only a mistake needs it
+
             full = os.environ.get("HYDRA_FULL_ERROR") == "1"
             sentence = None if full else describe_hydra_error(err, config_name)
             if sentence is None:

@@ -1,6 +1,8 @@
-"""The first two lines every entry point runs, before anything else is imported."""
+"""The first two lines every entry point runs, before anything else is imported, and its last one."""
 
 from __future__ import annotations
+
+import sys
 
 from hpctrain.runtime.config import command_line
 from hpctrain.runtime.distributed import signals
@@ -11,3 +13,11 @@ def start(task: str) -> None:
     composition mistakes as one sentence and list `--help`'s groups once (`command_line`)."""
     signals.install_early()
     command_line.install(task)
+
+
+def end() -> None:
+    """After `main()` returns: a rank > 0 whose run completed leaves at once (`watchdog`). Only a job
+    imports the watchdog, so `--cfg` and the other answers that run none do not import it here either."""
+    watchdog = sys.modules.get("hpctrain.runtime.distributed.watchdog")
+    if watchdog is not None:
+        watchdog.exit_if_finished_worker()
