@@ -13,12 +13,8 @@ the CPUs (--workers), with a progress bar; interrupted, it continues where it st
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
-from functools import partial
-from io import BytesIO
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -27,27 +23,11 @@ from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 
 
-def check(data: bytes, name: str, image_shape: tuple[int, ...], skip_bad: bool) -> bool:
-    """Whether the file decodes (as training will decode it); a bad file is one sentence, or skipped."""
-    from hpctrain.data.decode import UnreadableImage, decode
-
-    try:
-        decode(BytesIO(data), image_shape)
-    except UnreadableImage as err:
-        if skip_bad:
-            return False
-        raise UserError(
-            f"{name} cannot be read as an image ({err}); remove or replace it, or pass data.skip_bad=true to "
-            "leave such files out of the shards."
-        ) from err
-    return True
-
-
 def convert(overrides: list[str], out: Path | None, shard_mb: float, workers: int) -> Path:
     from rich.progress import Progress
 
     from hpctrain.data import shards
-    from hpctrain.data.files import SPLITS, ImageFolderDataModule
+    from hpctrain.data.files import ImageFolderDataModule
     from hpctrain.runtime.run import build
 
     cfg = compose("train", overrides)
@@ -58,36 +38,15 @@ def convert(overrides: list[str], out: Path | None, shard_mb: float, workers: in
         )
     root = datamodule.root.resolve()
     out = (out or root.with_name(root.name + "-shards")).resolve()
-    if (out / shards.MANIFEST).exists():
-        raise UserError(
-            f"--out {out} already holds shards ({shards.MANIFEST}); remove it or choose another --out."
+    with Progress() as progress:
+        task = progress.add_task(f"shards of {root}", total=None)
+        entries = shards.make_shards(
+            datamodule,
+            out,
+            shard_mb,
+            workers,
+            advance=lambda done, total: progress.update(task, completed=done, total=total),
         )
-    parts = datamodule.load()  # the file lists, checked as training checks them
-    write = partial(
-        shards.write_shard,
-        check=partial(check, image_shape=datamodule.image_shape, skip_bad=datamodule.skip_bad),
-    )
-    jobs = []
-    for split, part in zip(SPLITS, parts, strict=True):
-        if not len(part):
-            continue
-        total = sum(os.stat(os.path.join(part.root, n)).st_size for n in part.names)
-        count = max(1, math.ceil(total / (shard_mb * 1e6)))
-        bounds = [round(i * len(part) / count) for i in range(count + 1)]
-        for number in range(count):
-            chunk = slice(bounds[number], bounds[number + 1])
-            jobs.append((split, number, part.names[chunk], part.labels.numpy()[chunk]))
-    entries: dict[str, list] = {split: [] for split, *_ in jobs}
-    with ProcessPoolExecutor(max_workers=workers) as pool, Progress() as progress:
-        task = progress.add_task(f"shards of {root}", total=len(jobs))
-        futures = [
-            (split, pool.submit(write, out, split, number, root, names, labels))
-            for split, number, names, labels in jobs
-        ]
-        for split, future in futures:
-            entries[split].append(future.result())
-            progress.advance(task)
-    shards.write_manifest(out, datamodule.classes, entries, source=str(root))
     for split, found in entries.items():
         skipped = sum(e["skipped"] for e in found)
         print(

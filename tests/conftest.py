@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import write_cifar10_batches, write_mnist_raw
+from tests.helpers import write_cifar10_batches, write_mnist_raw, write_small_image_data
 from tests.local_slurm import ClusterUnavailable, LocalSlurmCluster, missing_binaries
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -35,11 +35,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data dir holding every dataset the configs read from files, written in their official formats
     (MNIST and FashionMNIST as torchvision's raw idx files, made of real handwritten digits; CIFAR-10 as
-    its python-pickle batches, made of class-dependent patterns)."""
+    its python-pickle batches, made of class-dependent patterns; 200 digits as an image folder in
+    digits_images/ and as its shards in digits_shards/)."""
     data_dir = tmp_path_factory.mktemp("data")
     write_mnist_raw(data_dir, "MNIST")
     write_mnist_raw(data_dir, "FashionMNIST")
     write_cifar10_batches(data_dir)
+    write_small_image_data(data_dir)
     return data_dir
 
 

@@ -200,6 +200,22 @@ def write_image_folder(root: Path, per_split: int | None = None) -> Path:
     return write(root, per_split)
 
 
+# What data=image_folder and data=shards need besides a root: the digits' classes and shape.
+IMAGE_DATA = ("data.num_classes=10", "data.image_shape=[1,28,28]")
+
+
+def write_small_image_data(data_dir: Path) -> None:
+    """<data_dir>/digits_images (the first 80, 60 and 60 digits of each split as files) and its shards in
+    <data_dir>/digits_shards, made in this process (the converter's own function)."""
+    from hpctrain.data.files import ImageFolderDataModule
+    from hpctrain.data.shards import make_shards as convert
+
+    folder = write_image_folder(data_dir / "digits_images", per_split=80)
+    images = ImageFolderDataModule(root=str(folder), num_classes=10, image_shape=(1, 28, 28))
+    images.check_available()
+    convert(images, data_dir / "digits_shards", shard_mb=0.01)
+
+
 def make_shards(folder: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`python scripts/make_shards.py data=image_folder data.root=<folder> --out <out>` for 28x28 digits."""
     return subprocess.run(

@@ -24,7 +24,7 @@ from hpctrain.runtime.config.compose import CONF_DIR, compose
 from hpctrain.runtime.config.schema import PRECISIONS
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import build
-from tests.helpers import PYTHON, ROOT, compose_train, local_env
+from tests.helpers import IMAGE_DATA, PYTHON, ROOT, compose_train, local_env
 
 GROUPS = (
     "data",
@@ -75,11 +75,21 @@ def _net(*overrides: str) -> str | None:
     return OmegaConf.select(compose("train", list(overrides)), "model.net._target_")
 
 
+# Data of the user's: a root to read (written into the session's data dir) and its classes and shape.
+DATA_ROOTS = {"image_folder": "digits_images", "shards": "digits_shards"}
+
+
 def partners(group: str, option: str) -> list[str]:
-    """What an option is composed with: text data with a text model, a net inside a model that uses it."""
+    """What an option is composed with: text data with a text model, a net inside a model that uses it,
+    the user's own data with its root."""
     if group == "data":
         model = next((m for m, d in PAIRS if d == option), None)
-        return [f"model={model}"] if model else []
+        root = (
+            [f"data.root=${{paths.data_dir}}/{DATA_ROOTS[option]}", *IMAGE_DATA]
+            if option in DATA_ROOTS
+            else []
+        )
+        return ([f"model={model}"] if model else []) + root
     if group == "model":
         data = next((d for m, d in PAIRS if m == option), None)
         return [f"data={data}"] if data else []
@@ -148,7 +158,7 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
 
 @pytest.mark.parametrize("option", options("data"))
 def test_data_option_yields_a_batch(option: str, tmp_path: Path, data_dir: Path):
-    cfg = compose_train(tmp_path, data_dir, f"data={option}")
+    cfg = compose_train(tmp_path, data_dir, f"data={option}", *partners("data", option))
     datamodule = build.datamodule(cfg)
     build.check_data_available(datamodule)
     datamodule.setup("fit")

@@ -126,21 +126,23 @@ def _shard_set(tmp_path: Path, sizes: tuple[int, ...] = (3, 4)) -> tuple[Path, d
 
 def test_staging_copies_once_checks_sha256_and_a_later_attempt_reuses_it(tmp_path: Path):
     out, manifest = _shard_set(tmp_path)
-    local = staging.stage(out, tmp_path / "scratch", manifest)
+    local = staging.stage(out, tmp_path / "scratch", shards.manifest_files(manifest), shards.MANIFEST)
     assert local == tmp_path / "scratch" / "shards"
     for name, _size, _ in shards.manifest_files(manifest):
         assert (local / name).read_bytes() == (out / name).read_bytes()
     stamp = (local / staging.MARKER).stat().st_mtime_ns
-    assert staging.stage(out, tmp_path / "scratch", manifest) == local  # reused: the marker and sizes match
+    assert (
+        staging.stage(out, tmp_path / "scratch", shards.manifest_files(manifest), shards.MANIFEST) == local
+    )  # reused: the marker and sizes match
     assert (local / staging.MARKER).stat().st_mtime_ns == stamp
     (local / "train" / "shard-00001.bin").unlink()  # scratch partly wiped between attempts: copy again
-    staging.stage(out, tmp_path / "scratch", manifest)
+    staging.stage(out, tmp_path / "scratch", shards.manifest_files(manifest), shards.MANIFEST)
     assert (local / "train" / "shard-00001.bin").is_file()
 
     with open(out / "train" / "shard-00000.bin", "r+b") as file:
         file.write(b"X")  # the shared copy changed after the manifest was written
-    with pytest.raises(UserError, match="does not match its sha256"):
-        staging.stage(out, tmp_path / "elsewhere", manifest)
+    with pytest.raises(UserError, match="does not match the sha256 its manifest lists"):
+        staging.stage(out, tmp_path / "elsewhere", shards.manifest_files(manifest), shards.MANIFEST)
 
 
 def _stage_and_count(out: Path, scratch: Path, manifest: dict, copies: Path) -> None:
@@ -152,7 +154,7 @@ def _stage_and_count(out: Path, scratch: Path, manifest: dict, copies: Path) -> 
         original(source, target, sha256)
 
     staging._copy_checked = counted
-    staging.stage(out, scratch, manifest)
+    staging.stage(out, scratch, shards.manifest_files(manifest), shards.MANIFEST)
 
 
 def test_concurrent_processes_on_a_node_copy_once(tmp_path: Path):
@@ -182,7 +184,7 @@ def test_not_enough_space_is_one_sentence_before_copying(tmp_path: Path, monkeyp
     with pytest.raises(
         UserError, match=r"has 0.0 MB free but the shards in .* need 0.0 MB; free space there"
     ):
-        staging.stage(out, tmp_path / "scratch", manifest)
+        staging.stage(out, tmp_path / "scratch", shards.manifest_files(manifest), shards.MANIFEST)
     assert not list((tmp_path / "scratch" / "shards").rglob("*.bin"))
 
 

@@ -50,10 +50,10 @@ def write_image_folder(root: str | Path, per_split: int | None = None) -> Path:
     from PIL import Image
 
     root = Path(root)
-    for split, part in zip(("train", "val", "test"), DigitsDataModule().load(), strict=True):
+    for split_name, part in zip(("train", "val", "test"), DigitsDataModule().load(), strict=True):
         count = len(part) if per_split is None else min(per_split, len(part))
         for i in range(count):
-            folder = root / split / str(int(part.labels[i]))
+            folder = root / split_name / str(int(part.labels[i]))
             folder.mkdir(parents=True, exist_ok=True)
             image = Image.fromarray(part.images[i, 0].numpy())
             image.save(folder / (f"{i:05d}.jpg" if i % 3 == 2 else f"{i:05d}.png"))

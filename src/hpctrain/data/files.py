@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from hpctrain.data.decode import IMAGE_SUFFIXES, UnreadableImage, decode
+from hpctrain.data.decode import IMAGE_SUFFIXES, UnreadableImage, decode_into
 from hpctrain.data.images import ImageDataModule
 from hpctrain.runtime.errors import UserError
 
@@ -68,10 +68,11 @@ class EncodedImages(Dataset):
         single = not isinstance(index, Tensor) or index.dim() == 0
         indices = [int(index)] if single else index.tolist()
         images = torch.empty((len(indices), *self.image_shape), dtype=torch.uint8)
+        slots = images.numpy()  # each image is decoded straight into its place in the batch
         labels = self.labels[indices].clone()
         for row, i in enumerate(indices):
             try:
-                images[row] = decode(io.BytesIO(self.read(i)), self.image_shape)
+                decode_into(io.BytesIO(self.read(i)), slots[row])
             except (UnreadableImage, OSError):
                 labels[row] = -1 - i  # told to the main process, which names the file or skips it
         return (images[0], labels[0]) if single else (images, labels)

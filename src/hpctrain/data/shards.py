@@ -16,15 +16,21 @@ images keep their original bytes: a shard set holds exactly the folder's images,
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import math
+import multiprocessing
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hpctrain.data.files import SPLITS, EncodedImages, FileImageDataModule
+from hpctrain.data.decode import UnreadableImage, decode
+from hpctrain.data.files import SPLITS, EncodedImages, FileImageDataModule, ImageFolderDataModule
 from hpctrain.runtime.errors import UserError
 
 FORMAT = "hpctrain-shards/1"
@@ -130,6 +136,58 @@ def manifest_files(manifest: dict[str, Any]) -> list[tuple[str, int, str]]:
     return files
 
 
+def decodes(data: bytes, name: str, image_shape: Sequence[int], skip_bad: bool) -> bool:
+    """Whether a file decodes as training will decode it; a bad file is one sentence, or (skip_bad) False."""
+    try:
+        decode(io.BytesIO(data), image_shape)
+    except UnreadableImage as err:
+        if skip_bad:
+            return False
+        raise UserError(
+            f"{name} cannot be read as an image ({err}); remove or replace it, or pass data.skip_bad=true to "
+            "leave such files out of the shards."
+        ) from err
+    return True
+
+
+def make_shards(
+    folder: ImageFolderDataModule,
+    out: Path,
+    shard_mb: float = 256.0,
+    workers: int = 1,
+    advance: Callable[[int, int], Any] = lambda done, total: None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Write the shards of an image folder's splits into `out` (in the order the folder is read, about
+    `shard_mb` MB each, `workers` processes) and their manifest last; returns the manifest's entries.
+    An `out` holding a finished shard set is refused; shards an interrupted run finished are kept."""
+    if (out / MANIFEST).exists():
+        raise UserError(f"--out {out} already holds shards ({MANIFEST}); remove it or choose another --out.")
+    parts = folder.load()  # the file lists, checked as training checks them
+    check = partial(decodes, image_shape=folder.image_shape, skip_bad=folder.skip_bad)
+    jobs = []
+    for split, part in zip(SPLITS, parts, strict=True):
+        if not len(part):
+            continue
+        total = sum(os.stat(os.path.join(part.root, n)).st_size for n in part.names)
+        count = max(1, math.ceil(total / (shard_mb * 1e6)))
+        bounds = [round(i * len(part) / count) for i in range(count + 1)]
+        for number in range(count):
+            chunk = slice(bounds[number], bounds[number + 1])
+            jobs.append((split, number, part.names[chunk], part.labels.numpy()[chunk]))
+    entries: dict[str, list[dict[str, Any]]] = {split: [] for split, *_ in jobs}
+    root = Path(os.fsdecode(parts[0].root))
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = [
+            (split, pool.submit(write_shard, out, split, n, root, names, labels, check))
+            for split, n, names, labels in jobs
+        ]
+        for done, (split, future) in enumerate(futures, 1):
+            entries[split].append(future.result())
+            advance(done, len(futures))
+    write_manifest(out, folder.classes, entries, source=str(root))
+    return entries
+
+
 class ShardImages(EncodedImages):
     """One split of a shard set: image i is `length[i]` bytes at `offset[i]` of shard `shard[i]`."""
 
@@ -202,7 +260,7 @@ class ShardsDataModule(FileImageDataModule):
         if self.stage_dir and not self._staged:
             from hpctrain.data.staging import stage
 
-            self.root = stage(self.root, Path(self.stage_dir), manifest)
+            self.root = stage(self.root, Path(self.stage_dir), manifest_files(manifest), MANIFEST)
             self._manifest, self._staged = None, True
 
     def load(self) -> tuple[ShardImages, ...]:

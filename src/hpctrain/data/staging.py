@@ -1,4 +1,4 @@
-"""A node-local copy of a shard set (`data.stage_dir`, e.g. `$SLURM_TMPDIR`), made once per node.
+"""A node-local copy of a data set (a shard set's files and manifest) (`data.stage_dir`, e.g. `$SLURM_TMPDIR`), made once per node.
 
 Reading millions of small files, or even a few large ones, from a shared filesystem from every rank of
 a job is slow for the job and hard on the filesystem; sites ask for a copy to node-local scratch. Every
@@ -21,10 +21,10 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hpctrain.data.shards import MANIFEST, manifest_files
 from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger("hpctrain")
@@ -33,14 +33,15 @@ CHUNK = 8 << 20
 POLL_S = 0.5
 
 
-def stage(source: Path, stage_dir: Path, manifest: dict[str, Any]) -> Path:
-    """The node-local copy of the shard set in `source` (made now, by this process or another on the
-    node, or reused from an earlier attempt): `<stage_dir>/<source's name>`."""
+def stage(source: Path, stage_dir: Path, files: Sequence[tuple[str, int, str]], index: str) -> Path:
+    """The node-local copy of the data set in `source` (made now, by this process or another on the
+    node, or reused from an earlier attempt): `<stage_dir>/<source's name>`. `files` are (path relative
+    to `source`, size, sha256); `index` (the manifest listing them) is copied last."""
     stage_dir.mkdir(parents=True, exist_ok=True)
     target = stage_dir / source.name
     if target.resolve() == source.resolve():
         return source
-    expected = _marker(manifest)
+    expected = _marker(files)
     lock = stage_dir / f".{source.name}.lock"
     waited_since = time.monotonic()
     reported = 0.0
@@ -67,15 +68,15 @@ def stage(source: Path, stage_dir: Path, manifest: dict[str, Any]) -> Path:
             file.write(f"{socket.gethostname()} {os.getpid()}\n")
         try:
             if not _reusable(target, expected):  # another process may have finished between our two looks
-                _copy(source, target, manifest, expected)
+                _copy(source, target, files, index, expected)
         finally:
             lock.unlink(missing_ok=True)
         return target
 
 
-def _marker(manifest: dict[str, Any]) -> dict[str, Any]:
-    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
-    return {"manifest_sha256": digest, "files": {name: size for name, size, _ in manifest_files(manifest)}}
+def _marker(files: Sequence[tuple[str, int, str]]) -> dict[str, Any]:
+    digest = hashlib.sha256(json.dumps(sorted(files)).encode()).hexdigest()
+    return {"files_sha256": digest, "files": {name: size for name, size, _ in files}}
 
 
 def _reusable(target: Path, expected: dict[str, Any]) -> bool:
@@ -91,8 +92,9 @@ def _reusable(target: Path, expected: dict[str, Any]) -> bool:
     )
 
 
-def _copy(source: Path, target: Path, manifest: dict[str, Any], expected: dict[str, Any]) -> None:
-    files = manifest_files(manifest)
+def _copy(
+    source: Path, target: Path, files: Sequence[tuple[str, int, str]], index: str, expected: dict[str, Any]
+) -> None:
     needed = sum(size for _, size, _ in files)
     target.mkdir(parents=True, exist_ok=True)
     (target / MARKER).unlink(missing_ok=True)
@@ -108,7 +110,7 @@ def _copy(source: Path, target: Path, manifest: dict[str, Any], expected: dict[s
     log.info("staging %s (%s) to %s", source, _size(needed), target)
     for name, _size_bytes, sha256 in files:
         _copy_checked(source / name, target / name, sha256)
-    shutil.copyfile(source / MANIFEST, target / MANIFEST)
+    shutil.copyfile(source / index, target / index)
     tmp = target / f"{MARKER}.tmp"
     tmp.write_text(json.dumps(expected))
     os.replace(tmp, target / MARKER)
@@ -130,7 +132,7 @@ def _copy_checked(source: Path, target: Path, sha256: str) -> None:
     if digest.hexdigest() != sha256:
         tmp.unlink()
         raise UserError(
-            f"{source} does not match its sha256 in {source.parent.parent / MANIFEST} (changed or corrupt); "
+            f"{source} does not match the sha256 its manifest lists (changed or corrupt since it was made); "
             "make the shards again with scripts/make_shards.py."
         )
     os.replace(tmp, target)

@@ -26,7 +26,7 @@ import pytorch_lightning as pl
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer
 from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import Logger
@@ -80,10 +80,7 @@ def configure_process(cfg: DictConfig) -> None:
     workers, float32 matmul precision."""
     # Seeds torch, numpy, python and (through PL_SEED_WORKERS) every dataloader worker.
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    threads, workers, why = cpu_plan(cfg)
-    if workers is not None:
-        with open_dict(cfg):
-            cfg.data.num_workers = workers
+    threads, _, why = cpu_plan(cfg)  # the workers are the datamodule's (`datamodule`)
     # Set before the trainer exists: Lightning's DDP launcher sets its own (CPUs / processes) only when
     # OMP_NUM_THREADS is unset, and its child ranks inherit the variable.
     torch.set_num_threads(threads)
@@ -177,6 +174,9 @@ def _import_failure(err: InstantiationException) -> str | None:
 
 def datamodule(cfg: DictConfig) -> LightningDataModule:
     node = cfg.data
+    workers = cpu_plan(cfg)[1]
+    if workers is not None:  # data.num_workers=auto
+        node = OmegaConf.merge(node, {"num_workers": workers})
     preset = cfg.get("cluster") or {}
     if preset.get("offline") and node.get("download"):
         # conf/cluster/<name>.yaml says the compute nodes have no internet: fail at once on missing data

@@ -1,0 +1,270 @@
+"""Data at scale, side by side in one run: an image folder and its shards against a plain loader.
+
+    python scripts/dev/data_benchmark.py                  # 50 MB and 500 MB of JPEGs, 2 loader workers
+    python scripts/dev/data_benchmark.py --sizes-mb 200 2000 --workers 4
+
+Writes JPEG files (96x96 RGB, smooth random content, 10 classes) of two total sizes, makes shards of
+each (scripts/make_shards.py's writer) and measures, with the same number of loader workers and batch size:
+
+  plain      a torch DataLoader over a Dataset of paths that only opens, decodes (Pillow), resizes and
+             batches them (default collate): the floor any image-folder loader pays
+  folder     the template's data=image_folder loader (its sampler, decoding into one uint8 batch)
+  shards     the template's data=shards loader over the same images
+  staging    data.stage_dir's copy (sha256 checked while copying) against `cp -r` of the same shards
+  memory     peak anonymous memory (Pss_Anon: not the page cache, shared pages once) of a loading
+             process plus its workers, per size
+
+A figure is images per second over the batches after the first; time to first batch counts from
+building the datamodule (listing the folder, or reading the manifest) to the first batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+SIDE = 96
+SHAPE = (3, 64, 64)
+CLASSES = 10
+
+
+def write_jpegs(root: Path, megabytes: float, seed: int = 0) -> int:
+    """JPEG files of about `megabytes` in total under root/train/<class>/ (and a small val/)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    written = count = 0
+    while written < megabytes * 1e6:
+        small = rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)
+        image = Image.fromarray(small).resize((SIDE, SIDE), Image.Resampling.BICUBIC)
+        split = "val" if count % 20 == 19 else "train"
+        folder = root / split / f"class{count % CLASSES}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{count:07d}.jpg"
+        image.save(path, quality=90)
+        written += path.stat().st_size
+        count += 1
+    return count
+
+
+def make_shards(folder: Path, out: Path, workers: int) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "make_shards.py"),
+            "data=image_folder",
+            f"data.root={folder}",
+            f"data.num_classes={CLASSES}",
+            f"data.image_shape=[{','.join(map(str, SHAPE))}]",
+            "--out",
+            str(out),
+            "--shard-mb",
+            "64",
+            "--workers",
+            str(workers),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+class PlainFiles:
+    """The floor: a path per sample, decoded one at a time, batched by the default collate."""
+
+    def __init__(self, folder: Path) -> None:
+        self.files = sorted(str(p) for p in (folder / "train").rglob("*.jpg"))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int):
+        import numpy as np
+        import torch
+        from PIL import Image
+
+        with Image.open(self.files[i]) as image:
+            pixels = np.asarray(image.convert("RGB").resize(SHAPE[:0:-1], Image.Resampling.BILINEAR))
+        return torch.from_numpy(pixels.copy()).permute(2, 0, 1), 0
+
+
+def _datamodule(kind: str, root: Path, workers: int, batch_size: int):
+    from hpctrain.data.files import ImageFolderDataModule
+    from hpctrain.data.shards import ShardsDataModule
+
+    cls = ImageFolderDataModule if kind == "folder" else ShardsDataModule
+    return cls(
+        root=str(root), num_classes=CLASSES, image_shape=SHAPE, batch_size=batch_size, num_workers=workers
+    )
+
+
+def loader(kind: str, root: Path, workers: int, batch_size: int):
+    if kind == "plain":
+        import torch
+        from torch.utils.data import DataLoader
+
+        return DataLoader(
+            PlainFiles(root),
+            batch_size=batch_size,
+            shuffle=True,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(0),
+        )
+    data = _datamodule(kind, root, workers, batch_size)
+    data.setup("fit")
+    return data.train_dataloader()
+
+
+class PeakAnonymousRss:
+    """Samples the anonymous memory of this process and its children (loader workers) every 100 ms:
+    the sum of their proportional shares (Pss_Anon), so pages a forked worker shares with its parent
+    are counted once, and the page cache (file pages) not at all."""
+
+    def __init__(self) -> None:
+        self.peak_kb = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _anon_kb(pid: int) -> int:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss_Anon:"):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def _family(self) -> list[int]:
+        me = os.getpid()
+        children = Path(f"/proc/{me}/task/{me}/children")
+        kids = [int(p) for p in children.read_text().split()] if children.exists() else []
+        return [me, *kids]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_kb = max(self.peak_kb, sum(self._anon_kb(p) for p in self._family()))
+            time.sleep(0.1)
+
+    def __enter__(self) -> PeakAnonymousRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def read_rate(kind: str, root: Path, workers: int, batch_size: int, batches: int) -> dict[str, float]:
+    """Images per second after the first batch, seconds to the first batch, peak anonymous RSS (MB)."""
+    started = time.perf_counter()
+    with PeakAnonymousRss() as rss:
+        iterator = iter(loader(kind, root, workers, batch_size))
+        next(iterator)
+        first = time.perf_counter() - started
+        counted, t0 = 0, time.perf_counter()
+        for images, _ in iterator:
+            counted += len(images)
+            if counted >= batches * batch_size:
+                break
+        rate = counted / (time.perf_counter() - t0)
+        del iterator
+    return {"images_per_s": rate, "first_batch_s": first, "peak_anon_rss_mb": rss.peak_kb / 1024}
+
+
+def staging_rate(shards: Path, scratch: Path) -> dict[str, float]:
+    from hpctrain.data import staging
+    from hpctrain.data.shards import MANIFEST, manifest_files, read_manifest
+
+    size = sum(p.stat().st_size for p in shards.rglob("*") if p.is_file()) / 1e9
+    started = time.perf_counter()
+    subprocess.run(["cp", "-r", str(shards), str(scratch / "cp")], check=True)
+    cp_s = time.perf_counter() - started
+    started = time.perf_counter()
+    staging.stage(shards, scratch / "stage", manifest_files(read_manifest(shards)), MANIFEST)
+    stage_s = time.perf_counter() - started
+    return {"gb": size, "cp_s_per_gb": cp_s / size, "stage_s_per_gb": stage_s / size}
+
+
+def run(sizes_mb: list[float], workers: int, batch_size: int, batches: int, keep: Path | None = None) -> dict:
+    import torch.utils.data  # noqa: F401  (imported before any timing: not part of a first batch)
+
+    import hpctrain.data.shards  # noqa: F401
+
+    work = Path(keep or tempfile.mkdtemp(prefix="data-bench-"))
+    report: dict = {
+        "workers": workers,
+        "batch_size": batch_size,
+        "image": f"{SIDE}x{SIDE} JPEG -> {SHAPE}",
+        "sizes": [],
+    }
+    try:
+        for megabytes in sizes_mb:
+            folder, shards = work / f"folder-{megabytes:g}", work / f"shards-{megabytes:g}"
+            count = write_jpegs(folder, megabytes)
+            make_shards(folder, shards, workers=max(1, workers))
+            row: dict = {"megabytes": megabytes, "images": count}
+            for kind, root in (("plain", folder), ("folder", folder), ("shards", shards)):
+                row[kind] = read_rate(kind, root, workers, batch_size, batches)
+            row["folder_over_plain"] = row["folder"]["images_per_s"] / row["plain"]["images_per_s"]
+            row["shards_over_plain"] = row["shards"]["images_per_s"] / row["plain"]["images_per_s"]
+            row["shards_over_folder"] = row["shards"]["images_per_s"] / row["folder"]["images_per_s"]
+            scratch = work / f"scratch-{megabytes:g}"
+            scratch.mkdir()
+            row["staging"] = staging_rate(shards, scratch)
+            report["sizes"].append(row)
+            print_row(row, workers, batch_size)
+            shutil.rmtree(scratch)
+    finally:
+        if keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def print_row(row: dict, workers: int, batch_size: int) -> None:
+    print(
+        f"data at scale, {row['megabytes']:g} MB ({row['images']} JPEGs), {workers} workers, batch {batch_size}:",
+        flush=True,
+    )
+    for kind in ("plain", "folder", "shards"):
+        r = row[kind]
+        print(
+            f"  {kind:7s} {r['images_per_s']:8.0f} images/s   first batch {r['first_batch_s']:.2f} s   "
+            f"peak anonymous memory {r['peak_anon_rss_mb']:.0f} MB (process + workers)",
+            flush=True,
+        )
+    s = row["staging"]
+    print(
+        f"  folder/plain {row['folder_over_plain']:.2f}x, shards/plain {row['shards_over_plain']:.2f}x, "
+        f"shards/folder {row['shards_over_folder']:.2f}x; staging {s['stage_s_per_gb']:.2f} s/GB "
+        f"(sha256 checked) vs cp -r {s['cp_s_per_gb']:.2f} s/GB",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mb", nargs="+", type=float, default=[50, 500])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=60, help="batches timed per loader (after the first)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    report = run(args.sizes_mb, args.workers, args.batch_size, args.batches)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
