@@ -1,9 +1,9 @@
 """Data at scale, side by side in one run: an image folder and its shards against a plain loader.
 
-    python scripts/dev/data_benchmark.py                  # 50 MB and 500 MB of JPEGs, 2 loader workers
+    python scripts/dev/data_benchmark.py                  # 100 MB and 1 GB of JPEGs, 2 loader workers
     python scripts/dev/data_benchmark.py --sizes-mb 200 2000 --workers 4
 
-Writes JPEG files (96x96 RGB, smooth random content, 10 classes) of two total sizes, makes shards of
+Writes JPEG files (224x224 RGB, smooth random content, 10 classes) of two total sizes, makes shards of
 each (scripts/make_shards.py's writer) and measures, with the same number of loader workers and batch size:
 
   plain      a torch DataLoader over a Dataset of paths that only opens, decodes (Pillow), resizes and
@@ -14,8 +14,9 @@ each (scripts/make_shards.py's writer) and measures, with the same number of loa
   memory     peak anonymous memory (Pss_Anon: not the page cache, shared pages once) of a loading
              process plus its workers, per size
 
-A figure is images per second over the batches after the first; time to first batch counts from
-building the datamodule (listing the folder, or reading the manifest) to the first batch.
+A figure is the median, over rounds taken in turn, of images per second over the batches after the
+first; time to first batch counts from building the loader (listing the folder, or reading the
+manifest) to its first batch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-SIDE = 96
+SIDE = 224
 SHAPE = (3, 64, 64)
 CLASSES = 10
 
@@ -166,21 +168,26 @@ class PeakAnonymousRss:
         self._thread.join()
 
 
-def read_rate(kind: str, root: Path, workers: int, batch_size: int, batches: int) -> dict[str, float]:
-    """Images per second after the first batch, seconds to the first batch, peak anonymous RSS (MB)."""
+def first_batch(kind: str, root: Path, workers: int, batch_size: int) -> float:
+    """Seconds from building the loader (listing the folder, or reading the manifest) to its first batch."""
     started = time.perf_counter()
+    next(iter(loader(kind, root, workers, batch_size)))
+    return time.perf_counter() - started
+
+
+def read_rate(kind: str, root: Path, workers: int, batch_size: int, batches: int) -> tuple[float, float]:
+    """Images per second over `batches` batches after the first, and the peak anonymous memory (MB)."""
     with PeakAnonymousRss() as rss:
         iterator = iter(loader(kind, root, workers, batch_size))
         next(iterator)
-        first = time.perf_counter() - started
-        counted, t0 = 0, time.perf_counter()
+        counted, started = 0, time.perf_counter()
         for images, _ in iterator:
             counted += len(images)
             if counted >= batches * batch_size:
                 break
-        rate = counted / (time.perf_counter() - t0)
+        rate = counted / (time.perf_counter() - started)
         del iterator
-    return {"images_per_s": rate, "first_batch_s": first, "peak_anon_rss_mb": rss.peak_kb / 1024}
+    return rate, rss.peak_kb / 1024
 
 
 def staging_rate(shards: Path, scratch: Path) -> dict[str, float]:
@@ -197,7 +204,9 @@ def staging_rate(shards: Path, scratch: Path) -> dict[str, float]:
     return {"gb": size, "cp_s_per_gb": cp_s / size, "stage_s_per_gb": stage_s / size}
 
 
-def run(sizes_mb: list[float], workers: int, batch_size: int, batches: int, keep: Path | None = None) -> dict:
+def run(
+    sizes_mb: list[float], workers: int, batch_size: int, batches: int, rounds: int, keep: Path | None = None
+) -> dict:
     import torch.utils.data  # noqa: F401  (imported before any timing: not part of a first batch)
 
     import hpctrain.data.shards  # noqa: F401
@@ -206,21 +215,38 @@ def run(sizes_mb: list[float], workers: int, batch_size: int, batches: int, keep
     report: dict = {
         "workers": workers,
         "batch_size": batch_size,
+        "rounds": rounds,
         "image": f"{SIDE}x{SIDE} JPEG -> {SHAPE}",
         "sizes": [],
     }
     try:
         for megabytes in sizes_mb:
             folder, shards = work / f"folder-{megabytes:g}", work / f"shards-{megabytes:g}"
-            count = write_jpegs(folder, megabytes)
-            make_shards(folder, shards, workers=max(1, workers))
-            row: dict = {"megabytes": megabytes, "images": count}
-            for kind, root in (("plain", folder), ("folder", folder), ("shards", shards)):
-                row[kind] = read_rate(kind, root, workers, batch_size, batches)
+            if not folder.is_dir():  # --keep: made once, measured again
+                write_jpegs(folder, megabytes)
+            if not (shards / "manifest.json").is_file():
+                make_shards(folder, shards, workers=max(1, workers))
+            count = sum(1 for _ in (folder / "train").rglob("*.jpg"))
+            row: dict = {"megabytes": megabytes, "train_images": count}
+            roots = {"plain": folder, "folder": folder, "shards": shards}
+            rates: dict[str, list[float]] = {kind: [] for kind in roots}
+            memory: dict[str, float] = dict.fromkeys(roots, 0.0)
+            for _ in range(rounds):  # in turn, round after round: a busy moment slows all three alike
+                for kind, root in roots.items():
+                    rate, peak = read_rate(kind, root, workers, batch_size, batches)
+                    rates[kind].append(rate)
+                    memory[kind] = max(memory[kind], peak)
+            for kind, root in roots.items():
+                row[kind] = {
+                    "images_per_s": statistics.median(rates[kind]),
+                    "first_batch_s": first_batch(kind, root, workers, batch_size),
+                    "peak_anon_mb": memory[kind],
+                }
             row["folder_over_plain"] = row["folder"]["images_per_s"] / row["plain"]["images_per_s"]
             row["shards_over_plain"] = row["shards"]["images_per_s"] / row["plain"]["images_per_s"]
             row["shards_over_folder"] = row["shards"]["images_per_s"] / row["folder"]["images_per_s"]
             scratch = work / f"scratch-{megabytes:g}"
+            shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir()
             row["staging"] = staging_rate(shards, scratch)
             report["sizes"].append(row)
@@ -234,14 +260,14 @@ def run(sizes_mb: list[float], workers: int, batch_size: int, batches: int, keep
 
 def print_row(row: dict, workers: int, batch_size: int) -> None:
     print(
-        f"data at scale, {row['megabytes']:g} MB ({row['images']} JPEGs), {workers} workers, batch {batch_size}:",
+        f"data at scale, {row['megabytes']:g} MB ({row['train_images']} training JPEGs), {workers} workers, batch {batch_size}:",
         flush=True,
     )
     for kind in ("plain", "folder", "shards"):
         r = row[kind]
         print(
             f"  {kind:7s} {r['images_per_s']:8.0f} images/s   first batch {r['first_batch_s']:.2f} s   "
-            f"peak anonymous memory {r['peak_anon_rss_mb']:.0f} MB (process + workers)",
+            f"peak anonymous memory {r['peak_anon_mb']:.0f} MB (process + workers)",
             flush=True,
         )
     s = row["staging"]
@@ -255,13 +281,17 @@ def print_row(row: dict, workers: int, batch_size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes-mb", nargs="+", type=float, default=[50, 500])
+    parser.add_argument("--sizes-mb", nargs="+", type=float, default=[100, 1000])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--batches", type=int, default=60, help="batches timed per loader (after the first)")
+    parser.add_argument("--batches", type=int, default=100, help="batches timed per loader and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of plain, folder and shards (median)")
+    parser.add_argument(
+        "--keep", type=Path, help="make the images and shards here, and reuse them when run again"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    report = run(args.sizes_mb, args.workers, args.batch_size, args.batches)
+    report = run(args.sizes_mb, args.workers, args.batch_size, args.batches, args.rounds, args.keep)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

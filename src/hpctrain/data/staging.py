@@ -29,7 +29,7 @@ from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger("hpctrain")
 MARKER = ".staged.json"
-CHUNK = 8 << 20
+CHUNK = 1 << 20
 POLL_S = 0.5
 
 
@@ -125,10 +125,12 @@ def _copy_checked(source: Path, target: Path, sha256: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     tmp = target.with_name(target.name + ".tmp")
-    with open(source, "rb") as src, open(tmp, "wb") as dst:
-        while chunk := src.read(CHUNK):
-            digest.update(chunk)
-            dst.write(chunk)
+    buffer = bytearray(CHUNK)  # one buffer, read into: no new chunk to allocate (and fault in) per read
+    view = memoryview(buffer)
+    with open(source, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as dst:
+        while count := src.readinto(buffer):
+            digest.update(view[:count])
+            dst.write(view[:count])
     if digest.hexdigest() != sha256:
         tmp.unlink()
         raise UserError(
