@@ -32,6 +32,7 @@ lint: install
 
 benchmark: install
 	$(PYTHON) scripts/dev/benchmark.py
+	$(PYTHON) scripts/dev/data_benchmark.py
 
 clean:
 	rm -rf logs .pytest_cache .ruff_cache

@@ -61,3 +61,32 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
     assert "template/lightning" in result.stdout  # the printed table
     assert "python src/train.py --help: " in result.stdout and "x import hydra" in result.stdout
     assert "python src/train.py --cfg job experiment=quickstart: " in result.stdout
+
+
+def test_data_benchmark_reports_each_loader_against_the_plain_one(tmp_path: Path):
+    """scripts/dev/data_benchmark.py at a tiny size: every row measured, the ratios from the same figures."""
+    out = tmp_path / "data.json"
+    result = subprocess.run(
+        [
+            PYTHON,
+            str(ROOT / "scripts" / "dev" / "data_benchmark.py"),
+            *("--sizes-mb", "1", "2", "--batches", "3", "--rounds", "1", "--batch-size", "16"),
+            *("--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=local_env(),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [row["megabytes"] for row in report["sizes"]] == [1, 2]
+    for row in report["sizes"]:
+        rates = {kind: row[kind]["images_per_s"] for kind in ("plain", "folder", "shards")}
+        assert all(rate > 0 for rate in rates.values()) and row["train_images"] > 0
+        assert row["folder_over_plain"] == pytest.approx(rates["folder"] / rates["plain"])
+        assert row["shards_over_folder"] == pytest.approx(rates["shards"] / rates["folder"])
+        assert all(0 < row[kind]["peak_anon_mb"] < 4000 for kind in rates)
+        assert row["staging"]["stage_s_per_gb"] > 0 and row["staging"]["cp_s_per_gb"] > 0
+    assert "data at scale, 2 MB" in result.stdout
