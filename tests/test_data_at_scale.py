@@ -245,13 +245,14 @@ def _resume_overrides(data: list[str], out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["cpu", "ddp_cpu"])
+@pytest.mark.parametrize(("trainer", "data"), [("cpu", "image_folder"), ("ddp_cpu", "shards")])
 def test_mid_epoch_resume_with_workers_is_exact(
-    trainer: str, digit_shards: Path, image_folder: Path, tmp_path: Path
+    trainer: str, data: str, digit_shards: Path, image_folder: Path, tmp_path: Path
 ):
-    """Shards read by 2 loader workers per process: saved mid-way through the second epoch and resumed,
-    the run ends with the uninterrupted run's weights and metrics; and the folder the shards were made
-    from trains to the same weights as the shards (the same files, in the same order)."""
+    """Files read by 2 loader workers per process (an image folder in one process, its shards under
+    DDP): saved mid-way through the second epoch and resumed, the run ends with the uninterrupted run's
+    weights and metrics. In one process the shards also train to the folder's weights (the same files,
+    in the same order)."""
     saved = tmp_path / "mid.ckpt"
     # 1,258 images / 32 per batch = 40 steps per epoch (20 per rank under DDP): save in the second epoch
     at = 50 if trainer == "cpu" else 25
@@ -260,11 +261,12 @@ def test_mid_epoch_resume_with_workers_is_exact(
         f"+callbacks.save_at.step={at}",
         f"+callbacks.save_at.path={saved}",
     ]
-    shards_data = ["data=shards", f"data.root={digit_shards}", f"trainer={trainer}"]
+    root = image_folder if data == "image_folder" else digit_shards
+    chosen = [f"data={data}", f"data.root={root}", f"trainer={trainer}"]
     env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    assert_ok(train(tmp_path / "a", *_resume_overrides(shards_data, tmp_path / "a", *save_at), env=env))
+    assert_ok(train(tmp_path / "a", *_resume_overrides(chosen, tmp_path / "a", *save_at), env=env))
     assert saved.is_file()
-    assert_ok(train(tmp_path / "b", *_resume_overrides(shards_data, tmp_path / "b", f"ckpt_path={saved}")))
+    assert_ok(train(tmp_path / "b", *_resume_overrides(chosen, tmp_path / "b", f"ckpt_path={saved}")))
     (uninterrupted,), (resumed,) = run_dirs(tmp_path / "a"), run_dirs(tmp_path / "b")
     final = [
         torch.load(r / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
@@ -277,9 +279,39 @@ def test_mid_epoch_resume_with_workers_is_exact(
     ]
     assert tail[0] == tail[1] and tail[0]
 
-    if trainer == "cpu":  # the folder itself, same seed: the same weights as its shards
-        folder_data = ["data=image_folder", f"data.root={image_folder}", "trainer=cpu"]
-        assert_ok(train(tmp_path / "c", *_resume_overrides(folder_data, tmp_path / "c")))
-        (from_folder,) = run_dirs(tmp_path / "c")
-        weights = torch.load(from_folder / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    if trainer == "cpu":  # the shards of the folder, same seed: the same weights
+        sharded = ["data=shards", f"data.root={digit_shards}", "trainer=cpu"]
+        assert_ok(train(tmp_path / "c", *_resume_overrides(sharded, tmp_path / "c")))
+        (from_shards,) = run_dirs(tmp_path / "c")
+        weights = torch.load(from_shards / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
         assert all(torch.equal(weights[k], final[0][k]) for k in weights)
+
+
+def test_threads_and_workers_follow_the_cpus_a_process_has():
+    from hpctrain.runtime import cluster
+
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    assert cluster.cpus_per_process(1, {**step, "SLURM_CPUS_PER_TASK": "8"}, affinity=64)[0] == 8
+    assert cluster.cpus_per_process(1, {**step, "SLURM_NTASKS_PER_NODE": "4"}, affinity=16)[0] == 4
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}
+    assert cluster.cpus_per_process(1, torchrun, affinity=16)[0] == 4
+    assert cluster.cpus_per_process(2, {}, affinity=2)[0] == 1  # Lightning's two local ranks share 2 CPUs
+    assert cluster.cpus_per_process(4, {}, affinity=2)[0] == 1
+
+
+def test_auto_gives_decoding_datamodules_workers_and_the_rest_threads(tmp_path: Path, data_dir: Path):
+    from hpctrain.runtime import cluster
+    from hpctrain.runtime.run.build import cpu_plan
+    from tests.helpers import IMAGE_DATA, compose_train
+
+    cpus = cluster.cpus_per_process(1)[0]
+    folder = [f"data.root={data_dir}/digits_images", *IMAGE_DATA]
+    threads, workers, line = cpu_plan(compose_train(tmp_path, data_dir, "data=image_folder", *folder))
+    assert workers == min(8, max(1, cpus - 1)) and threads == max(1, cpus - workers)
+    assert f"{workers} loader worker(s) (data.num_workers=auto)" in line
+    threads, workers, _ = cpu_plan(compose_train(tmp_path, data_dir, "data=digits", "data.num_workers=auto"))
+    assert (threads, workers) == (cpus, 0)  # in memory: a batch is one tensor index, no workers
+    explicit = compose_train(
+        tmp_path, data_dir, "data=image_folder", *folder, "num_threads=3", "data.num_workers=5"
+    )
+    assert cpu_plan(explicit)[:2] == (3, None)  # given values are taken as given

@@ -98,7 +98,7 @@ def cpu_plan(cfg: DictConfig) -> tuple[int, int | None, str]:
     workers that decode files come first (the CPUs less one, at most 8); in-memory data takes none
     (a batch is one tensor index). Threads get what is left. Oversubscribed threads on a loaded CPU
     cost 30x here (193 against 7,030 samples/s), so an explicit value is taken as given."""
-    cpus, found = cluster.cpus_per_process(cfg.trainer.get("devices"))
+    cpus, found = cluster.cpus_per_process((cfg.get("trainer") or {}).get("devices"))
     asked_workers = (cfg.get("data") or {}).get("num_workers", 0)
     workers = None
     if asked_workers == "auto":
@@ -174,9 +174,8 @@ def _import_failure(err: InstantiationException) -> str | None:
 
 def datamodule(cfg: DictConfig) -> LightningDataModule:
     node = cfg.data
-    workers = cpu_plan(cfg)[1]
-    if workers is not None:  # data.num_workers=auto
-        node = OmegaConf.merge(node, {"num_workers": workers})
+    if node.get("num_workers") == "auto":
+        node = OmegaConf.merge(node, {"num_workers": cpu_plan(cfg)[1]})
     preset = cfg.get("cluster") or {}
     if preset.get("offline") and node.get("download"):
         # conf/cluster/<name>.yaml says the compute nodes have no internet: fail at once on missing data
