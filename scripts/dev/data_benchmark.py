@@ -62,24 +62,13 @@ def write_jpegs(root: Path, megabytes: float, seed: int = 0) -> int:
 
 
 def make_shards(folder: Path, out: Path, workers: int) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "make_shards.py"),
-            "data=image_folder",
-            f"data.root={folder}",
-            f"data.num_classes={CLASSES}",
-            f"data.image_shape=[{','.join(map(str, SHAPE))}]",
-            "--out",
-            str(out),
-            "--shard-mb",
-            "64",
-            "--workers",
-            str(workers),
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    """What scripts/make_shards.py does, in this process (hpctrain.data.shards.make_shards)."""
+    from hpctrain.data import shards
+    from hpctrain.data.files import ImageFolderDataModule
+
+    images = ImageFolderDataModule(root=str(folder), num_classes=CLASSES, image_shape=SHAPE)
+    images.check_available()
+    shards.make_shards(images, out, shard_mb=64, workers=workers)
 
 
 class PlainFiles:
