@@ -14,6 +14,12 @@ from tests.helpers import EXAMPLES, PYTHON, ROOT, local_env
 pytestmark = pytest.mark.slow
 
 
+def _ratio_of_rounded(ratio: float, a: float, b: float) -> bool:
+    """Whether `ratio` (rounded to 3 decimals from the unrounded rates) is a/b for rates the report rounded
+    to 0.1: on a loaded machine a rate of a few samples/s moves a large ratio by more than 1e-3."""
+    return (a - 0.05) / (b + 0.05) - 5e-4 <= ratio <= (a + 0.05) / (b - 0.05) + 5e-4
+
+
 def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
@@ -30,9 +36,9 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
     for row in report["results"]:
         raw, bare, ours = (row[f"{v}_samples_per_s"] for v in ("raw", "lightning", "template"))
         assert raw > 0 and bare > 0 and ours > 0
-        assert row["ratio"] == pytest.approx(ours / raw, abs=1e-3)
-        assert row["lightning_ratio"] == pytest.approx(bare / raw, abs=1e-3)
-        assert row["template_over_lightning"] == pytest.approx(ours / bare, abs=1e-3)
+        assert _ratio_of_rounded(row["ratio"], ours, raw)
+        assert _ratio_of_rounded(row["lightning_ratio"], bare, raw)
+        assert _ratio_of_rounded(row["template_over_lightning"], ours, bare)
         global_batch = 128 * row["world_size"]  # the per-step costs come from the same medians
         step_ms = {
             name: global_batch / rate * 1000 for name, rate in (("raw", raw), ("bare", bare), ("ours", ours))
