@@ -102,6 +102,9 @@ def test_an_unreadable_image_is_named_or_skipped_and_counted(tmp_path: Path):
     images, labels = skipping.on_before_batch_transfer(skipping.splits[0][torch.arange(10)], 0)
     assert len(images) == len(labels) == 8 and skipping.skipped_files == 2  # of 10 files, 2 unreadable
     assert (labels >= 0).all()
+    # -1 is "no label" (src/predict.py's inputs: a folder of images, a tensor file): never a bad file
+    unlabelled = (torch.zeros(3, *SHAPE, dtype=torch.uint8), torch.full((3,), -1))
+    assert data.on_before_batch_transfer(unlabelled, 0) is unlabelled
 
 
 def _shard_set(tmp_path: Path, sizes: tuple[int, ...] = (3, 4)) -> tuple[Path, dict]:

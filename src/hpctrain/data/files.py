@@ -12,8 +12,9 @@ The index is numpy arrays (paths as fixed-width bytes, labels as int64), not Pyt
 loader workers share its pages instead of copying each object they touch (reference counts are
 writes), so the memory of a rank and its workers does not grow with the dataset.
 
-A file that cannot be decoded comes back from the worker with the label `-1 - index`; the main process
-turns that into one sentence naming the file (`data.skip_bad=false`), or drops the sample and counts it.
+A file that cannot be decoded comes back from the worker with the label `BAD - index` (-1 stays what it
+is elsewhere: no label, as in prediction inputs); the main process turns that into one sentence naming the
+file (`data.skip_bad=false`), or drops the sample and counts it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger("hpctrain")
 SPLITS = ("train", "val", "test")
+BAD = -2  # a label at or below: file `BAD - label` of the batch's dataset could not be decoded
 
 
 class EncodedImages(Dataset):
@@ -74,7 +76,7 @@ class EncodedImages(Dataset):
             try:
                 decode_into(io.BytesIO(self.read(i)), slots[row])
             except (UnreadableImage, OSError):
-                labels[row] = -1 - i  # told to the main process, which names the file or skips it
+                labels[row] = BAD - i  # told to the main process, which names the file or skips it
         return (images[0], labels[0]) if single else (images, labels)
 
 
@@ -125,11 +127,11 @@ class FileImageDataModule(ImageDataModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         images, labels = batch
-        bad = labels < 0  # on the host: no device sync
+        bad = labels <= BAD  # on the host: no device sync
         if not bool(bad.any()):
             return batch
-        split = self._split_of(dataloader_idx)
-        names = [split.name(-1 - int(i)) for i in labels[bad]]
+        source = self._dataset_of(dataloader_idx)
+        names = [source.name(BAD - int(i)) for i in labels[bad]]
         if not self.skip_bad:
             raise UserError(
                 f"{names[0]} cannot be read as an image; remove or replace it, or pass data.skip_bad=true to "
@@ -141,12 +143,24 @@ class FileImageDataModule(ImageDataModule):
         keep = ~bad
         return images[keep], labels[keep]
 
-    def _split_of(self, dataloader_idx: int) -> EncodedImages:
+    def _dataset_of(self, dataloader_idx: int) -> EncodedImages:
+        """The files behind the batch: the dataset of the loader the trainer is running."""
         assert self.splits is not None
         trainer = self.trainer
-        if trainer is None or trainer.training:
+        if trainer is None:
             return self.splits[0]
-        return self.splits[2] if trainer.testing else self.splits[1]
+        if trainer.training:
+            loaders = trainer.train_dataloader
+        elif trainer.testing:
+            loaders = trainer.test_dataloaders
+        elif trainer.predicting:
+            loaders = trainer.predict_dataloaders
+        else:
+            loaders = trainer.val_dataloaders
+        if isinstance(loaders, (list, tuple)):
+            loaders = loaders[dataloader_idx]
+        dataset = getattr(loaders, "dataset", None)
+        return dataset if isinstance(dataset, EncodedImages) else self.splits[0]
 
 
 def list_split(folder: Path, classes: Sequence[str], skip_bad: bool) -> tuple[list[bytes], list[int], int]:
