@@ -176,14 +176,19 @@ def make_shards(
             jobs.append((split, number, part.names[chunk], part.labels.numpy()[chunk]))
     entries: dict[str, list[dict[str, Any]]] = {split: [] for split, *_ in jobs}
     root = Path(os.fsdecode(parts[0].root))
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = [
-            (split, pool.submit(write_shard, out, split, n, root, names, labels, check))
-            for split, n, names, labels in jobs
-        ]
-        for done, (split, future) in enumerate(futures, 1):
-            entries[split].append(future.result())
-            advance(done, len(futures))
+    if workers == 1:  # in this process: no pool to start
+        for done, (split, number, names, labels) in enumerate(jobs, 1):
+            entries[split].append(write_shard(out, split, number, root, names, labels, check))
+            advance(done, len(jobs))
+    else:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [
+                (split, pool.submit(write_shard, out, split, n, root, names, labels, check))
+                for split, n, names, labels in jobs
+            ]
+            for done, (split, future) in enumerate(futures, 1):
+                entries[split].append(future.result())
+                advance(done, len(futures))
     write_manifest(out, folder.classes, entries, source=str(root))
     return entries
 
