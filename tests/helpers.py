@@ -42,20 +42,26 @@ def local_env() -> dict[str, str]:
     return env
 
 
-def run_entry(
-    script: str, *overrides: str, cwd: Path = ROOT, timeout: float = 600, env: dict[str, str] | None = None
+def run_script(
+    path: str, *args: str, cwd: Path = ROOT, timeout: float = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python src/<script> overrides...` and return the finished process (stdout+stderr in .stdout)."""
-    full_env = {**local_env(), **(env or {})}
+    """Run `python <path relative to the project> args...` as on a laptop; stdout+stderr in .stdout."""
     return subprocess.run(
-        [PYTHON, str(ROOT / "src" / script), *overrides],
+        [PYTHON, str(ROOT / path), *args],
         cwd=cwd,
-        env=full_env,
+        env={**local_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=timeout,
     )
+
+
+def run_entry(
+    script: str, *overrides: str, cwd: Path = ROOT, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `python src/<script> overrides...` and return the finished process (stdout+stderr in .stdout)."""
+    return run_script(f"src/{script}", *overrides, cwd=cwd, timeout=timeout, env=env)
 
 
 def train(log_dir: Path, *overrides: str, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -218,22 +224,7 @@ def write_small_image_data(data_dir: Path) -> None:
 
 def make_shards(folder: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`python scripts/make_shards.py data=image_folder data.root=<folder> --out <out>` for 28x28 digits."""
-    return subprocess.run(
-        [
-            PYTHON,
-            str(ROOT / "scripts" / "make_shards.py"),
-            "data=image_folder",
-            f"data.root={folder}",
-            "data.num_classes=10",
-            "data.image_shape=[1,28,28]",
-            "--out",
-            str(out),
-            *args,
-        ],
-        cwd=ROOT,
-        env=local_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
+    overrides = (f"data.root={folder}", *IMAGE_DATA)
+    return run_script(
+        "scripts/make_shards.py", "data=image_folder", *overrides, "--out", str(out), *args, timeout=300
     )

@@ -4,12 +4,11 @@ Speeds are not asserted here (the machine is shared); the README's table comes f
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, PYTHON, ROOT, local_env
+from tests.helpers import EXAMPLES, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -22,15 +21,8 @@ def _ratio_of_rounded(ratio: float, a: float, b: float) -> bool:
 
 def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
     out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [PYTHON, str(ROOT / "scripts" / "dev" / "benchmark.py"), "--tiny", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=local_env(),
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_script("scripts/dev/benchmark.py", "--tiny", "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:]
     report = json.loads(out.read_text())
     assert {(r["model"], r["world_size"]) for r in report["results"]} == {("mlp", 1), ("mlp", 2)}
     for row in report["results"]:
@@ -72,20 +64,9 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
 def test_data_benchmark_reports_each_loader_against_the_plain_one(tmp_path: Path):
     """scripts/dev/data_benchmark.py at a tiny size: every row measured, the ratios from the same figures."""
     out = tmp_path / "data.json"
-    result = subprocess.run(
-        [
-            PYTHON,
-            str(ROOT / "scripts" / "dev" / "data_benchmark.py"),
-            *("--sizes-mb", "1", "2", "--batches", "3", "--rounds", "1", "--batch-size", "16"),
-            *("--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=local_env(),
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sizes = ("--sizes-mb", "1", "2", "--batches", "3", "--rounds", "1", "--batch-size", "16")
+    result = run_script("scripts/dev/data_benchmark.py", *sizes, "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:]
     report = json.loads(out.read_text())
     assert [row["megabytes"] for row in report["sizes"]] == [1, 2]
     for row in report["sizes"]:

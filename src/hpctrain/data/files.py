@@ -116,15 +116,6 @@ class FileImageDataModule(ImageDataModule):
                 "shards of them (python scripts/make_shards.py ...) and train with data=shards to stage them."
             )
 
-    def _relabelled(self, part: Any) -> Any:
-        assert self.label_map is not None
-        if len(part) and int(part.labels.max()) >= len(self.label_map):
-            raise UserError(
-                f"data.label_map has {len(self.label_map)} entries but {type(self).__name__} has label "
-                f"{int(part.labels.max())}; give one new label per class."
-            )
-        return part.with_labels(self.label_map[part.labels])
-
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         images, labels = batch
         bad = labels <= BAD  # on the host: no device sync

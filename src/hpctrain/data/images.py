@@ -108,13 +108,12 @@ class ImageDataModule(LightningDataModule):
                 f"data.label_map has {len(self.label_map)} entries but {type(self).__name__} has label "
                 f"{int(part.labels.max())}; give one new label per class."
             )
-        return TensorDataset(part.images, self.label_map[part.labels])
+        return part.with_labels(self.label_map[part.labels])
 
     def _check_sizes(self, splits: tuple[TensorDataset, ...]) -> None:
         name = type(self).__name__
         for part in splits:
-            # files are decoded into image_shape; tensors held in memory have a shape of their own
-            shape = tuple(part.images.shape[1:]) if hasattr(part, "images") else part.image_shape
+            shape = part.image_shape  # files are decoded into the configured shape; tensors have their own
             if shape != self.image_shape:
                 raise UserError(
                     f"data.image_shape={list(self.image_shape)} but {name} holds {'x'.join(map(str, shape))} "

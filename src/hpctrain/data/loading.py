@@ -37,6 +37,14 @@ class TensorDataset(Dataset):
         self.images = images
         self.labels = labels
 
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        return tuple(self.images.shape[1:])
+
+    def with_labels(self, labels: Tensor) -> TensorDataset:
+        """The same images with other labels (`data.label_map`)."""
+        return TensorDataset(self.images, labels)
+
     def __len__(self) -> int:
         return len(self.labels)
 

@@ -203,21 +203,17 @@ def cpus_per_process(
     env = _env(env)
     cpus = affinity if affinity is not None else len(os.sched_getaffinity(0))
     kind = launcher(env)
+    per_task = _int_or_none(env.get("SLURM_CPUS_PER_TASK")) if kind == SLURM else None
+    if per_task:  # a site without task/affinity leaves every task the whole node: --cpus-per-task says it
+        return max(1, min(cpus, per_task)), f"SLURM --cpus-per-task={per_task}, {cpus} in the affinity mask"
     if kind == SLURM:
-        per_task = _int_or_none(env.get("SLURM_CPUS_PER_TASK"))
-        if per_task:  # a site without task/affinity leaves every task the whole node: --cpus-per-task says it
-            return max(
-                1, min(cpus, per_task)
-            ), f"SLURM --cpus-per-task={per_task}, {cpus} in the affinity mask"
-        tasks = _int_or_none((env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]) or 1
-        return max(1, cpus // tasks), f"{cpus} CPUs in the affinity mask / {tasks} task(s) per node"
-    if kind == TORCHRUN:
-        local = _int_or_none(env.get("LOCAL_WORLD_SIZE")) or 1
-        return max(
-            1, cpus // local
-        ), f"{cpus} CPUs in the affinity mask / {local} torchrun worker(s) per node"
-    local = _devices_asked(devices) or 1
-    return max(1, cpus // local), f"{cpus} CPUs in the affinity mask / {local} process(es) per node"
+        sharing, who = _int_or_none((env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]), "task(s)"
+    elif kind == TORCHRUN:
+        sharing, who = _int_or_none(env.get("LOCAL_WORLD_SIZE")), "torchrun worker(s)"
+    else:
+        sharing, who = _devices_asked(devices), "process(es)"
+    sharing = sharing or 1
+    return max(1, cpus // sharing), f"{cpus} CPUs in the affinity mask / {sharing} {who} per node"
 
 
 def _devices_asked(devices: object) -> int | None:
