@@ -43,25 +43,27 @@ def local_env() -> dict[str, str]:
 
 
 def run_script(
-    path: str, *args: str, cwd: Path = ROOT, timeout: float = 600, env: dict[str, str] | None = None
+    path: str,
+    *args: str,
+    cwd: Path = ROOT,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python <path relative to the project> args...` as on a laptop; stdout+stderr in .stdout."""
-    return subprocess.run(
-        [PYTHON, str(ROOT / path), *args],
-        cwd=cwd,
-        env={**local_env(), **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
+    """Run `python <path relative to the project> args...` as on a laptop; stdout+stderr in .stdout.
+
+    The process is forked from an interpreter that has imported torch and Lightning already
+    (tests/preload.py); `fresh=True` starts a new interpreter, for a test about the start itself."""
+    from tests import preload
+
+    env = {**local_env(), **(env or {})}
+    return preload.run(ROOT / path, list(args), cwd=cwd, env=env, timeout=timeout, fresh=fresh)
 
 
-def run_entry(
-    script: str, *overrides: str, cwd: Path = ROOT, timeout: float = 600, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run `python src/<script> overrides...` and return the finished process (stdout+stderr in .stdout)."""
-    return run_script(f"src/{script}", *overrides, cwd=cwd, timeout=timeout, env=env)
+def run_entry(script: str, *overrides: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    """Run `python src/<script> overrides...` and return the finished process (stdout+stderr in .stdout);
+    keyword arguments as for run_script."""
+    return run_script(f"src/{script}", *overrides, **kwargs)
 
 
 def train(log_dir: Path, *overrides: str, **kwargs) -> subprocess.CompletedProcess[str]:

@@ -4,7 +4,6 @@ DDP, a character Transformer on the standard library's source, and the compile /
 from __future__ import annotations
 
 import pickle
-import subprocess
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,15 +19,13 @@ from hpctrain.models.sampling import TextSample
 from hpctrain.models.transformer import CharTransformer
 from hpctrain.runtime.run import build
 from tests.helpers import (
-    PYTHON,
-    ROOT,
     assert_ok,
     compose_train,
     last_value,
-    local_env,
     read_metrics,
     run_dirs,
     run_entry,
+    run_script,
     train,
 )
 
@@ -199,15 +196,10 @@ def test_channels_last_runs_and_formats_the_parameters(tmp_path: Path, data_dir:
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["cifar10 data.download=false", "pystdlib_text"])
 def test_prepare_data_covers_every_dataset(data: str, data_dir: Path):
-    command = [
-        PYTHON,
-        "scripts/prepare_data.py",
-        f"data={data.split()[0]}",
-        *data.split()[1:],
-        f"paths.data_dir={data_dir}",
-    ]
-    result = subprocess.run(command, cwd=ROOT, env=local_env(), capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script(
+        "scripts/prepare_data.py", f"data={data.split()[0]}", *data.split()[1:], f"paths.data_dir={data_dir}"
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
     assert "samples ready" in result.stdout
 
 

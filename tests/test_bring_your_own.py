@@ -12,7 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, ROOT, assert_ok, local_env, read_metrics, run_dirs, run_entry, train
+from tests.helpers import (
+    PYTHON,
+    ROOT,
+    assert_ok,
+    local_env,
+    read_metrics,
+    run_dirs,
+    run_entry,
+    run_script,
+    train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -170,12 +180,6 @@ def test_a_plain_dataloader_resumes_from_the_last_step_and_says_so(tmp_path: Pat
 
 
 def test_prepare_data_takes_any_datamodule():
-    result = subprocess.run(
-        [PYTHON, "scripts/prepare_data.py", "data=plain_digits"],
-        cwd=ROOT,
-        env=local_env(),
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script("scripts/prepare_data.py", "data=plain_digits")
+    assert result.returncode == 0, result.stdout[-3000:]
     assert "PlainDigitsDataModule: 1257 train, 180 val, 360 test samples ready" in result.stdout

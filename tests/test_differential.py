@@ -12,14 +12,13 @@ from __future__ import annotations
 import csv
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.differential.cases import CASES, template_overrides
-from tests.helpers import PYTHON, ROOT, assert_ok, local_env, run_dirs, train
+from tests.helpers import ROOT, assert_ok, run_dirs, run_script, train
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +31,7 @@ def _env(out: Path) -> dict[str, str]:
 
 def run_bare(case: str, out: Path, *args: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        [PYTHON, str(ROOT / "tests" / "differential" / "bare.py"), case, str(out), *args],
-        cwd=ROOT,
-        env={**local_env(), **_env(out)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
-    assert_ok(result)
+    assert_ok(run_script("tests/differential/bare.py", case, str(out), *args, env=_env(out)))
     return out
 
 

@@ -216,6 +216,7 @@ def test_an_existing_output_is_refused_before_anything_runs(tmp_path: Path):
         f"ckpt_path={tmp_path}/any.ckpt",
         f"predict.output={output}",
         f"paths.log_dir={tmp_path}/logs",
+        fresh=True,  # refused before torch is imported: a fresh interpreter answers at once
     )
     assert result.returncode == 2
     assert f"error: predict.output={output} exists already and is not overwritten" in result.stdout
