@@ -38,15 +38,24 @@ def _output(out_dir: Path, job: str) -> str:
     return files[0].read_text() if files else ""
 
 
-def test_two_node_gloo_ddp_job_completes(slurm_cluster, tmp_path: Path):
-    job = _submit(
-        slurm_cluster,
-        tmp_path,
+def test_two_node_gloo_ddp_job_completes_with_every_logger_and_no_key_in_any_file(
+    slurm_cluster, tmp_path: Path
+):
+    """The quickstart on two nodes, logging to every logger; the API keys the job was given are written
+    to no file (the run dir's, the loggers', the job's output)."""
+    fake_key = "fake0123456789abcdef0123456789abcdef012345"
+    # From the submitting shell's environment, as a user exports it (not on sbatch's command line:
+    # --export=KEY=value is recorded in SLURM_EXPORT_ENV, which W&B saves with its SLURM metadata).
+    job = slurm_cluster.sbatch(
+        f"--output={tmp_path}/%x-%j.out",
         *CPU_JOB,
         SBATCH_FILE,
         "trainer=ddp_cpu",
         "experiment=quickstart",
+        "logger=[many,mlflow,wandb]",  # csv + tensorboard, MLflow (a fresh SQLite store), W&B offline
         f"paths.log_dir={tmp_path}",
+        cwd=ROOT,
+        env={"WANDB_API_KEY": fake_key, "MLFLOW_TRACKING_TOKEN": fake_key},
     )
     info = slurm_cluster.wait(job, timeout_s=300)
     output = _output(tmp_path, job)
@@ -59,6 +68,14 @@ def test_two_node_gloo_ddp_job_completes(slurm_cluster, tmp_path: Path):
     assert last_value(read_metrics(run), "test/acc") >= 0.9
     attempt = yaml.safe_load((run / "run.yaml").read_text())["attempts"][0]
     assert (attempt["launcher"], attempt["world_size"], attempt["slurm_job_id"]) == ("slurm", 2, job)
+
+    assert (run / "mlflow.db").is_file()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*")) and list(
+        (run / "wandb").glob("offline-run-*")
+    )
+    for path in tmp_path.rglob("*"):  # the run dir, and the job's SLURM output file
+        if path.is_file():
+            assert fake_key.encode() not in path.read_bytes(), path
 
 
 PREFLIGHT_CASES = {
@@ -128,7 +145,9 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
     a loader worker per rank; the requeued attempt reuses its node's copy.
     Both jobs fine-tune (init_from.path): the requeued attempt continues from its own requeue.ckpt and
     leaves init_from alone; re-applied, it would put the start weights back under the trained ones and
-    the final weights would differ from the uninterrupted job's."""
+    the final weights would differ from the uninterrupted job's.
+    The interrupted job is submitted by scripts/submit.py from a copy of the project whose code is then
+    edited so that it fails: both attempts run the code as submitted (submit.py's snapshot)."""
     from tests.helpers import train
 
     start = train(tmp_path / "start", "data=digits", "trainer=cpu", "trainer.max_epochs=1", "test=false")
@@ -154,6 +173,7 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         "extras.print_config=false",
     )
     # The interrupted job goes through scripts/submit.py, the reference job through plain sbatch.
+    project = _project_copy(tmp_path / "project")
     submitted = slurm_cluster.run(
         PYTHON,
         "scripts/submit.py",
@@ -163,14 +183,17 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         f"--sbatch-arg=--output={tmp_path}/%x-%j.out",
         "--",
         *overrides,
-        cwd=ROOT,
+        cwd=project,
         # Submitted from a shell whose wandb service (a notebook's, on the login node) the job cannot
         # reach: the job must start its own (slurm/site.sh), or wandb.init fails on the compute node.
         env={"WANDB_SERVICE": "3-1-unix-/nonexistent/login-node-wandb.sock"},
     )
     assert submitted.returncode == 0, submitted.stderr
+    assert "code snapshot: " in submitted.stdout
     interrupted = submitted.stdout.strip().split()[-1]
     reference = _submit(slurm_cluster, tmp_path, *CPU_JOB, SBATCH_FILE, *overrides)
+    (snapshot,) = (project / "logs" / "snapshots").iterdir()
+    _break_the_training_step(project)
 
     # Signal as the time limit would, once the job is well into its second epoch.
     deadline = time.monotonic() + 240
@@ -216,8 +239,10 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
     loops = torch.load(requeue_ckpt, map_location="cpu", weights_only=True)["loops"]["fit_loop"]
     done_in_epoch = loops["epoch_loop.batch_progress"]["current"]["processed"]
     assert 0 < done_in_epoch < 40, done_in_epoch  # 629 digits / 16 per batch per rank = 40 batches
-    attempts = yaml.safe_load((resumed / "run.yaml").read_text())["attempts"]
-    assert [a["slurm_restart_count"] for a in attempts] == [0, 1]
+    record = yaml.safe_load((resumed / "run.yaml").read_text())
+    assert [a["slurm_restart_count"] for a in record["attempts"]] == [0, 1]
+    # Both attempts ran the code as submitted, not the project's code edited since.
+    assert record["git"]["snapshot"] == str(snapshot) and "edited after submission" not in log
 
     # Exact resume: identical final weights and identical metrics, every epoch.
     final, expected = (
@@ -355,6 +380,18 @@ def test_a_signal_during_prediction_requeues_the_job_which_predicts_everything_a
     assert not list(tmp_path.rglob("part-rank*.pt")) and not list(tmp_path.glob(".predictions.pt.tmp-*"))
 
 
+def _break_the_training_step(project: Path) -> None:
+    """Edit the project's model so that a training step fails, as an edit after submission might."""
+    model = project / "src" / "hpctrain" / "models" / "classifier.py"
+    edited = model.read_text().replace(
+        "        loss, preds, y = self._loss_and_predictions(batch)\n        self.train_acc.update(preds, y)",
+        '        raise RuntimeError("the code edited after submission ran")',
+        1,
+    )
+    assert edited != model.read_text()
+    model.write_text(edited)
+
+
 def _project_copy(target: Path) -> Path:
     """A copy of this project's code as a git working copy of its own (the project's venv linked in)."""
     import shutil
@@ -374,64 +411,3 @@ def _project_copy(target: Path) -> Path:
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the code as submitted"]):
         subprocess.run([*git, *args], check=True, capture_output=True)
     return target
-
-
-def test_a_requeued_attempt_runs_the_code_as_submitted_though_it_was_edited_since(
-    slurm_cluster, tmp_path: Path
-):
-    """submit.py runs each job from a snapshot of the code: the source is edited (so that it fails) after
-    submission, the job is preempted and requeued, and both attempts run the original code; the final
-    weights equal those of an uninterrupted job submitted with it."""
-    project = _project_copy(tmp_path / "project")
-    overrides = (
-        "data=digits",
-        "data.batch_size=16",
-        "trainer.max_epochs=2",
-        "test=false",
-        "callbacks.progress.log_every_n_s=0",
-        f"paths.log_dir={tmp_path}/logs",
-        "extras.print_config=false",
-    )
-    submit = (
-        PYTHON,
-        "scripts/submit.py",
-        "--nodes",
-        "2",
-        "--cpu",
-        f"--sbatch-arg=--output={tmp_path}/%x-%j.out",
-        "--",
-    )
-    jobs = []
-    for _ in range(2):  # the interrupted job and the reference, from the same code (one snapshot)
-        submitted = slurm_cluster.run(*submit, *overrides, cwd=project)
-        assert submitted.returncode == 0, submitted.stderr
-        assert "code snapshot: " in submitted.stdout
-        jobs.append(submitted.stdout.strip().split()[-1])
-    interrupted, reference = jobs
-    (snapshot,) = (project / "logs" / "snapshots").iterdir()
-    model = project / "src" / "hpctrain" / "models" / "classifier.py"
-    edited = model.read_text().replace(
-        "        loss, preds, y = self._loss_and_predictions(batch)\n        self.train_acc.update(preds, y)",
-        '        raise RuntimeError("the code edited after submission ran")',
-        1,
-    )
-    assert edited != model.read_text()
-    model.write_text(edited)
-
-    deadline = time.monotonic() + 240
-    while "epoch 1/2  step 10/" not in _output(tmp_path, interrupted):
-        assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
-        time.sleep(0.2)
-    assert slurm_cluster.run("scancel", "--signal=USR1", interrupted).returncode == 0
-    for job in (interrupted, reference):
-        info = slurm_cluster.wait(job, timeout_s=400)
-        assert info["JobState"] == "COMPLETED", _output(tmp_path, job)[-4000:]
-    assert slurm_cluster.job(interrupted).get("Restarts") == "1"
-    assert "edited after submission" not in _output(tmp_path, interrupted)
-
-    runs = tmp_path / "logs" / "train" / "runs"
-    record = yaml.safe_load((runs / f"slurm-{interrupted}" / "run.yaml").read_text())
-    assert len(record["attempts"]) == 2 and record["git"]["snapshot"] == str(snapshot)
-    final = _state_dict(runs / f"slurm-{interrupted}" / "checkpoints" / "last.ckpt")
-    expected = _state_dict(runs / f"slurm-{reference}" / "checkpoints" / "last.ckpt")
-    assert [k for k in final if not torch.equal(final[k], expected[k])] == []
