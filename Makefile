@@ -21,10 +21,10 @@ install: $(VENV)/.installed
 train: install
 	$(PYTHON) src/train.py experiment=quickstart
 
-# Two xdist workers: most tests are real processes that spend seconds importing torch, so two run side
-# by side; every Slurm test goes to one worker (tests/conftest.py), which starts the local cluster once.
+# Two xdist workers, one per core of the development machine: each takes the next test when it is free,
+# longest first (tests/conftest.py), and starts its own local Slurm cluster for the Slurm tests.
 test: install
-	$(PYTHON) -m pytest -n 2 --dist loadgroup
+	$(PYTHON) -m pytest -n 2 --dist load
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -50,18 +50,24 @@ def mnist_dir(data_dir: Path) -> Path:
     return data_dir
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the group into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) every test that uses the
-    Slurm cluster runs in one worker: the cluster's node names and ports exist once per machine."""
-    for item in items:
+    """The longest tests first: the Slurm tests (jobs wait for nodes, credentials and requeues), then the
+    other slow ones, then the quick ones. Under pytest-xdist (`-n 2`, the README's test command) the
+    workers take tests in this order as they become free, so the quick tests fill the gaps at the end and
+    both workers finish at about the same time. The order within each tier is the collection order."""
+
+    def tier(item: pytest.Item) -> int:
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+            return 0
+        return 1 if item.get_closest_marker("slow") else 2
+
+    items.sort(key=tier)  # stable
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
-    """A real two-node Slurm cluster (slurmctld + slurmd node1, node2) for the whole session.
+    """A real two-node Slurm cluster (slurmctld + slurmd node1, node2) for the whole session; under
+    pytest-xdist each worker starts its own, on ports of its own, so Slurm tests run side by side.
 
     Skipped where Slurm is not installed, except under CI=true, where a missing cluster is an error.
     """
