@@ -146,6 +146,7 @@ def test_the_transformers_loss_falls(tmp_path: Path):
         "trainer.max_epochs=2",
         "trainer.limit_train_batches=30",
         "trainer.limit_val_batches=5",
+        "trainer.limit_test_batches=5",
         "model.net.n_layer=2",
         "callbacks.text_sample.length=20",
     )
