@@ -169,9 +169,12 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         "callbacks.progress.log_every_n_s=0",
         "trainer.log_every_n_steps=1",  # every step's loss is compared, and every step is a logging step
         "logger=[csv,mlflow,wandb]",  # the requeued job must continue the same MLflow and W&B runs
+        # 0.15 s per step, or on a quiet machine the second epoch ends before the signal arrives
+        "+callbacks.slow._target_=tests.differential.user_code.SlowRankCallback",
         f"paths.log_dir={tmp_path}",
         "extras.print_config=false",
     )
+    slow = {"PYTHONPATH": str(ROOT), "SLOW_RANK": "0", "SLOW_S": "0.15"}
     # The interrupted job goes through scripts/submit.py, the reference job through plain sbatch.
     project = _project_copy(tmp_path / "project")
     submitted = slurm_cluster.run(
@@ -186,12 +189,14 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         cwd=project,
         # Submitted from a shell whose wandb service (a notebook's, on the login node) the job cannot
         # reach: the job must start its own (slurm/site.sh), or wandb.init fails on the compute node.
-        env={"WANDB_SERVICE": "3-1-unix-/nonexistent/login-node-wandb.sock"},
+        env={**slow, "WANDB_SERVICE": "3-1-unix-/nonexistent/login-node-wandb.sock"},
     )
     assert submitted.returncode == 0, submitted.stderr
     assert "code snapshot: " in submitted.stdout
     interrupted = submitted.stdout.strip().split()[-1]
-    reference = _submit(slurm_cluster, tmp_path, *CPU_JOB, SBATCH_FILE, *overrides)
+    reference = slurm_cluster.sbatch(
+        f"--output={tmp_path}/%x-%j.out", *CPU_JOB, SBATCH_FILE, *overrides, cwd=ROOT, env=slow
+    )
     (snapshot,) = (project / "logs" / "snapshots").iterdir()
     _break_the_training_step(project)
 
