@@ -50,21 +50,6 @@ def mnist_dir(data_dir: Path) -> Path:
     return data_dir
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist each worker gets its own share of the CPUs (one core each for `-n 2` on two
-    cores), and everything it starts inherits that share: its training runs, their DDP ranks, its Slurm
-    cluster and that cluster's jobs. `num_threads: auto` then gives each run the threads of its share.
-    Unpinned, two workers' runs each took every core and their intra-op threads spun against each other:
-    DDP-heavy test files took 22 % longer on the 2-core development machine (115 s against 89 s)."""
-    worker = getattr(config, "workerinput", None)
-    if worker is None or not hasattr(os, "sched_setaffinity"):
-        return
-    cpus = sorted(os.sched_getaffinity(0))
-    count, index = int(worker["workercount"]), int(worker["workerid"].removeprefix("gw"))
-    if count <= len(cpus):
-        os.sched_setaffinity(0, cpus[index::count])
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest tests first: the Slurm tests (jobs wait for nodes, credentials and requeues), then the
     other slow ones, then the quick ones. Under pytest-xdist (`-n 2`, the README's test command) the
