@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 
 from lightning_fabric.plugins.environments import SLURMEnvironment
@@ -153,11 +154,22 @@ def end_distributed_job(trainer, completed: bool = True) -> None:
     launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
     if isinstance(launcher, HydraJobLauncher) and launcher.procs:
         if not completed:  # a failed job of a sweep: its local ranks must not outlive it
+            _quiet_lightnings_observer()
             launcher.kill(signal.SIGKILL)
         for proc in launcher.procs:
             proc.wait(timeout=120)
         for key in _LAUNCH_ENV:
             os.environ.pop(key, None)
+
+
+def _quiet_lightnings_observer() -> None:
+    """Lightning's launcher watches the local ranks from a thread, every 5 s, and SIGKILLs this process
+    when one of them ended with a non-zero code. The SIGKILL that follows is deliberate, so the watcher
+    is given no ranks to watch: else it could kill rank 0 before it reports the run's error in one
+    sentence (seen: a failed DDP run ending with -9 and no sentence)."""
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
+            thread._child_processes = []  # an empty list reads as "all ended well": the thread stops
 
 
 def lightning_cluster_environment(env: Mapping[str, str] | None = None):
