@@ -4,7 +4,7 @@ About 150 tests run an entry point (src/train.py, eval.py, predict.py, export.py
 process, and each such process used to spend 4-5 s of its life importing torch, Lightning, torchmetrics
 and Hydra before doing what the test is about. Here the process is forked from a server that imported
 them once per test worker: multiprocessing's forkserver, with those modules preloaded. The forked
-process then sets itself up as `python <script>` would (argv, sys.path[0], the environment, the working
+process then sets itself up as `python <script>` would (argv, sys.path, the environment, the working
 directory, stdin from /dev/null, unbuffered stdout and stderr into one file), runs the script as
 `__main__`, runs the atexit handlers, and exits with the script's exit code, or 1 and a traceback.
 
@@ -157,10 +157,12 @@ def run(
         finally:
             sys.modules["__main__"] = main
         process.join(timeout)
-        if process.exitcode is None:
+        timed_out = process.exitcode is None
+        if timed_out:
             process.kill()
             process.join()
-            raise subprocess.TimeoutExpired(command, timeout, output=Path(output.name).read_text())
         text = Path(output.name).read_bytes().decode(errors="replace")
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, output=text)
     # A process killed by a signal has exitcode -signum, as subprocess reports it.
     return subprocess.CompletedProcess(command, process.exitcode, stdout=text, stderr=None)
