@@ -47,7 +47,7 @@ def test_tiny_benchmark_reports_raw_template_and_ratio(tmp_path: Path):
     assert 0 < report["help_s"] < 30 and 0 < report["help_peak_rss_mb"] < 2000
     assert 0 < report["cfg_job_s"] < 30
     assert 0 < report["import_hydra_s"] < 30 and 0 < report["import_lightning_s"] < 60
-    for command in ("help", "cfg_job"):  # measured in turn with `import hydra`, as a ratio to it
+    for command in ("help", "cfg_job", "help_composed", "cfg_job_composed"):  # in turn with `import hydra`
         ratio = report[f"{command}_s"] / report["import_hydra_s"]
         assert report[f"{command}_over_import_hydra"] == pytest.approx(ratio, rel=0.02)
     assert 0 < report["first_step_s"] < 120

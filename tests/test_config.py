@@ -397,11 +397,49 @@ def test_help_builds_one_config_repository():
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=local_env(),
+        env={**local_env(), "HPCTRAIN_ANSWER_CACHE": "0"},  # Hydra's own composition, not a stored answer
         timeout=60,
     )
     assert "data: " in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
     assert "repositories built: 1\n" in result.stdout  # the composition's own; none per listing
+
+
+@pytest.mark.slow  # nine runs of the entry point, four of them composing with Hydra
+def test_a_repeated_question_is_answered_again_until_what_it_depends_on_changes(tmp_path: Path):
+    """`--help` and `--cfg job` asked again give the same answer without Hydra (`answers`); a new option in
+    conf/ shows at once; a mistake or `--resolve` (clock, environment) is never stored."""
+    import shutil
+
+    project = tmp_path / "project"  # a copy, so that adding an option leaves this project's conf/ alone
+    for part in ("conf", "src"):
+        shutil.copytree(ROOT / part, project / part, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**local_env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def ask(*args: str) -> tuple[subprocess.CompletedProcess[str], bool]:
+        result = subprocess.run(
+            [PYTHON, "-X", "importtime", str(project / "src" / "train.py"), *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            timeout=60,
+        )
+        return result, "hydra._internal.hydra" in result.stderr  # did Hydra compose this answer?
+
+    for question in (["--help"], ["--cfg", "job", "experiment=quickstart"]):
+        first, composed = ask(*question)
+        assert first.returncode == 0 and composed, first.stderr[-3000:]
+        again, composed = ask(*question)
+        assert again.returncode == 0 and not composed, again.stderr[-3000:]
+        assert again.stdout == first.stdout
+    shutil.copy(project / "conf" / "data" / "digits.yaml", project / "conf" / "data" / "digits_copy.yaml")
+    changed, composed = ask("--help")
+    assert composed and "digits_copy" in _listed(changed.stdout)["data"]
+    for question in (["--cfg", "job", "trainer.max_epoch=3"], ["--cfg", "job", "--resolve"]):
+        for _ in range(2):
+            _, composed = ask(*question)
+            assert composed, question
+    assert len(list((tmp_path / "cache" / "hpctrain" / "answers").iterdir())) == 3
 
 
 @pytest.mark.parametrize(

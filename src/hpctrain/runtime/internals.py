@@ -33,6 +33,24 @@ INTERNALS = (
         "tests/test_config.py::test_help_builds_one_config_repository",
     ),
     Internal(
+        "hydra._internal.hydra:Hydra.app_help",
+        "runtime/config/command_line.py",
+        "--help, --hydra-help and --cfg job print their answer here; stored for the next identical question",
+        "tests/test_config.py::test_a_repeated_question_is_answered_again_until_what_it_depends_on_changes",
+    ),
+    Internal(
+        "hydra._internal.hydra:Hydra.hydra_help",
+        "runtime/config/command_line.py",
+        "as Hydra.app_help",
+        "tests/test_config.py::test_a_repeated_question_is_answered_again_until_what_it_depends_on_changes",
+    ),
+    Internal(
+        "hydra._internal.hydra:Hydra.show_cfg",
+        "runtime/config/command_line.py",
+        "as Hydra.app_help",
+        "tests/test_config.py::test_a_repeated_question_is_answered_again_until_what_it_depends_on_changes",
+    ),
+    Internal(
         "hydra._internal.core_plugins.basic_sweeper:BasicSweeper.split_arguments",
         "runtime/sweeps/grid.py",
         "a job array expands the grid in Hydra's own job order",

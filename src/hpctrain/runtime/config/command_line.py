@@ -8,14 +8,18 @@
   builds a new repository for each listing, deep-copying every structured schema it holds: about
   120 listings for this conf/, half a second, and more with every group added. Asked
   without a primary config and without overrides, as `--help` asks, that copy lists exactly what
-  the repository does, so each listing is read once from the repository itself.
+  the repository does, so each listing is read once from the repository itself;
+- the answers of `--help`, `--hydra-help` and `--cfg job` are stored for the next identical question
+  (`hpctrain.runtime.config.answers`).
 
 Private names, and the tests that fail if a Hydra upgrade changes them:
 - `hydra._internal.utils.run_and_report`: tests/test_train.py::test_unknown_override_key_fails_naming_the_key,
   tests/test_config.py::test_help_builds_one_config_repository;
 - `hydra._internal.hydra.Hydra` and its `config_loader`'s `get_group_options` and `repository`:
   tests/test_config.py::test_help_builds_one_config_repository and
-  ::test_help_lists_every_config_group_and_option.
+  ::test_help_lists_every_config_group_and_option;
+- `Hydra.app_help`, `Hydra.hydra_help` and `Hydra.show_cfg` printing their answers to stdout:
+  tests/test_config.py::test_a_repeated_question_is_answered_again_until_what_it_depends_on_changes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from hpctrain.runtime.config import answers
 from hpctrain.runtime.errors import EXIT_USER_ERROR
 
 
@@ -56,6 +61,8 @@ def install(config_name: str) -> None:
             sys.exit(EXIT_USER_ERROR)
         if isinstance(result, Hydra):
             _list_groups_from_the_repository(result)
+            for name in ("app_help", "hydra_help", "show_cfg"):  # stored for the next identical question
+                setattr(result, name, answers.remembering(getattr(result, name)))
         return result
 
     run_and_report.installed_by_hpctrain = True  # type: ignore[attr-defined]

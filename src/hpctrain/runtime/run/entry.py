@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from hpctrain.runtime.config import command_line
+from hpctrain.runtime.config import answers, command_line
 from hpctrain.runtime.distributed import signals
 
 
 def start(task: str) -> None:
     """Record SLURM's signals from the first moment (by default they kill), and have Hydra report
-    composition mistakes as one sentence and list `--help`'s groups once (`command_line`)."""
+    composition mistakes as one sentence and list `--help`'s groups once (`command_line`). A `--help` or
+    `--cfg job` asked before with the same conf/, code and command line is answered at once (`answers`)."""
     signals.install_early()
+    answers.replay()
     command_line.install(task)
 
 
