@@ -83,6 +83,9 @@ def test_a_presets_values_reach_sbatch_the_array_and_the_launcher(slurm_cluster,
     )
     assert array.returncode == 0, array.stderr
     array_job = array.stdout.strip().split()[-1]
+    shown = granted(f"{array_job}_0")
+    assert (shown["TimeLimit"], shown["Partition"]) == ("00:30:00", "debug"), shown
+    slurm_cluster.run("scancel", array_job)  # what it was granted is all this test needs of it
     launched = slurm_cluster.run(
         PYTHON,
         "src/train.py",
@@ -98,7 +101,7 @@ def test_a_presets_values_reach_sbatch_the_array_and_the_launcher(slurm_cluster,
     )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     launcher_job = re.search(r"job 0: SLURM job (\S+)", launched.stdout + launched.stderr).group(1)
-    for name in (job, f"{array_job}_0", launcher_job):
+    for name in (job, launcher_job):
         shown = granted(name)
         assert (shown["TimeLimit"], shown["Partition"]) == ("00:30:00", "debug"), (name, shown)
     assert granted(launcher_job)["MinMemoryNode"] == "2G"  # mem_per_task_gb x 1 task
