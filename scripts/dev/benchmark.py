@@ -551,7 +551,7 @@ def main() -> None:
     startup, help_rss = startup_costs(repeats)
     import_hydra = startup["import hydra"]
     print(
-        f"  python -c 'import hydra': {import_hydra:.3f} s (median of {repeats}, in turn with the next two)",
+        f"  python -c 'import hydra': {import_hydra:.3f} s (median of {repeats}, in turn with the next four)",
         flush=True,
     )
     for name in ("--help", "--cfg job"):
@@ -559,7 +559,7 @@ def main() -> None:
         ratio, composed = startup[name] / import_hydra, startup[f"{name} composed"] / import_hydra
         print(
             f"  python src/train.py {command}: {startup[name]:.3f} s = {ratio:.2f}x import hydra asked again;"
-            f" composed by Hydra (the first time after conf/, src/ or the command line changed):"
+            f" composed by Hydra (the first time after anything it depends on changed):"
             f" {startup[f'{name} composed']:.3f} s = {composed:.2f}x"
             + (f", peak RSS {help_rss:.0f} MB" if name == "--help" else ""),
             flush=True,
