@@ -24,6 +24,7 @@ import _thread
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -38,6 +39,7 @@ from typing import Any
 from hpctrain.runtime.distributed import stacks, stragglers
 
 log = logging.getLogger(__package__)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # a terminal colour or style code
 
 FAILED_KEY = f"{__package__}/failed-rank"
 DATA_END_KEY = f"{__package__}/data-end"  # + /<epoch>: the first rank whose training data ran out, and when
@@ -380,7 +382,8 @@ def note_failure(err: BaseException) -> None:
     if _expected(err) or "verdict" in _state:
         return
     other = first_failure(wait_s=2.0)
-    summary = " ".join(f"{type(err).__name__}: {err}".split())
+    # one line, without the terminal colour codes some libraries put in their messages (torch.load's)
+    summary = " ".join(_ANSI.sub("", f"{type(err).__name__}: {err}").split())
     if other:
         _state["verdict"] = (
             f"{other}; rank {_rank()} on {socket.gethostname()} stopped too ({shorten(summary, 80)})."
