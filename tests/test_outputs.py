@@ -109,3 +109,75 @@ def test_csv_logger_appends_when_a_run_continues(tmp_path: Path):
 def test_logger_ids_follow_the_run_dir(tmp_path: Path):
     assert stable_run_key(tmp_path / "slurm-7") == stable_run_key(tmp_path / "slurm-7")
     assert stable_run_key(tmp_path / "slurm-7") != stable_run_key(tmp_path / "slurm-8")
+
+
+def test_a_checkpoint_keeps_the_plain_hyperparameters_and_reads_back_weights_only(tmp_path: Path):
+    """What save_hyperparameters() recorded is written as plain values (a network and partial optimizers
+    left out and named; paths as strings; OmegaConf as plain containers); the file loads weights-only."""
+    import functools
+
+    import torch
+
+    from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, plain_hyperparameters
+
+    recorded = {
+        "net": torch.nn.Linear(2, 2),
+        "optimizer": functools.partial(torch.optim.SGD, lr=0.1),
+        "lr": 0.1,
+        "sizes": [1, 2],
+        "root": Path("/data/x"),
+        "extra": OmegaConf.create({"depth": 3}),
+        "layers": [torch.nn.ReLU()],
+    }
+    checkpoint = {"state_dict": {"w": torch.ones(2)}, "hyper_parameters": recorded, "hparams_type": dict}
+    plain, left_out = plain_hyperparameters(checkpoint)
+    assert plain["hyper_parameters"] == {"lr": 0.1, "sizes": [1, 2], "root": "/data/x", "extra": {"depth": 3}}
+    assert left_out == ["net (Linear)", "optimizer (partial SGD)", "layers (list)"]
+    assert "hparams_type" not in plain and checkpoint["hyper_parameters"] is recorded  # the original kept
+    AtomicCheckpointIO().save_checkpoint(checkpoint, tmp_path / "last.ckpt")
+    loaded = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert loaded["hyper_parameters"] == plain["hyper_parameters"]
+
+
+def test_an_object_a_checkpoint_could_not_be_read_back_with_is_refused_before_writing(tmp_path: Path):
+    import torch
+
+    from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, UnreadableCheckpoint
+
+    checkpoint = {"state_dict": {"w": torch.ones(2)}, "callbacks": {"Mine": {"seen": torch.nn.ReLU()}}}
+    with pytest.raises(UnreadableCheckpoint, match=r"checkpoint's callbacks\.Mine\.seen holds a torch\.nn\."):
+        AtomicCheckpointIO().save_checkpoint(checkpoint, tmp_path / "last.ckpt")
+    assert not list(tmp_path.iterdir())
+
+
+def test_eval_takes_the_checkpoints_config_and_reads_this_commands_data_dir(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """The model, data and monitored metric a checkpoint was trained with come back for eval; the data is
+    read from this command's paths.data_dir (the log says which, and from where the checkpoint came)."""
+    import torch
+
+    from hpctrain.runtime.run.checkpoints.contents import CONFIG_KEY, config_from_checkpoint
+
+    stored = {
+        "model": {"_target_": "my.Model", "width": 8},
+        "data": {"_target_": "my.Data", "data_dir": "/cluster/scratch/data"},
+        "monitor": {"metric": "val_loss", "mode": "min"},
+    }
+    torch.save({"state_dict": {}, CONFIG_KEY: stored}, tmp_path / "last.ckpt")
+    cfg = OmegaConf.create(
+        {
+            "paths": {"data_dir": "/laptop/data"},
+            "model": {},
+            "data": {},
+            "monitor": {"metric": "val/acc", "mode": "max"},
+        }
+    )
+    with caplog.at_level("INFO"):
+        cfg = config_from_checkpoint(cfg, tmp_path / "last.ckpt", ["model.width=16"])
+    assert cfg.model.width == 16 and cfg.data.data_dir == "/laptop/data"
+    assert (cfg.monitor.metric, cfg.monitor.mode) == ("val_loss", "min")
+    assert (
+        "data: read from /laptop/data (paths.data_dir of this command; the checkpoint was trained on /cluster/scratch/data)"
+        in caplog.text
+    )

@@ -130,6 +130,12 @@ INTERNALS = (
         "tests/test_bring_your_own.py",
     ),
     Internal(
+        "pytorch_lightning.callbacks:EarlyStopping._run_early_stopping_check",
+        "runtime/run/callbacks.py",
+        "with no monitored metric (monitor.metric=null, or a model that logs none) early stopping never stops",
+        "tests/test_differential.py::test_a_model_that_logs_nothing_trains_with_last_ckpt_only",
+    ),
+    Internal(
         "lightning_fabric.utilities.types:_Stateful",
         "runtime/run/checkpoints/contents.py",
         "the protocol Lightning uses to decide whether a train loader resumes mid-epoch",
