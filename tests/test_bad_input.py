@@ -137,6 +137,10 @@ def cases(w: dict[str, Path]) -> dict[str, Case]:
         "unknown monitor mode": Case(
             ("monitor.mode=maximum",), ("monitor.mode='maximum' is not min or max",)
         ),
+        "no monitored metric in a sweep": Case(
+            ("hydra.mode=MULTIRUN", "seed=1,2", "monitor.metric=null"),
+            ("monitor.metric=null, but a sweep compares its points by the monitored metric",),
+        ),
         "unknown signal": Case(("requeue.signal=SIGFOO",), ("requeue.signal='SIGFOO' is not a signal name",)),
         "zero timeout": Case(
             ("dist.timeout_min=0",), ("dist.timeout_min=0 is not a positive number of minutes",)

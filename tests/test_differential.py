@@ -16,13 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.differential.cases import CASES, template_overrides
-from tests.helpers import ROOT, assert_ok, run_dirs, run_script, train
+from tests.helpers import ROOT, assert_ok, run_dirs, run_entry, run_script, train
 
 pytestmark = pytest.mark.slow
 
-SINGLE_RUN = [name for name in CASES if name not in ("checkpoint_state_resume", "onecycle_mid_epoch_resume")]
+OWN_TEST = (
+    "checkpoint_state_resume",
+    "onecycle_mid_epoch_resume",
+    "net_in_hparams",
+    "logs_nothing",
+    "two_val_sets",
+)
+SINGLE_RUN = [name for name in CASES if name not in OWN_TEST]
 
 
 def _env(out: Path) -> dict[str, str]:
@@ -49,6 +57,8 @@ def hooks(out: Path) -> dict[str, dict]:
 
 
 def rows(metrics_csv: Path) -> list[dict[str, str]]:
+    if not metrics_csv.exists():  # Lightning's CSVLogger writes no file for a model that logs nothing
+        return []
     with open(metrics_csv, newline="") as file:
         return [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(file)]
 
@@ -69,8 +79,8 @@ def last_checkpoint(run_or_out: Path) -> tuple[int, int, dict]:
     return checkpoint["epoch"], checkpoint["global_step"], checkpoint
 
 
-@pytest.mark.parametrize("name", SINGLE_RUN)
-def test_user_code_behaves_as_under_bare_lightning(name: str, tmp_path: Path):
+def trained_as_under_bare_lightning(name: str, tmp_path: Path) -> tuple[Path, Path]:
+    """Train the case both ways and compare; returns the bare run's output and the template's run dir."""
     bare = run_bare(name, tmp_path / "bare")
     mine = tmp_path / "template"
     run = run_template(name, mine)
@@ -82,6 +92,110 @@ def test_user_code_behaves_as_under_bare_lightning(name: str, tmp_path: Path):
     # whether or not the monitored metric improved there.
     ended = hooks(bare)["hooks-rank0.json"]["notes"]["last_epoch_end"]
     assert list(last_checkpoint(run)[:2]) == ended
+    case = CASES[name]
+    monitored = case.monitor is not None and case.monitor[0] is not None
+    assert outcome(run)["status"] == "completed"
+    assert (outcome(run)["value"] is not None) == monitored  # the best value, for sweeps
+    if not monitored and not case.checkpoint_every_epoch:  # no metric to pick a best by: last.ckpt only
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+    return bare, run
+
+
+@pytest.mark.parametrize("name", SINGLE_RUN)
+def test_user_code_behaves_as_under_bare_lightning(name: str, tmp_path: Path):
+    trained_as_under_bare_lightning(name, tmp_path)
+
+
+def outcome(run: Path) -> dict:
+    return yaml.safe_load((run / "outcome.yaml").read_text())
+
+
+def test_a_network_kept_in_save_hyperparameters_trains_tests_resumes_and_is_used(tmp_path: Path):
+    """lightning-hydra-template's way of writing a module: the network and partial optimizers are
+    arguments kept by save_hyperparameters(). Bare Lightning trains it but cannot test its best checkpoint
+    with weights_only loading; here the checkpoints keep the plain hyperparameters only (said once), so
+    the test after fit, ckpt_path=last, eval, predict, export, init_from and hpctrain.load all read them
+    with weights_only=True."""
+    bare, run = trained_as_under_bare_lightning("net_in_hparams", tmp_path)
+    log = (run / "train.log").read_text()
+    assert log.count("checkpoints keep the plain values of save_hyperparameters() only") == 1
+    assert (
+        "left out: net (SimpleDenseNet), optimizer (partial Adam), scheduler (partial ReduceLROnPlateau)"
+        in log
+    )
+    last = run / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=True)
+    assert saved["hyper_parameters"] == {"compile": False}
+    assert outcome(run)["status"] == "completed" and outcome(run)["value"] is not None
+    bare_test = [r for r in rows(bare / "metrics.csv") if "test/acc" in r]
+    mine_test = [r for r in rows(run / "metrics.csv") if "test/acc" in r]
+    assert_same_rows(mine_test, bare_test)  # the best checkpoint, tested as bare Lightning tests it
+
+    env = _env(tmp_path / "later")
+    logs = tmp_path / "later" / "logs"
+    resumed = train(
+        logs,
+        *template_overrides(CASES["net_in_hparams"]),
+        f"ckpt_path={last}",
+        "trainer.max_epochs=4",
+        env=env,
+    )
+    assert_ok(resumed)
+    assert last_checkpoint(run_dirs(logs)[0])[0] == 3  # a fourth epoch after the three it resumed
+    common = (f"paths.log_dir={logs}", "extras.print_config=false", f"ckpt_path={last}")
+    evaluated = run_entry("eval.py", *common, env=env)
+    assert_ok(evaluated)
+    assert "Please add the following callbacks" not in evaluated.stdout  # the template's own, not the user's
+    (eval_run,) = run_dirs(logs, "eval")
+    assert outcome(eval_run)["metric"] == "val/acc"  # what the checkpoint was trained to watch
+    for entry in ("predict.py", "export.py"):
+        assert_ok(run_entry(entry, *common, env=env))
+    tuned = train(
+        logs,
+        *template_overrides(CASES["net_in_hparams"]),
+        f"init_from.path={last}",
+        "trainer.max_epochs=1",
+        env=env,
+    )
+    assert_ok(tuned)
+    assert "init_from: loaded 4 of the model's 4 tensors" in tuned.stdout
+
+    import hpctrain
+
+    model = hpctrain.load(last)
+    assert model(torch.zeros(2, 64)).shape == (2, 10)
+
+
+def test_a_model_that_logs_nothing_trains_with_last_ckpt_only(tmp_path: Path):
+    """Lightning's demo BoringModel and BoringDataModule, by config only: nothing is logged, so nothing
+    can be monitored; the run keeps last.ckpt only (as a bare Trainer with a plain ModelCheckpoint),
+    says so once, and tests last.ckpt."""
+    _, run = trained_as_under_bare_lightning("logs_nothing", tmp_path)
+    log = (run / "train.log").read_text()
+    assert log.count("the model logs no metric, so monitor.metric=val/acc cannot be followed") == 1
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert f"last checkpoint: {run / 'checkpoints' / 'last.ckpt'}" in log  # the one tested after fit
+    assert outcome(run) | {"metric": None, "value": None, "status": "completed"} == outcome(run)
+
+
+def test_several_validation_sets_are_monitored_by_their_suffixed_names(tmp_path: Path):
+    """Lightning names a metric once per validation dataloader (val_loss/dataloader_idx_N) and has
+    cleared the sanity check's metrics when it ends; a suffixed name is monitored as under bare
+    Lightning, and the unsuffixed one is refused naming the suffixed ones."""
+    trained_as_under_bare_lightning("two_val_sets", tmp_path)
+    refused = train(
+        tmp_path / "refused",
+        *template_overrides(CASES["two_val_sets"]),
+        "monitor.metric=val_loss",
+        env=_env(tmp_path / "refused"),
+    )
+    assert refused.returncode == 2, refused.stdout[-3000:]
+    (error,) = [line for line in refused.stdout.splitlines() if line.startswith("error: ")]
+    assert "it logged: train_loss, val_loss/dataloader_idx_0, val_loss/dataloader_idx_1" in error
+    assert (
+        "with several validation dataloaders pass one of them, e.g. monitor.metric=val_loss/dataloader_idx_0"
+        in error
+    )
 
 
 def test_early_stopping_leaves_the_last_epoch_in_last_ckpt(tmp_path: Path):
@@ -115,6 +229,9 @@ def test_custom_checkpoint_state_survives_a_resume_as_under_bare_lightning(tmp_p
     )
     notes = hooks(tmp_path / "template2")["hooks-rank0.json"]["notes"]
     assert notes["loaded_epochs_seen"] == [2, 4] and notes["epochs_seen"] == 4  # resumed, then tested
+    assert (
+        notes["callback_loaded_epochs"][0] == 2 and notes["callback_epochs"] == 4
+    )  # a stateful callback too
     assert hooks(tmp_path / "template2") == hooks(bare2)
     resumed_part = [r for r in rows(uninterrupted / "metrics.csv") if int(r["epoch"]) >= 2]
     assert_same_rows(rows(run2 / "metrics.csv"), resumed_part)

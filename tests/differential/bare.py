@@ -24,7 +24,7 @@ from pytorch_lightning.strategies import DDPStrategy  # noqa: E402
 from pytorch_lightning.utilities.model_helpers import is_overridden  # noqa: E402
 
 from tests.differential import user_code  # noqa: E402
-from tests.differential.cases import CASES, SEED, TRAINER, callback_configs  # noqa: E402
+from tests.differential.cases import CASES, SEED, TRAINER, callback_configs, target  # noqa: E402
 
 
 def main() -> None:
@@ -40,8 +40,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     pl.seed_everything(SEED, workers=True)
-    data = getattr(user_code, case.data)()
-    model = getattr(user_code, case.module)()
+    data = instantiate({"_target_": target(case.data)})
+    model = instantiate({"_target_": target(case.module), **case.model}, _convert_="all")
     callbacks = [
         instantiate(c, _convert_="all")
         for c in callback_configs(case, str(args.out / "checkpoints")).values()
@@ -65,7 +65,8 @@ def main() -> None:
     if trainer.is_global_zero:
         torch.save(model.state_dict(), args.out / "final.pt")
     if is_overridden("test_step", model):
-        trainer.test(model, data, ckpt_path="best")
+        best = "best" if trainer.checkpoint_callback.best_model_path else None
+        trainer.test(model, data, ckpt_path=best, weights_only=case.bare_test_weights_only)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,36 @@ TRAINER = {"max_epochs": 3, "log_every_n_steps": 5, "num_sanity_val_steps": 2, "
 
 @dataclass(frozen=True)
 class Case:
-    module: str
+    module: str  # a class of user_code.py, or a dotted path (Lightning's demo classes)
     data: str = "DigitsData"
+    model: dict[str, Any] = field(default_factory=dict)  # the module's arguments, as Hydra config
     callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> Hydra config
     trainer: dict[str, Any] = field(default_factory=dict)
     processes: int = 1
-    monitor: tuple[str, str] = ("val_loss", "min")
+    monitor: tuple[str, str] | None = ("val_loss", "min")  # None: the template's default, bare: none
     checkpoint_every_epoch: bool = False  # ModelCheckpoint(monitor=None): a file every epoch
     early_stopping_patience: int | None = None
     find_unused_parameters: bool = False
+    bare_test_weights_only: bool | None = None  # bare Lightning's trainer.test(weights_only=...)
+
+
+def target(name: str) -> str:
+    return name if "." in name else f"{USER}.{name}"
+
+
+HPARAMS_NET = {
+    "net": {"_target_": f"{USER}.SimpleDenseNet", "hidden": 32},
+    "optimizer": {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 0.01},
+    "scheduler": {
+        "_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau",
+        "_partial_": True,
+        "mode": "min",
+        "factor": 0.5,
+        "patience": 0,
+    },
+    "compile": False,
+}
+DEMOS = "pytorch_lightning.demos.boring_classes"
 
 
 LAMBDA = {
@@ -49,7 +70,30 @@ CASES: dict[str, Case] = {
         early_stopping_patience=1,
         trainer={"max_epochs": 8},
     ),
-    "checkpoint_state_resume": Case("StatefulClassifier", checkpoint_every_epoch=True),
+    # lightning-hydra-template's way: the network (an nn.Module) and partial optimizers in save_hyperparameters;
+    # bare Lightning can test the best checkpoint only with weights_only=False
+    "net_in_hparams": Case(
+        "NetInHparamsClassifier", model=HPARAMS_NET, monitor=("val/acc", "max"), bare_test_weights_only=False
+    ),
+    # Lightning's demo classes log no metric at all: with the template's default monitor, last.ckpt only
+    "logs_nothing": Case(f"{DEMOS}.BoringModel", data=f"{DEMOS}.BoringDataModule", monitor=None),
+    "net_in_hparams_ddp": Case(
+        "NetInHparamsClassifier",
+        model=HPARAMS_NET,
+        monitor=("val/acc", "max"),
+        bare_test_weights_only=False,
+        processes=2,
+    ),
+    # monitor.metric=null: no early stopping, last.ckpt only (bare: a ModelCheckpoint without a monitor)
+    "monitor_null": Case("LitClassifier", monitor=(None, "min")),
+    "two_val_sets": Case(
+        "TwoValSetsClassifier", data="TwoValSetsData", monitor=("val_loss/dataloader_idx_1", "min")
+    ),
+    "checkpoint_state_resume": Case(
+        "StatefulClassifier",
+        checkpoint_every_epoch=True,
+        callbacks={"epoch_counter": {"_target_": f"{USER}.EpochCounter"}},
+    ),
     "onecycle_mid_epoch_resume": Case(
         "OneCycleClassifier", data="ResumableData", checkpoint_every_epoch=True
     ),
@@ -59,7 +103,7 @@ CASES: dict[str, Case] = {
 def callback_configs(case: Case, ckpt_dir: str) -> dict[str, dict[str, Any]]:
     """Every callback of the case as Hydra configs: the checkpoint (and early stopping), the case's
     own, and the harness's recorder. The template side gets the checkpoint from its own config."""
-    metric, mode = case.monitor
+    metric, mode = case.monitor or (None, "min")
     chosen: dict[str, dict[str, Any]] = {
         "model_checkpoint": {
             "_target_": "pytorch_lightning.callbacks.ModelCheckpoint",
@@ -68,7 +112,7 @@ def callback_configs(case: Case, ckpt_dir: str) -> dict[str, dict[str, Any]]:
             "monitor": None if case.checkpoint_every_epoch else metric,
             "mode": mode,
             "save_last": True,
-            "save_top_k": -1 if case.checkpoint_every_epoch else 1,
+            "save_top_k": -1 if case.checkpoint_every_epoch else 1 if metric else 0,
             "auto_insert_metric_name": False,
         }
     }
@@ -95,18 +139,17 @@ def template_overrides(
     case: Case, trainer: dict[str, Any] | None = None, extra_callbacks: dict | None = None
 ) -> list[str]:
     """The `python src/train.py` overrides that build the case."""
-    metric, mode = case.monitor
     options = {**TRAINER, **case.trainer, **(trainer or {})}
     overrides = [
         f"hydra.searchpath=[file://{CONF}]",
         "model=user",
-        f"model._target_={USER}.{case.module}",
+        f"model._target_={target(case.module)}",
+        *_overrides("+model", case.model),
         "data=user",
-        f"data._target_={USER}.{case.data}",
+        f"data._target_={target(case.data)}",
         "trainer=ddp_cpu" if case.processes > 1 else "trainer=cpu",
         f"seed={SEED}",
-        f"monitor.metric={metric}",
-        f"monitor.mode={mode}",
+        *(_overrides("monitor", dict(zip(("metric", "mode"), case.monitor))) if case.monitor else []),
         "logger=csv",
         "diagnostics.straggler_every_s=0",  # no per-rank columns in metrics.csv, however slow the machine
         # the template's default callbacks, less what the bare side does not have

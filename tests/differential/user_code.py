@@ -135,6 +135,18 @@ class UnevenStreamData(DigitsData):
         return DataLoader(UnevenStream(*self.train_set.tensors), batch_size=self.batch_size)
 
 
+class TwoValSetsData(DigitsData):
+    """Two validation sets: the validation digits, and the same digits mirrored left to right."""
+
+    def val_dataloader(self):
+        x, y = self.val_set.tensors
+        mirrored = x.view(-1, 8, 8).flip(-1).reshape(-1, 64)
+        return [
+            DataLoader(self.val_set, batch_size=self.batch_size),
+            DataLoader(TensorDataset(mirrored, y), batch_size=self.batch_size),
+        ]
+
+
 class ResumableData(DigitsData):
     """The training set through the template's resumable loader (hpctrain.data.loading.make_loader), which
     Lightning restores mid-epoch: the documented way to resume exactly with your own datamodule."""
@@ -299,6 +311,65 @@ class StatefulClassifier(LitClassifier):
         NOTES["epochs_seen"] = self.epochs_seen
 
 
+class TwoValSetsClassifier(LitClassifier):
+    """Validates on each of several validation sets: Lightning suffixes each name, val_loss/dataloader_idx_N."""
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+
+class SimpleDenseNet(nn.Module):
+    """A network given to the LightningModule as an argument, as lightning-hydra-template's configs do."""
+
+    def __init__(self, input_size: int = 64, hidden: int = 32, output_size: int = 10):
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(input_size, hidden), nn.ReLU(), nn.Linear(hidden, output_size))
+
+    def forward(self, x):
+        return self.model(x)
+
+
+class NetInHparamsClassifier(pl.LightningModule):
+    """Written as lightning-hydra-template writes its modules: the network and a partial optimizer and
+    scheduler are arguments, and save_hyperparameters() keeps all of them (the network too)."""
+
+    def __init__(self, net: nn.Module, optimizer, scheduler=None, compile: bool = False):
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val/loss", F.cross_entropy(logits, y))
+        self.log("val/acc", (logits.argmax(1) == y).float().mean())
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test/acc", (self(x).argmax(1) == y).float().mean())
+
+    def predict_step(self, batch, batch_idx):
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return self(x).softmax(dim=-1)
+
+    def configure_optimizers(self):
+        optimizer = self.hparams.optimizer(params=self.parameters())
+        if self.hparams.scheduler is None:
+            return {"optimizer": optimizer}
+        scheduler = self.hparams.scheduler(optimizer=optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss"}}
+
+
 class TwoOptimizerGAN(pl.LightningModule):
     """Manual optimization with two optimizers, as Lightning's GAN example: the generator's step leaves
     the discriminator's parameters without a gradient and the other way round."""
@@ -360,6 +431,26 @@ class CountingCallback(Callback):
 
     def on_validation_end(self, trainer, pl_module):
         count(f"{self.label}.on_validation_end")
+
+
+class EpochCounter(Callback):
+    """A stateful callback: the epochs it saw, kept in checkpoints through state_dict / load_state_dict."""
+
+    def __init__(self):
+        self.epochs = 0
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epochs += 1
+
+    def state_dict(self):
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state_dict):
+        self.epochs = state_dict["epochs"]
+        NOTES.setdefault("callback_loaded_epochs", []).append(self.epochs)
+
+    def on_fit_end(self, trainer, pl_module):
+        NOTES["callback_epochs"] = self.epochs
 
 
 def epoch_ended(trainer, pl_module):

@@ -93,7 +93,8 @@ def report(run_dir: str, trainer: Any, checkpoint: str | None) -> dict[str, floa
     shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k.startswith(("test", "val")))
     log.info("finished: %s", shown or "no metrics")
     if checkpoint:
-        log.info("best checkpoint: %s", checkpoint)
+        kind = "last" if Path(checkpoint).name == "last.ckpt" else "best"  # last: no metric was monitored
+        log.info("%s checkpoint: %s", kind, checkpoint)
     if (Path(run_dir) / "metrics.csv").is_file():
         from hpctrain.runtime.report.plots import plot_run
 
@@ -131,3 +132,12 @@ def quiet_lightning() -> None:
     # A resumed run writes its checkpoints into its own run dir by design (the run dir is the run's
     # identity), so the checkpoint folder always "changes" on resume; the start line names both.
     warnings.filterwarnings("ignore", message="The dirpath has changed from")
+
+
+def quiet_training_callbacks() -> None:
+    """For a job that only tests or predicts with a trained checkpoint (eval, predict): Lightning asks
+    to add every callback whose state the checkpoint holds (the template's checkpointing, early stopping
+    and exact-resume states among them), which only resuming a fit would use."""
+    warnings.filterwarnings(
+        "ignore", message="Be aware that when using `ckpt_path`, callbacks used to create"
+    )

@@ -38,12 +38,18 @@ from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy, HydraFSDPStrategy
 from hpctrain.runtime.distributed.requeue import RequeueOnSignal
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.callbacks import MonitoredMetric, RankWatchdog, SharedRunDirCheck
+from hpctrain.runtime.run.callbacks import (
+    MonitoredMetric,
+    RankWatchdog,
+    SharedRunDirCheck,
+    no_monitor_note,
+)
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, CheckpointExtras
 from hpctrain.runtime.run.nonfinite import NonFiniteLoss
 
 log = logging.getLogger(__package__)
+STORED_GROUPS = ("model", "data", "monitor")  # the config a checkpoint keeps (CheckpointExtras)
 
 
 @dataclass
@@ -121,13 +127,14 @@ def _data_class_has(node: DictConfig, flag: str) -> bool:
         return False
 
 
-def run_objects(cfg: DictConfig, run_dir: str | Path, training: bool = True) -> Run:
+def run_objects(cfg: DictConfig, run_dir: str | Path, training: bool = True, sweep: bool = False) -> Run:
     """Datamodule (its data checked, on every rank, before any process group), model, callbacks,
-    loggers and trainer for `cfg`; with `training=False` (eval) no training-only callbacks."""
+    loggers and trainer for `cfg`; with `training=False` (eval) no training-only callbacks; `sweep`:
+    a point of a sweep, which needs the monitored value."""
     data = datamodule(cfg)
     check_data_available(data)
     module = tune_model(model(cfg), cfg)
-    monitor, requeue = own_callbacks(cfg, run_dir, training)
+    monitor, requeue = own_callbacks(cfg, run_dir, training, sweep)
     own = [c for c in (monitor, requeue) if c is not None]
     return Run(data, module, trainer(cfg, run_dir, training=training, own=own), monitor, requeue)
 
@@ -252,16 +259,18 @@ def loggers(cfg: DictConfig) -> list[Logger]:
 
 
 def own_callbacks(
-    cfg: DictConfig, run_dir: str | Path, training: bool
+    cfg: DictConfig, run_dir: str | Path, training: bool, sweep: bool = False
 ) -> tuple[MonitoredMetric | None, RequeueOnSignal | None]:
     """The two template callbacks an entry point asks about: the monitored metric (training only) and
     the requeue on a signal (when `requeue.enabled`)."""
     monitor, requeue = cfg.get("monitor"), cfg.get("requeue")
     monitored = (
-        MonitoredMetric(monitor.metric, monitor.get("mode", "max"))
+        MonitoredMetric(monitor.metric, monitor.get("mode", "max"), sweep=sweep)
         if training and monitor is not None and monitor.get("metric")
         else None
     )
+    if training and monitored is None and cluster.is_rank_zero():
+        log.info(no_monitor_note(None))
     on_signal = (
         RequeueOnSignal(
             checkpoint_dir(run_dir) / REQUEUE_CHECKPOINT,
@@ -302,14 +311,18 @@ def callbacks(
         )
     )
     if training:
-        stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data") if k in cfg}
+        # what eval, predict, export and hpctrain.load rebuild the run from
+        stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in STORED_GROUPS if k in cfg}
         chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir))]
         nan = cfg.get("nan") or {}
         if nan.get("action", "stop") == "stop":
             chosen.append(NonFiniteLoss(run_dir, nan.get("check_every_n_steps", 50)))
     if own is None:
         own = [c for c in own_callbacks(cfg, run_dir, training) if c is not None]
-    return chosen + own
+    # the monitored metric first: at each validation it decides before the checkpoint and early
+    # stopping look at the metric (Lightning runs callbacks in list order, ModelCheckpoint last)
+    monitors = [c for c in own if isinstance(c, MonitoredMetric)]
+    return monitors + chosen + [c for c in own if c not in monitors]
 
 
 def check_checkpoint_entry(group: DictConfig | None, run_dir: str | Path) -> None:
@@ -437,7 +450,10 @@ def can_test(module: LightningModule, data: LightningDataModule) -> bool:
 
 
 def best_checkpoint(trainer: Trainer) -> str | None:
-    """The best checkpoint of this fit, if a ModelCheckpoint saved one."""
+    """The best checkpoint of this fit, if a ModelCheckpoint saved one; with no monitored metric, the
+    last one (last.ckpt)."""
     callback = trainer.checkpoint_callback
     path = getattr(callback, "best_model_path", "") if callback is not None else ""
+    if not path and callback is not None and getattr(callback, "monitor", "") is None:
+        path = getattr(callback, "last_model_path", "")
     return path if path and os.path.isfile(path) else None

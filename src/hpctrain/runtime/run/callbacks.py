@@ -27,34 +27,74 @@ from hpctrain.runtime.errors import UserError
 log = logging.getLogger(__package__)
 
 
+DATALOADER_SUFFIX = "/dataloader_idx_"  # Lightning's suffix with several validation dataloaders
+
+
 class MonitoredMetricMissing(UserError):
     def __init__(self, metric: str, logged: Iterable[str]) -> None:
         names = sorted(logged)
+        suffixed = [n for n in names if n.startswith(f"{metric}{DATALOADER_SUFFIX}")]
         close = difflib.get_close_matches(metric, names, n=1)
-        hint = f"did you mean monitor.metric={close[0]}?" if close else "pass monitor.metric=<one of them>"
-        shown = ", ".join(names) if names else "nothing"
+        if suffixed:  # several validation dataloaders: Lightning names the metric once per dataloader
+            hint = f"with several validation dataloaders pass one of them, e.g. monitor.metric={suffixed[0]}"
+        elif close:
+            hint = f"did you mean monitor.metric={close[0]}?"
+        else:
+            hint = "pass monitor.metric=<one of them>"
         super().__init__(
-            f"monitor.metric={metric} is never logged by the model (it logged: {shown}); {hint} "
+            f"monitor.metric={metric} is never logged by the model (it logged: {', '.join(names)}); {hint} "
             "(and monitor.mode=min or max)."
         )
 
 
-class MonitoredMetric(Callback):
-    """Checks once that `metric` is logged and keeps its best value under `mode` (what train.py returns)."""
+class NothingLogged(UserError):
+    def __init__(self, metric: str) -> None:
+        super().__init__(
+            f"monitor.metric={metric} is never logged: the model logs no metric at all, and a sweep compares its "
+            f"points by the monitored metric; log it in validation_step with self.log('{metric}', ...) (or pass "
+            "monitor.metric=<a name it logs>)."
+        )
 
-    def __init__(self, metric: str, mode: str = "max") -> None:
+
+def no_monitor_note(metric: str | None) -> str:
+    why = (
+        "monitor.metric=null"
+        if metric is None
+        else f"the model logs no metric, so monitor.metric={metric} cannot be followed"
+    )
+    return (
+        f"{why}: this run keeps last.ckpt only (no best checkpoint, no early stopping) and the test after fit "
+        "uses last.ckpt; log a metric with self.log and pass monitor.metric=<its name> to keep the best."
+    )
+
+
+class MonitoredMetric(Callback):
+    """Checks once that `metric` is logged and keeps its best value under `mode` (what train.py returns).
+
+    A model that logs no metric at all (Lightning's demo BoringModel) trains as under bare Lightning
+    with a plain checkpoint callback: this callback then stops monitoring, the template's checkpoint and
+    early-stopping callbacks that followed `metric` too (`stop_monitoring`), and says so once. In a sweep
+    (`sweep=True`), which compares its points by this value, that is refused instead.
+    Put it before those callbacks: it decides before they look at the metric.
+    """
+
+    def __init__(self, metric: str, mode: str = "max", sweep: bool = False) -> None:
         if mode not in ("min", "max"):
             raise UserError(
                 f"monitor.mode={mode} is not min or max; pass monitor.mode=max or monitor.mode=min."
             )
-        self.metric = metric
+        self.metric: str | None = metric
         self.mode = mode
+        self.sweep = sweep
         self.best: float | None = None
         self._checked = False
         self._validated = False
 
     def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._check(trainer)
+        # With several validation dataloaders Lightning has already cleared the sanity check's metrics
+        # here, and a model may log nothing in validation: with no names yet, decide at the first validation.
+        if trainer.callback_metrics:
+            self._check(trainer)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
@@ -69,13 +109,25 @@ class MonitoredMetric(Callback):
             self._record(trainer)
 
     def _check(self, trainer: Trainer) -> None:
-        if self._checked:
+        if self._checked or self.metric is None:
             return
         self._checked = True
-        if self.metric not in trainer.callback_metrics:
+        if self.metric in trainer.callback_metrics:
+            return
+        if trainer.callback_metrics:
             raise MonitoredMetricMissing(self.metric, trainer.callback_metrics)
+        if self.sweep:
+            raise NothingLogged(self.metric)
+        if trainer.is_global_zero:
+            log.warning(no_monitor_note(self.metric))
+        for callback in trainer.callbacks:
+            if isinstance(callback, ModelCheckpoint | EarlyStopping) and callback.monitor == self.metric:
+                callback.stop_monitoring()
+        self.metric = None
 
     def _record(self, trainer: Trainer) -> None:
+        if self.metric is None:
+            return
         value = trainer.callback_metrics.get(self.metric)
         if value is None or value.numel() != 1:
             return
@@ -107,7 +159,9 @@ class _CachedStateKey:
 
 class ModelCheckpoint(_CachedStateKey, pl.callbacks.ModelCheckpoint):
     """Lightning's ModelCheckpoint, with `last.ckpt` always the newest state, and a monitored metric that
-    is missing after validation as one sentence.
+    is missing after validation as one sentence. With no monitored metric (`monitor: null`) and the
+    default `save_top_k: 1`, it keeps last.ckpt only: Lightning's newest-epoch copy would be the same
+    state twice (`save_top_k: -1` still keeps every epoch).
 
     pytorch-lightning 2.6 writes `last.ckpt` only in a step where a top-k checkpoint was saved too
     ("Only save last checkpoint if a checkpoint was actually saved"): with `save_top_k: 1` it is a copy
@@ -117,6 +171,17 @@ class ModelCheckpoint(_CachedStateKey, pl.callbacks.ModelCheckpoint):
     """
 
     _last_saved_at: int | None = None  # the global step last.ckpt holds
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.monitor is None and self.save_top_k == 1:
+            self.save_top_k = 0
+
+    def stop_monitoring(self) -> None:
+        """Keep last.ckpt only from now on (the model logs no metric: see MonitoredMetric)."""
+        self.monitor = None
+        if self.save_top_k == 1:
+            self.save_top_k = 0
 
     def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
         super()._save_last_checkpoint(trainer, monitor_candidates)
@@ -168,10 +233,22 @@ class ModelCheckpoint(_CachedStateKey, pl.callbacks.ModelCheckpoint):
 
 
 class EarlyStopping(_CachedStateKey, pl.callbacks.EarlyStopping):
-    """Lightning's EarlyStopping; a monitored metric that is missing is one sentence."""
+    """Lightning's EarlyStopping; a monitored metric that is missing is one sentence. With no monitored
+    metric (`monitor: null`, or a model that logs none) it never stops a run."""
+
+    def stop_monitoring(self) -> None:
+        self.monitor = None  # type: ignore[assignment]
+
+    def _run_early_stopping_check(self, trainer: Trainer) -> None:
+        if self.monitor is not None:
+            super()._run_early_stopping_check(trainer)
 
     def _validate_condition_metric(self, logs: dict[str, Any]) -> bool:
         if self.strict and self.monitor not in logs:
+            if not logs:
+                return (
+                    False  # nothing logged at all: MonitoredMetric decides (it stops monitoring or refuses)
+                )
             raise MonitoredMetricMissing(self.monitor, logs)
         return super()._validate_condition_metric(logs)
 

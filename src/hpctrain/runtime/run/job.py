@@ -44,6 +44,7 @@ class Job:
         self.hydra_cfg = HydraConfig.get()
         self.run_dir = Path(self.hydra_cfg.runtime.output_dir)
         self.overrides = task_overrides(self.hydra_cfg)
+        self.sweep = in_multirun() or cluster.array_task()[1] is not None  # a point of a sweep
         self.outcome: records.Outcome | None = None
         self.checkpoint: Path | None = None  # the trained checkpoint an eval or predict job starts from
         self._stack = ExitStack()
@@ -72,6 +73,8 @@ class Job:
         if cluster.launcher() == cluster.CHILD:
             watchdog.die_with_parent()
         check_config(cfg)
+        if self.sweep:  # a job array's task (a sweep launched in-process is checked in run_job)
+            check_sweep_has_a_metric(cfg)
         signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)  # recorded, acted on later
         if self.one_process:
             cluster.preflight_one_process(cfg.task_name, cfg.trainer.num_nodes, cfg.trainer.devices)
@@ -89,6 +92,8 @@ class Job:
         cfg = contents.config_from_checkpoint(cfg, checkpoint, self.overrides)
         check_config(cfg)
         self.checkpoint = checkpoint
+        if self.outcome is not None and "monitor" in cfg:
+            self.outcome.metric = cfg.monitor.metric  # the one the checkpoint was trained with
         return cfg
 
     def build(self, cfg: DictConfig, training: bool = True) -> Any:
@@ -101,8 +106,10 @@ class Job:
         if str(cfg.trainer.get("accelerator")) in cluster.GPU_ACCELERATORS:
             cluster.flight_recorder_dumps_into(self.run_dir)  # NCCL's record of a timed-out collective
         console.apply_extras(cfg)
+        if not training:
+            console.quiet_training_callbacks()
         build.configure_process(cfg)
-        run = build.run_objects(cfg, self.run_dir, training=training)
+        run = build.run_objects(cfg, self.run_dir, training=training, sweep=self.sweep)
         if self.checkpoint is not None:  # weights of another model: one sentence before anything runs
             from hpctrain.runtime.run.checkpoints import contents
 
@@ -139,13 +146,15 @@ class Job:
         except signals.Interrupted as interrupted:
             requeue_and_wait(interrupted)  # SLURM requeues the job and ends every rank; SIGTERM: exit 143
         finally:
+            if self.outcome is not None and run.monitor is not None:
+                # the best value so far, however the block ended (a test that failed after fit, too)
+                self.outcome.metric, self.outcome.value = run.monitor.metric, run.best_value
             launch.end_distributed_job(run.trainer, completed)
 
     def finish(self, run: Any, best: str | None = None) -> Any:
         """Report where everything went; the value sweepers get is the best of `monitor.metric`."""
         results = console.report(self.run_dir, run.trainer, best)
         if self.outcome is not None:
-            self.outcome.value = run.best_value
             self.outcome.ranks = watchdog.rank_summary()  # each rank's time per step, under DDP
             self.outcome.skipped_files = getattr(run.datamodule, "skipped_files", None)  # data.skip_bad=true
         return results
@@ -161,6 +170,14 @@ def in_multirun() -> bool:
     return HydraConfig.get().mode == RunMode.MULTIRUN and cluster.launcher() != cluster.CHILD
 
 
+def check_sweep_has_a_metric(cfg: DictConfig) -> None:
+    if cfg.get("train") and "monitor" in cfg and cfg.monitor.metric is None:
+        raise UserError(
+            "monitor.metric=null, but a sweep compares its points by the monitored metric; pass "
+            "monitor.metric=<a metric the model logs> (and monitor.mode=min or max)."
+        )
+
+
 def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     """Run `task(cfg)`. In a sweep, a job that fails (its one-sentence error, or a crash of any of its
     ranks) returns None instead of ending the sweep: its run dir's outcome.yaml says why, and the
@@ -173,6 +190,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
             "torchrun (DDP with trainer.devices, Lightning starts the local ranks), as SLURM jobs "
             "(hydra/launcher=slurm), or one torchrun command per point."
         )
+    check_sweep_has_a_metric(cfg)  # before the first point: the whole sweep is refused
     watchdog.in_sweep()
     job = HydraConfig.get().job.num
     if cfg.get("skip_completed"):
