@@ -31,6 +31,33 @@ LAUNCH_VARS = (
 )
 
 
+def require(missing: str | None, install: str) -> None:
+    """A test's optional prerequisite (an extra, a system tool): where it is missing (`missing` says what
+    is), skip with the reason and the install command; under CI=true, which installs everything, fail."""
+    if missing is None:
+        return
+    import pytest
+
+    reason = f"{missing} is not installed: {install}"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI=true requires every optional prerequisite, but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_modules(*names: str, install: str = "pip install -e '.[export]'") -> None:
+    import importlib.util
+
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    require(", ".join(missing) or None, install)
+
+
+def require_programs(*names: str, install: str) -> None:
+    import shutil
+
+    missing = [name for name in names if shutil.which(name) is None]
+    require(", ".join(missing) or None, install)
+
+
 def local_env() -> dict[str, str]:
     """This environment without any launcher's variables, as on a laptop."""
     env = {

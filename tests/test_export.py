@@ -20,7 +20,7 @@ from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import export
 from hpctrain.runtime.run.checkpoints.contents import CONFIG_KEY
 from tests.differential.cases import user_overrides
-from tests.helpers import PYTHON, ROOT, assert_ok, local_env, run_dirs, run_entry, train
+from tests.helpers import PYTHON, ROOT, assert_ok, local_env, require_modules, run_dirs, run_entry, train
 
 SUFFIX = {"torch_export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors"}
 TRACED, CHECKED = 2, 5  # export.batch_size (the default), and the batch the tests run the artifact on
@@ -259,6 +259,7 @@ def test_the_schema_names_every_format():
 
 
 def test_a_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch):
+    require_modules("onnx")  # the case below: onnx installed, onnxscript (the other half) missing
     found = export.importlib.util.find_spec
     monkeypatch.setattr(
         export.importlib.util, "find_spec", lambda name, *a: None if name == "onnxscript" else found(name, *a)

@@ -10,7 +10,7 @@ import torch
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import init_from
 from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO
-from tests.helpers import assert_ok, run_dirs, train
+from tests.helpers import assert_ok, require_modules, run_dirs, train
 
 
 class _Classifier(torch.nn.Module):
@@ -42,6 +42,7 @@ def test_a_lightning_checkpoint_loads_its_state_dict(tmp_path: Path):
 
 
 def test_a_safetensors_file_loads(tmp_path: Path):
+    require_modules("safetensors")
     from safetensors.torch import save_file
 
     source = _Classifier()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, ROOT
+from tests.helpers import PYTHON, ROOT, require_programs
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -29,6 +29,7 @@ def remote_user() -> pwd.struct_passwd:
     """A user who is not root, with a home of its own, who may run the project's venv: its interpreter
     lives under /root, which only root may enter, so the user gets to pass through /root (an ACL entry
     for this user alone: search, not read)."""
+    require_programs("setfacl", "useradd", install="apt-get install acl passwd (.ci/run does)")
     if subprocess.run(["id", USER], capture_output=True).returncode != 0:
         subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", USER], check=True)
     subprocess.run(["usermod", "-p", "*", USER], check=True)  # no password, but not locked: keys work
