@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from hpctrain.data.digits import write_image_folder  # noqa: E402
+from myproject.data.digits import write_image_folder  # noqa: E402
 
 if __name__ == "__main__":
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "data" / "digits_images"

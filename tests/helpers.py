@@ -230,7 +230,7 @@ def write_cifar10_batches(data_dir: Path, per_batch: int = 1100, test_size: int 
 
 
 def write_image_folder(root: Path, per_split: int | None = None) -> Path:
-    from hpctrain.data.digits import write_image_folder as write
+    from myproject.data.digits import write_image_folder as write
 
     return write(root, per_split)
 

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpctrain.data.cifar import CIFAR10DataModule, random_crop_and_flip
 from hpctrain.data.images import DataUnavailable
-from hpctrain.data.text import STDLIB_FILES, StdlibTextDataModule, stdlib_corpus
-from hpctrain.models.language_model import CharLanguageModel
-from hpctrain.models.sampling import TextSample
-from hpctrain.models.transformer import CharTransformer
 from hpctrain.runtime.run import build
+from myproject.data.cifar import CIFAR10DataModule, random_crop_and_flip
+from myproject.data.text import STDLIB_FILES, StdlibTextDataModule, stdlib_corpus
+from myproject.models.language_model import CharLanguageModel
+from myproject.models.sampling import TextSample
+from myproject.models.transformer import CharTransformer
 from tests.helpers import (
     assert_ok,
     compose_train,

@@ -1,4 +1,4 @@
-"""README "Bring your own model": each worked case (src/hpctrain/examples/) trains with DDP on CPU,
+"""README "Bring your own model": each worked case (src/myproject/examples/) trains with DDP on CPU,
 resumes from ckpt_path and is evaluated by eval.py, with exactly the commands the README shows; a
 misnamed monitored metric and a module from the `lightning` namespace each stop with one sentence."""
 

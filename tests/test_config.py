@@ -495,24 +495,6 @@ def test_every_precision_lightning_runs_on_cpu_trains(
     _one_batch_of_everything(cfg, tmp_path)
 
 
-def test_import_paths_from_before_the_runtime_package_still_resolve():
-    """`_target_`s and imports users copied from earlier versions name the same classes as the new paths."""
-    from hydra.utils import get_class, get_method
-
-    from hpctrain.runtime.errors import UserError as Moved
-    from hpctrain.runtime.run.callbacks import ModelCheckpoint
-
-    assert get_class("hpctrain.callbacks.ModelCheckpoint") is ModelCheckpoint
-    assert get_method("hpctrain.progress.progress_bar").__module__ == "hpctrain.runtime.report.progress"
-    from hpctrain.errors import UserError
-
-    assert UserError is Moved
-    import hpctrain.runtime.sweeps.summary as new
-    import hpctrain.sweeps.summary as old
-
-    assert old is new
-
-
 @pytest.mark.parametrize(
     ("override", "says"),
     [

@@ -9,9 +9,9 @@ import pytest
 import torch
 from pytorch_lightning import Callback
 
-from hpctrain.data.digits import DigitsDataModule
 from hpctrain.data.loading import ShardedBatchSampler, TensorDataset, make_loader
-from hpctrain.data.synthetic import RandomDataModule
+from myproject.data.digits import DigitsDataModule
+from myproject.data.synthetic import RandomDataModule
 
 
 def _dataset(n: int) -> TensorDataset:
@@ -113,9 +113,9 @@ class _SaveAtStep(Callback):
 def _fit(callbacks=(), ckpt_path: Path | None = None):
     from pytorch_lightning import Trainer
 
-    from hpctrain.models.classifier import ImageClassifier
-    from hpctrain.models.nets import MLP
     from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, CheckpointExtras
+    from myproject.models.classifier import ImageClassifier
+    from myproject.models.nets import MLP
 
     torch.manual_seed(0)
     model = ImageClassifier(MLP(hidden_sizes=(32,), dropout=0.5), optimizer=partial(torch.optim.SGD, lr=0.1))

@@ -89,7 +89,7 @@ def test_a_killed_rank_zero_takes_its_children_along(tmp_path: Path):
 
 
 USER_MODULE = """
-from hpctrain.models.classifier import ImageClassifier
+from myproject.models.classifier import ImageClassifier
 
 
 class FlakyClassifier(ImageClassifier):

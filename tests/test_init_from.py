@@ -125,8 +125,8 @@ def test_fine_tuning_starts_a_new_run_from_weights_and_freezes(tmp_path: Path):
 
 
 def test_a_new_run_leaves_the_metric_states_of_the_file_behind(tmp_path: Path):
-    from hpctrain.models.classifier import ImageClassifier
-    from hpctrain.models.nets import MLP
+    from myproject.models.classifier import ImageClassifier
+    from myproject.models.nets import MLP
 
     def classifier() -> ImageClassifier:
         return ImageClassifier(MLP((1, 8, 8), num_classes=10), optimizer=torch.optim.SGD)

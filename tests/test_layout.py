@@ -1,11 +1,15 @@
-"""The package's structure, kept as designed: imports flow one way, the user's part depends on the
-machinery only through its named extension points, and the entry points repeat no code.
+"""The structure, kept as designed: two packages with one boundary, imports that flow one way inside
+the machinery, and entry points that repeat no code.
 
-    user's part   hpctrain.models, hpctrain.data, hpctrain.examples   (yours to edit)
-    machinery     hpctrain.runtime: errors, cluster < config < distributed < report < run < sweeps
+    the user's package   src/<yours>/ (here myproject): models, networks, datasets   (yours to edit)
+    the machinery        src/hpctrain/, carried untouched:
+                         errors, cluster < config < distributed < report, data < run < sweeps, testing
 
-A package may import its own layer and those below it, never one above; no group of modules imports
-each other in a circle (lazy imports inside functions count too).
+hpctrain imports nothing of the user's package (its extension points take the user's classes from
+config), and the user's package imports hpctrain only through its public API: the names of
+`hpctrain.__all__` and `hpctrain.data.__all__`. Inside hpctrain a package may import its own layer and
+those below it, never one above; no group of modules imports each other in a circle (lazy imports
+inside functions count too).
 """
 
 from __future__ import annotations
@@ -15,53 +19,89 @@ from pathlib import Path
 
 import pytest
 
+import hpctrain
+import hpctrain.data
 from tests.helpers import ROOT
 
 SRC = ROOT / "src"
+MACHINERY = "hpctrain"
+USER_PACKAGES = tuple(
+    sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").is_file() and p.name != MACHINERY)
+)
 LAYERS = [
     {
         "hpctrain.runtime.errors",
         "hpctrain.runtime.cluster",
-        "hpctrain.runtime.moved",
         "hpctrain.runtime.internals",
         "hpctrain.runtime.snapshot",
         "hpctrain.runtime.remote",
     },
     {"hpctrain.runtime.config"},
     {"hpctrain.runtime.distributed"},
-    {"hpctrain.runtime.report"},
+    {"hpctrain.runtime.report", "hpctrain.data"},
     {"hpctrain.runtime.run"},
-    {"hpctrain.runtime.sweeps"},
+    {"hpctrain.runtime.sweeps", "hpctrain.testing"},
 ]
-USER_PARTS = ("hpctrain.models", "hpctrain.data", "hpctrain.examples")
-# What the user's part may import from the machinery: its named extension points.
-EXTENSION_POINTS = {"hpctrain.runtime.errors", "hpctrain.runtime.distributed.streams"}
+# The public API: what the user's package may import from hpctrain, module -> names.
+PUBLIC = {"hpctrain": set(hpctrain.__all__), "hpctrain.data": set(hpctrain.data.__all__)}
 
 
 def modules() -> dict[str, Path]:
     found = {}
-    for path in (SRC / "hpctrain").rglob("*.py"):
-        parts = list(path.relative_to(SRC).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(parts)] = path
+    for package in (MACHINERY, *USER_PACKAGES):
+        for path in (SRC / package).rglob("*.py"):
+            parts = list(path.relative_to(SRC).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
     return found
 
 
-def import_graph(found: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the package modules it imports, anywhere in its code."""
-    graph: dict[str, set[str]] = {}
+def _ours(module: str) -> bool:
+    return module.split(".")[0] in (MACHINERY, *USER_PACKAGES)
+
+
+def imported_names(found: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> what it imports of the two packages: `module` for `import module`, `module:name` for
+    `from module import name`, anywhere in its code."""
+    imports: dict[str, set[str]] = {}
     for name, path in found.items():
         targets = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hpctrain"):
-                for alias in node.names:
-                    full = f"{node.module}.{alias.name}"
-                    targets.add(full if full in found else node.module)
+            if isinstance(node, ast.ImportFrom) and node.module and _ours(node.module):
+                targets.update(f"{node.module}:{alias.name}" for alias in node.names)
             elif isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names if a.name.startswith("hpctrain"))
-        graph[name] = {t for t in targets if t in found and t != name}
+                targets.update(a.name for a in node.names if _ours(a.name))
+        imports[name] = targets
+    return imports
+
+
+def import_graph(found: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules of the two packages it imports."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in imported_names(found).items():
+        resolved = set()
+        for target in targets:
+            module, _, attribute = target.partition(":")
+            full = f"{module}.{attribute}"
+            resolved.add(full if full in found else module)
+        graph[name] = {t for t in resolved if t in found and t != name}
     return graph
+
+
+def boundary_crossings(imports: dict[str, set[str]]) -> list[str]:
+    """Imports across the boundary that are not allowed: hpctrain -> the user's package, and the user's
+    package -> anything of hpctrain but its public API."""
+    wrong = []
+    for source, targets in imports.items():
+        for target in sorted(targets):
+            module, _, name = target.partition(":")
+            if source.startswith(MACHINERY) and module.split(".")[0] in USER_PACKAGES:
+                wrong.append(f"{source} -> {module} (hpctrain imports the user's package)")
+            elif source.split(".")[0] in USER_PACKAGES and module.split(".")[0] == MACHINERY:
+                if name not in PUBLIC.get(module, set()):
+                    wrong.append(f"{source} -> {target.replace(':', '.')} (not hpctrain's public API)")
+    return wrong
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -113,38 +153,59 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
             here, there = layer_of(source), layer_of(target)
             if here is not None and there is not None and there > here:
                 wrong.append(f"{source} -> {target}")
-            extension_point = any(target == p or target.startswith(p + ".") for p in EXTENSION_POINTS)
-            if (
-                source.startswith(USER_PARTS)
-                and target.startswith("hpctrain.runtime")
-                and not extension_point
-            ):
-                wrong.append(f"{source} -> {target} (not an extension point)")
     return sorted(wrong)
+
+
+def test_there_is_a_users_package_beside_hpctrain():
+    assert USER_PACKAGES and all((SRC / p / "models").is_dir() for p in USER_PACKAGES)
 
 
 def test_no_import_circle():
     assert circles(import_graph(modules())) == []
 
 
-def test_imports_run_down_the_layers_and_the_users_part_uses_only_extension_points():
+def test_imports_run_down_hpctrains_layers():
     assert upward_imports(import_graph(modules())) == []
+
+
+def test_the_boundary_is_crossed_only_through_the_public_api():
+    assert boundary_crossings(imported_names(modules())) == []
 
 
 def test_every_machinery_package_has_a_layer():
     packages = {".".join(m.split(".")[:3]) for m in modules() if m.startswith("hpctrain.runtime.")}
+    packages |= {
+        ".".join(m.split(".")[:2]) for m in modules() if m.count(".") >= 1 and m.startswith("hpctrain.")
+    }
+    packages -= {"hpctrain.runtime"}
     assert all(layer_of(p) is not None for p in packages), packages
 
 
-def test_the_checks_catch_an_injected_circle_and_an_upward_import():
+def test_the_public_names_exist():
+    for module, names in PUBLIC.items():
+        imported = __import__(module, fromlist=["_"])
+        assert all(getattr(imported, name, None) is not None for name in names - {"__version__"}), module
+
+
+def test_the_checks_catch_an_injected_circle_an_upward_import_and_each_crossing():
     graph = import_graph(modules())
     graph["hpctrain.runtime.cluster"] = graph["hpctrain.runtime.cluster"] | {"hpctrain.runtime.run.build"}
     assert any("hpctrain.runtime.cluster" in group for group in circles(graph))
     assert "hpctrain.runtime.cluster -> hpctrain.runtime.run.build" in upward_imports(graph)
-    graph["hpctrain.models.nets"] = {"hpctrain.runtime.run.build"}
-    assert "hpctrain.models.nets -> hpctrain.runtime.run.build (not an extension point)" in upward_imports(
-        graph
-    )
+    user = USER_PACKAGES[0]
+    imports = imported_names(modules())
+    imports["hpctrain.runtime.run.build"] = imports["hpctrain.runtime.run.build"] | {
+        f"{user}.models.nets:MLP"
+    }
+    imports[f"{user}.models.nets"] = imports[f"{user}.models.nets"] | {
+        "hpctrain.runtime.run.build:trainer",
+        "hpctrain.data:NotPublic",
+    }
+    assert boundary_crossings(imports) == [
+        f"hpctrain.runtime.run.build -> {user}.models.nets (hpctrain imports the user's package)",
+        f"{user}.models.nets -> hpctrain.data.NotPublic (not hpctrain's public API)",
+        f"{user}.models.nets -> hpctrain.runtime.run.build.trainer (not hpctrain's public API)",
+    ]
 
 
 def repeated_blocks(paths: list[Path], size: int = 6) -> list[str]:

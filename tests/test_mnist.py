@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.data.images import DataUnavailable
-from hpctrain.data.mnist import FashionMNISTDataModule, MNISTDataModule
+from myproject.data.mnist import FashionMNISTDataModule, MNISTDataModule
 from tests.helpers import train
 from tests.test_train import _one_sentence_error
 

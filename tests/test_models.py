@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpctrain.models import optim
-from hpctrain.models.classifier import ImageClassifier
-from hpctrain.models.metrics import Accuracy, Mean
-from hpctrain.models.nets import MLP, MNISTCNN
+from myproject.models import optim
+from myproject.models.classifier import ImageClassifier
+from myproject.models.metrics import Accuracy, Mean
+from myproject.models.nets import MLP, MNISTCNN
 
 
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])

@@ -388,8 +388,8 @@ def data_pipeline(batch_size: int, batches: int) -> dict:
     from torch.utils.data import DataLoader, Dataset
     from torchvision import transforms
 
-    from hpctrain.data.cifar import CIFAR10DataModule, random_crop_and_flip
     from hpctrain.data.loading import TensorDataset, make_loader
+    from myproject.data.cifar import CIFAR10DataModule, random_crop_and_flip
 
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (batch_size * batches, 3, 32, 32), dtype=torch.uint8, generator=generator)
@@ -581,7 +581,7 @@ def main() -> None:
         flush=True,
     )
     pipeline = None
-    if not args.skip_data_pipeline and importlib.util.find_spec("hpctrain.data.cifar") is not None:
+    if not args.skip_data_pipeline and importlib.util.find_spec("myproject.data.cifar") is not None:
         pipeline = data_pipeline(args.batch_size, 8 if args.tiny else 40)
         print(
             f"data pipeline, CIFAR-10 training batches of {pipeline['batch_size']} per second (no model): template"

@@ -1,15 +1,22 @@
-"""hpctrain: a PyTorch Lightning + Hydra template that trains the same code on a laptop and on SLURM.
+"""hpctrain: the machinery that trains a PyTorch Lightning + Hydra project the same way on a laptop CPU and
+on a SLURM cluster (preflight, DDP and requeue, checkpoints and exact resume, sweeps, reports).
 
-Importing the package is cheap (no torch); the heavy modules are imported where they are used.
-Importing it registers the config resolvers (`hpctrain.runtime.config.resolvers`), so any process that rebuilds a
-config, however it was started, can resolve it.
+A project carries it untouched (src/hpctrain/, its configs in hpctrain/conf/); its own code uses only the
+public API, versioned by `__version__` (semantic versioning, CHANGELOG.md beside this file):
+- `hpctrain.data`: the datamodule base classes and loaders;
+- `hpctrain.load`: a trained checkpoint's model, ready to call;
+- `hpctrain.UserError`: a mistake said in one sentence with its fix (exit status 2).
+
+Importing the package is cheap (no torch). It registers the config resolvers
+(`hpctrain.runtime.config.resolvers`), so any process that rebuilds a config can resolve it.
 """
 
-from hpctrain.runtime import moved
 from hpctrain.runtime.config.compose import PROJECT_ROOT
 from hpctrain.runtime.config.resolvers import register_resolvers
+from hpctrain.runtime.errors import UserError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+__all__ = ["UserError", "__version__", "load"]
 
 
 def load(ckpt_path: str) -> "Predictor":  # noqa: F821
@@ -27,4 +34,3 @@ def load(ckpt_path: str) -> "Predictor":  # noqa: F821
 
 
 register_resolvers(PROJECT_ROOT)
-moved.install()  # the import paths machinery modules had before hpctrain.runtime keep working

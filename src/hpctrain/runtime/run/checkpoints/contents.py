@@ -137,7 +137,10 @@ def _key_of(node: Any, class_name: str, path: str = "") -> str | None:
 # where Lightning puts what save_hyperparameters() recorded, of the module and of the datamodule,
 # and the class of an OmegaConf container recorded there
 _HPARAMS = (LightningModule.CHECKPOINT_HYPER_PARAMS_KEY, LightningDataModule.CHECKPOINT_HYPER_PARAMS_KEY)
-_HPARAMS_TYPES = (LightningModule.CHECKPOINT_HYPER_PARAMS_TYPE, LightningDataModule.CHECKPOINT_HYPER_PARAMS_TYPE)
+_HPARAMS_TYPES = (
+    LightningModule.CHECKPOINT_HYPER_PARAMS_TYPE,
+    LightningDataModule.CHECKPOINT_HYPER_PARAMS_TYPE,
+)
 _PLAIN = (str, int, float, bool, complex, bytes, type(None), Tensor, torch.Size, torch.dtype, torch.device)
 
 

@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics import MaxMetric
 
-from hpctrain.models import optim
-from hpctrain.models.metrics import Accuracy, Mean
+from myproject.models import optim
+from myproject.models.metrics import Accuracy, Mean
 
 
 class ImageClassifier(LightningModule):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hpctrain.data.images import ImageDataModule
-from hpctrain.data.loading import TensorDataset
+from hpctrain.data import ImageDataModule
+from hpctrain.data import TensorDataset
 
 
 class RandomDataModule(ImageDataModule):

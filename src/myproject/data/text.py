@@ -26,9 +26,9 @@ import torch
 from pytorch_lightning import LightningDataModule
 from torch import Tensor
 
-from hpctrain.data.images import DataUnavailable
-from hpctrain.data.loading import ResumableDataLoader, make_loader, pin_memory_default, tensors_to_device
-from hpctrain.runtime.errors import UserError
+from hpctrain.data import DataUnavailable
+from hpctrain.data import ResumableDataLoader, make_loader, pin_memory_default, tensors_to_device
+from hpctrain import UserError
 
 log = logging.getLogger(__package__.split(".")[0])
 

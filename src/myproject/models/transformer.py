@@ -1,5 +1,5 @@
 """A small decoder-only Transformer over bytes (GPT-style): a plain nn.Module, trained by
-`hpctrain.models.language_model.CharLanguageModel`."""
+`myproject.models.language_model.CharLanguageModel`."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hpctrain.data.images import ImageDataModule, split
-from hpctrain.data.loading import TensorDataset
+from hpctrain.data import ImageDataModule, split
+from hpctrain.data import TensorDataset
 
 
 class DigitsDataModule(ImageDataModule):

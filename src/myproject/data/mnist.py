@@ -6,8 +6,8 @@ from pathlib import Path
 
 from torchvision import datasets
 
-from hpctrain.data.downloads import DownloadedImageDataModule
-from hpctrain.data.loading import TensorDataset
+from hpctrain.data import DownloadedImageDataModule
+from hpctrain.data import TensorDataset
 
 
 class MNISTDataModule(DownloadedImageDataModule):

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hpctrain.data.downloads import DownloadedImageDataModule
-from hpctrain.data.loading import TensorDataset
+from hpctrain.data import DownloadedImageDataModule
+from hpctrain.data import TensorDataset
 
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_FILE = "test_batch"

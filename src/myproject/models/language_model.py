@@ -16,8 +16,8 @@ from pytorch_lightning import LightningModule
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from hpctrain.models import optim
-from hpctrain.models.metrics import Mean
+from myproject.models import optim
+from myproject.models.metrics import Mean
 
 
 class CharLanguageModel(LightningModule):
