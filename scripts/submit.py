@@ -46,7 +46,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     parser.add_argument(
         "--cluster",
-        help="a preset of conf/cluster/ (partition, account, GPUs, CPUs and memory, time, setup lines); "
+        help="a cluster preset (conf/cluster/ or hpctrain's: partition, account, GPUs, CPUs and memory, time, setup lines); "
         "flags given here win over it",
     )
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per node = tasks per node (default 8)")
@@ -122,13 +122,15 @@ def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     the job (its config records it; offline compute nodes make datamodules not download)."""
     from omegaconf import OmegaConf
 
-    path = ROOT / "conf" / "cluster" / f"{args.cluster}.yaml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
+    from hpctrain.runtime.config.compose import group_options
+
+    presets = group_options("cluster")  # the project's conf/cluster/ and hpctrain's
+    if args.cluster not in presets:
         parser.error(
-            f"--cluster {args.cluster}: there is no conf/cluster/{args.cluster}.yaml; the presets are {known}"
+            f"--cluster {args.cluster}: there is no conf/cluster/{args.cluster}.yaml; the presets are "
+            f"{', '.join(presets)}"
         )
-    preset = OmegaConf.load(path)
+    preset = OmegaConf.load(presets[args.cluster])
     gpus = int(preset.get("gpus_per_node") or 0)
     if gpus == 0:
         args.cpu = True

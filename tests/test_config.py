@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hpctrain.runtime.config.checks import LOGGER_PACKAGES, check_config
-from hpctrain.runtime.config.compose import CONF_DIR, compose
+from hpctrain.runtime.config.compose import compose, config_groups, group_options
 from hpctrain.runtime.config.schema import PRECISIONS
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import build
@@ -41,7 +42,7 @@ NEEDS_HARDWARE = {"gpu", "ddp", "mps", "fsdp"}  # trainer options built here wit
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    return list(group_options(group))
 
 
 OPTIONS = [(group, option) for group in GROUPS for option in options(group)]
@@ -335,11 +336,9 @@ def test_a_users_callback_is_one_override_or_one_file(tmp_path: Path):
 
 
 def _conf_groups() -> dict[str, list[str]]:
-    """Every folder under conf/ that holds configs, with its options: all but conf/schema (JSON Schemas
-    for editors) and conf/local (git-ignored and optional: what it holds differs between machines)."""
-    folders = [p for p in CONF_DIR.rglob("*") if p.is_dir() and any(p.glob("*.yaml"))]
-    groups = {str(p.relative_to(CONF_DIR)): options(str(p.relative_to(CONF_DIR))) for p in folders}
-    return {g: o for g, o in groups.items() if g.split("/")[0] not in ("schema", "local")}
+    """Every folder of configs, the project's conf/ and hpctrain's, with its options: all but conf/local
+    (git-ignored and optional: what it holds differs between machines)."""
+    return {g: options(g) for g in config_groups() if g.split("/")[0] != "local"}
 
 
 def _listed(text: str) -> dict[str, list[str]]:
@@ -519,3 +518,32 @@ def test_a_checkpoint_entry_that_resume_could_not_find_is_refused(
     assert build.trainer(
         cfg, tmp_path, logger=False
     )  # a checkpoint callback of your own is Lightning's business
+
+
+def test_help_names_both_config_sources_and_an_option_the_project_replaces(tmp_path: Path):
+    """A file of hpctrain's group and name in the project's conf/ wins, and --help says it replaces one."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "conf", project / "conf", ignore=shutil.ignore_patterns("local"))
+    shutil.copytree(ROOT / "src", project / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    (project / "conf" / "trainer").mkdir()
+    (project / "conf" / "trainer" / "cpu.yaml").write_text(
+        "defaults:\n  - default\n  - _self_\naccelerator: cpu\ndevices: 1\nmax_epochs: 7\n"
+    )
+    env = {**local_env(), "HPCTRAIN_ANSWER_CACHE": "0"}
+    shown = subprocess.run(
+        [PYTHON, "src/train.py", "--help"], cwd=project, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert (
+        "Configs are read from conf/ (this project's), then from hpctrain's (src/hpctrain/conf)"
+        in shown.stdout
+    )
+    assert "Options of hpctrain's that this project replaces: trainer/cpu" in shown.stdout
+    composed = subprocess.run(
+        [PYTHON, "src/train.py", "--cfg", "job", "trainer=cpu"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert "max_epochs: 7" in composed.stdout, composed.stderr[-2000:]

@@ -35,6 +35,7 @@ LAYERS = [
         "hpctrain.runtime.internals",
         "hpctrain.runtime.snapshot",
         "hpctrain.runtime.remote",
+        "hpctrain.conf",
     },
     {"hpctrain.runtime.config"},
     {"hpctrain.runtime.distributed"},
@@ -98,9 +99,12 @@ def boundary_crossings(imports: dict[str, set[str]]) -> list[str]:
             module, _, name = target.partition(":")
             if source.startswith(MACHINERY) and module.split(".")[0] in USER_PACKAGES:
                 wrong.append(f"{source} -> {module} (hpctrain imports the user's package)")
-            elif source.split(".")[0] in USER_PACKAGES and module.split(".")[0] == MACHINERY:
-                if name not in PUBLIC.get(module, set()):
-                    wrong.append(f"{source} -> {target.replace(':', '.')} (not hpctrain's public API)")
+            elif (
+                source.split(".")[0] in USER_PACKAGES
+                and module.split(".")[0] == MACHINERY
+                and name not in PUBLIC.get(module, set())
+            ):
+                wrong.append(f"{source} -> {target.replace(':', '.')} (not hpctrain's public API)")
     return wrong
 
 

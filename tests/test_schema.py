@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import yaml
 
-from hpctrain.runtime.config.compose import CONF_DIR
+from hpctrain.runtime.config.compose import CONF_DIR, group_options
 from hpctrain.runtime.config.schema import FILE_PREFIXES, KEYS, PRECISIONS, json_schema, validate
 from tests.helpers import PYTHON, ROOT
 
@@ -59,7 +59,7 @@ def test_every_config_file_validates_against_its_editor_schema():
         files = (
             [CONF_DIR / "train.yaml", CONF_DIR / "eval.yaml", CONF_DIR / "export.yaml"]
             if group == "train"
-            else (CONF_DIR / group).glob("*.yaml")
+            else group_options(group).values()
         )
         for path in files:
             content = yaml.safe_load(Path(path).read_text()) or {}

@@ -1,6 +1,6 @@
 """Write the JSON Schemas editors use to complete and validate conf/*.yaml (from hpctrain.runtime.config.schema).
 
-    python scripts/dev/config_schema.py          # writes conf/schema/*.schema.json and .vscode/settings.json
+    python scripts/dev/config_schema.py          # writes src/hpctrain/conf/schema/*.json and .vscode/settings.json
     python scripts/dev/config_schema.py --check  # exit 1 if they are not up to date (the tests run this)
 
 In VS Code, install Red Hat's YAML extension (redhat.vscode-yaml); .vscode/settings.json maps each
@@ -19,7 +19,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from hpctrain.runtime.config.schema import FILE_PREFIXES, json_schema  # noqa: E402
 
-# which conf/ files each schema describes (files of @package _global_ groups describe the whole config)
+# which config files each schema describes (files of @package _global_ groups describe the whole config):
+# the project's conf/ and hpctrain's, whose groups a project may also add options to
+PACKAGE_CONF = "src/hpctrain/conf"
 FILES = {
     "train": [
         "conf/train.yaml",
@@ -27,18 +29,19 @@ FILES = {
         "conf/export.yaml",
         "conf/experiment/*.yaml",
         "conf/debug/*.yaml",
+        f"{PACKAGE_CONF}/debug/*.yaml",
         "conf/local/*.yaml",
     ],
-    "trainer": ["conf/trainer/*.yaml"],
+    "trainer": ["conf/trainer/*.yaml", f"{PACKAGE_CONF}/trainer/*.yaml"],
     "data": ["conf/data/*.yaml"],
     "model": ["conf/model/*.yaml"],
     "model/optimizer": ["conf/model/optimizer/*.yaml"],
-    "paths": ["conf/paths/*.yaml"],
+    "paths": ["conf/paths/*.yaml", f"{PACKAGE_CONF}/paths/*.yaml"],
 }
 
 
 def schema_file(group: str) -> str:
-    return f"conf/schema/{group.replace('/', '.')}.schema.json"
+    return f"{PACKAGE_CONF}/schema/{group.replace('/', '.')}.schema.json"
 
 
 def rendered() -> dict[str, str]:

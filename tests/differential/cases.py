@@ -149,7 +149,11 @@ def template_overrides(
         f"data._target_={target(case.data)}",
         "trainer=ddp_cpu" if case.processes > 1 else "trainer=cpu",
         f"seed={SEED}",
-        *(_overrides("monitor", dict(zip(("metric", "mode"), case.monitor, strict=True))) if case.monitor else []),
+        *(
+            _overrides("monitor", dict(zip(("metric", "mode"), case.monitor, strict=True)))
+            if case.monitor
+            else []
+        ),
         "logger=csv",
         "diagnostics.straggler_every_s=0",  # no per-rank columns in metrics.csv, however slow the machine
         # the template's default callbacks, less what the bare side does not have

@@ -6,7 +6,7 @@ function of inputs that can all be read in a few milliseconds, so the first answ
 made of all of them, and the next identical question is answered from it (about `import hydra`'s time
 less than Hydra's, the entry point's own imports included):
 - the command line (argv), the working directory, the whole environment, the Python executable;
-- the bytes of every file under conf/ and of every `.py` under src/ (the entry points, and the package
+- the bytes of every file under conf/ and hpctrain's conf/, and of every `.py` under src/ (the entry points, and the packages
   whose structured configs and resolvers Hydra reads);
 - the distributions installed where Python looks (`*.dist-info` names carry the versions of Hydra,
   OmegaConf and every Hydra plugin that adds configs).
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpctrain.runtime.config.compose import CODE_ROOT, CONF_DIR
+from hpctrain.runtime.config.compose import CODE_ROOT, CONF_DIR, HPCTRAIN_CONF_DIR
 
 KEEP = 64
 _ANSWERED = {("--help",), ("-h",), ("--hydra-help",), ("--cfg", "job"), ("-c", "job")}
@@ -81,7 +81,10 @@ def _question_key(argv: list[str]) -> str | None:
     digest = hashlib.blake2b(digest_size=20)
     for part in (repr(argv), os.getcwd(), sys.executable, sys.version, repr(sorted(os.environ.items()))):
         digest.update(part.encode() + b"\0")
-    for root, pattern in ((CONF_DIR, "*"), (CODE_ROOT / "src", "*.py")):
+    sources = [(CONF_DIR, "*"), (HPCTRAIN_CONF_DIR, "*"), (CODE_ROOT / "src", "*.py")]
+    if not HPCTRAIN_CONF_DIR.is_relative_to(CODE_ROOT / "src"):  # hpctrain installed, not in the project
+        sources.append((HPCTRAIN_CONF_DIR.parent, "*.py"))
+    for root, pattern in sources:
         for path in sorted(p for p in root.rglob(pattern) if p.is_file()):
             content = path.read_bytes()
             if root == CONF_DIR and _UNCACHEABLE_OVERRIDE.encode() in content:

@@ -61,12 +61,46 @@ def install(config_name: str) -> None:
             sys.exit(EXIT_USER_ERROR)
         if isinstance(result, Hydra):
             _list_groups_from_the_repository(result)
+            result.app_help = _with_config_sources(result.app_help)
             for name in ("app_help", "hydra_help", "show_cfg"):  # stored for the next identical question
                 setattr(result, name, answers.remembering(getattr(result, name)))
         return result
 
     run_and_report.installed_by_hpctrain = True  # type: ignore[attr-defined]
     hydra_utils.run_and_report = run_and_report
+
+
+def _with_config_sources(app_help: Callable[..., None]) -> Callable[..., None]:
+    """`--help` ends by saying where the configs come from and which of hpctrain's the project replaces."""
+
+    def app_help_with_sources(*args: Any, **kwargs: Any) -> None:
+        app_help(*args, **kwargs)
+        print(config_sources())
+
+    return app_help_with_sources
+
+
+def config_sources() -> str:
+    from hpctrain.runtime.config.compose import CODE_ROOT, HPCTRAIN_CONF_DIR, config_dirs, config_groups
+
+    project, package = config_dirs()
+    replaced = [
+        f"{group}/{option}"
+        for group in config_groups()
+        for option in sorted(p.stem for p in (project / group).glob("*.yaml"))
+        if (package / group / f"{option}.yaml").is_file()
+    ]
+    where = (
+        HPCTRAIN_CONF_DIR.relative_to(CODE_ROOT)
+        if HPCTRAIN_CONF_DIR.is_relative_to(CODE_ROOT)
+        else HPCTRAIN_CONF_DIR
+    )
+    lines = [
+        f"Configs are read from conf/ (this project's), then from hpctrain's ({where}); a file of the same "
+        "group and name in conf/ replaces hpctrain's.",
+        f"Options of hpctrain's that this project replaces: {', '.join(replaced) if replaced else 'none'}",
+    ]
+    return "\n".join(lines)
 
 
 def _list_groups_from_the_repository(app: Any) -> None:

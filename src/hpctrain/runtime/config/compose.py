@@ -6,6 +6,8 @@ Everything that composes a config goes through `compose`, so scripts and tests s
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,11 +15,56 @@ from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.runtime import cluster
 
-CODE_ROOT = Path(__file__).resolve().parents[4]  # the directory holding the running code's conf/ and src/
+MARKER = Path("conf") / "train.yaml"  # what makes a directory a project's code root
+
+
+def find_code_root() -> Path:
+    """The directory holding the running code's conf/ and src/, wherever hpctrain is installed:
+    $HPCTRAIN_CODE_ROOT if set, else the nearest directory holding conf/train.yaml above the running
+    script (src/train.py, scripts/...), else above the working directory, else the working directory."""
+    named = os.environ.get("HPCTRAIN_CODE_ROOT")
+    if named:
+        return Path(named).resolve()
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    starts = ([Path(main).resolve().parent] if main else []) + [Path.cwd()]
+    for start in starts:
+        for folder in (start, *start.parents):
+            if (folder / MARKER).is_file():
+                return folder
+    return Path.cwd()
+
+
+CODE_ROOT = find_code_root()
 # The project whose logs/, data/ and .venv runs use: the same directory, unless the code runs from a
 # snapshot taken at submission (hpctrain.runtime.snapshot), which names the project it came from.
 PROJECT_ROOT = cluster.project_root(CODE_ROOT)
-CONF_DIR = CODE_ROOT / "conf"
+CONF_DIR = CODE_ROOT / "conf"  # the project's configs: the primary ones, and its groups (model, data, ...)
+HPCTRAIN_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # hpctrain's groups (pkg://hpctrain.conf)
+
+
+def config_dirs() -> tuple[Path, Path]:
+    """Where Hydra looks for configs, in its order: the project's conf/ first, then hpctrain's."""
+    return CONF_DIR, HPCTRAIN_CONF_DIR
+
+
+def group_options(group: str) -> dict[str, Path]:
+    """A config group's options, each with the file Hydra composes (the project's, where both have one)."""
+    found: dict[str, Path] = {}
+    for root in reversed(config_dirs()):
+        found.update({p.stem: p for p in (root / group).glob("*.yaml")})
+    return dict(sorted(found.items()))
+
+
+def config_groups() -> list[str]:
+    """Every folder of configs, in the project's conf/ or in hpctrain's (`schema` holds none)."""
+    return sorted(
+        {
+            str(p.relative_to(root))
+            for root in config_dirs()
+            for p in root.rglob("*")
+            if p.is_dir() and any(p.glob("*.yaml"))
+        }
+    )
 
 
 def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:

@@ -51,17 +51,15 @@ def _config_keys(config_name: str, skip: str) -> list[str]:
 
 
 def _groups() -> list[str]:
-    from hpctrain.runtime.config.compose import CONF_DIR
+    from hpctrain.runtime.config.compose import config_groups
 
-    return sorted(
-        str(p.relative_to(CONF_DIR)) for p in CONF_DIR.rglob("*") if p.is_dir() and any(p.glob("*.yaml"))
-    )
+    return config_groups()
 
 
 def _options(group: str) -> list[str]:
-    from hpctrain.runtime.config.compose import CONF_DIR
+    from hpctrain.runtime.config.compose import group_options
 
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    return list(group_options(group))
 
 
 def _parses(override: str) -> bool:
