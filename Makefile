@@ -3,7 +3,7 @@
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: install train test lint benchmark clean
+.PHONY: install train test lint clean
 
 # The exact versions the template was tested with come from uv.lock (pyproject.toml keeps the ranges):
 # uv installs them several times faster than pip. --inexact keeps uv itself in the venv.
@@ -30,9 +30,8 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-benchmark: install
-	$(PYTHON) scripts/dev/benchmark.py
-	$(PYTHON) scripts/dev/data_benchmark.py
-
 clean:
 	rm -rf logs .pytest_cache .ruff_cache
+
+# The template's maintenance targets (make benchmark, ...): scripts/dev/ stays in the template repository.
+-include scripts/dev/dev.mk

@@ -1,34 +1,12 @@
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import write_cifar10_batches, write_mnist_raw, write_small_image_data
-from tests.local_slurm import ClusterUnavailable, LocalSlurmCluster, missing_binaries
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    """The pair tests/contract checks: `pytest tests/contract --model=<option> --data=<option>`.
-
-    Registered here, not in tests/contract/conftest.py: pytest reads command-line options only from
-    plugins and the conftest files it loads before parsing the command line, and a run of the whole
-    suite, or of another test file, does not load the one in tests/contract first.
-    """
-    group = parser.getgroup("contract", "contract tests of a model x data pair (tests/contract)")
-    # The default pair is quickstart's: every project has it, with or without the examples.
-    group.addoption("--model", default="mnist_cnn", metavar="OPTION", help="a conf/model option (mnist_cnn)")
-    group.addoption("--data", default="digits", metavar="OPTION", help="a conf/data option (digits)")
-    group.addoption(
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config override for every contract check, as on the train.py command line; repeatable",
-    )
+pytest_plugins = ["hpctrain.testing.plugin"]  # the contract tests' options and fixtures, slurm_cluster
 
 
 @pytest.fixture(scope="session")
@@ -62,33 +40,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 1 if item.get_closest_marker("slow") else 2
 
     items.sort(key=tier)  # stable
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
-    """A real two-node Slurm cluster (slurmctld + slurmd node1, node2) for the whole session; under
-    pytest-xdist each worker starts its own, on ports of its own, so Slurm tests run side by side.
-
-    Skipped where Slurm is not installed, except under CI=true, where a missing cluster is an error.
-    """
-    missing = missing_binaries()
-    reason = (
-        f"Slurm not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge"
-        if missing
-        else None
-    )
-    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"))
-    if reason is None:
-        try:
-            cluster.start()
-        except ClusterUnavailable as err:
-            reason = f"cannot start the local Slurm cluster: {err}"
-    if reason is not None:
-        if IN_CI:
-            pytest.fail(f"CI=true requires the Slurm tests to run, but {reason}", pytrace=False)
-        pytest.skip(reason)
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture(scope="session")

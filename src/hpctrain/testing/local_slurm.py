@@ -1,10 +1,10 @@
 """A real two-node Slurm cluster on this machine: slurmctld plus two slurmd, in one directory.
 
-The tests start it through a session fixture (tests/conftest.py); users can start it to try the
+The tests start it through the `slurm_cluster` fixture (hpctrain.testing.plugin); users can start it to try the
 sbatch files before going to a real cluster:
 
-    python tests/local_slurm.py start /tmp/slurm     # prints the SLURM_CONF to export
-    python tests/local_slurm.py stop /tmp/slurm
+    python -m hpctrain.testing.local_slurm start /tmp/slurm     # prints the SLURM_CONF to export
+    python -m hpctrain.testing.local_slurm stop /tmp/slurm
 
 Needs Debian's slurm-wlm and munge (`apt-get install slurm-wlm munge`) and root, because the
 daemons run as root and the node names are added to /etc/hosts.
