@@ -13,7 +13,7 @@ PYTHON := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml uv.lock
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip uv
-	UV_PROJECT_ENVIRONMENT=$(VENV) $(VENV)/bin/uv sync --quiet --frozen --inexact --extra dev --extra loggers --extra export --compile-bytecode
+	UV_PROJECT_ENVIRONMENT=$(VENV) $(VENV)/bin/uv sync --quiet --frozen --inexact --extra dev --extra loggers --extra export --extra docs --compile-bytecode
 	touch $@
 
 install: $(VENV)/.installed

@@ -144,6 +144,14 @@ def test_copier_update_brings_hpctrains_changes_and_keeps_every_edit_of_the_user
     option.write_text("defaults:\n  - mnist_cnn\n  - _self_\noptimizer:\n  lr: 0.5\n")
     readme = project / "README.md"
     readme.write_text(readme.read_text().replace("## Start\n", "## Start (our lab's way)\n"))
+    # and an edit inside hpctrain, which the project's tests name (copier still merges it below)
+    snapshot = project / "src" / "hpctrain" / "runtime" / "snapshot.py"
+    snapshot.write_text(snapshot.read_text() + "\n# the user's edit of hpctrain\n")
+    sentence = untouched.check(project / "src")
+    assert sentence is not None and sentence.startswith(
+        "src/hpctrain/runtime/snapshot.py differs from hpctrain"
+    )
+    assert "subclass" in sentence and "conf/" in sentence
     _run([*GIT, "add", "-A"], project)
     _run([*GIT, "commit", "-qm", "my changes"], project)
 
@@ -165,14 +173,7 @@ def test_copier_update_brings_hpctrains_changes_and_keeps_every_edit_of_the_user
     assert "  patience: 7\n" in (project / "src/hpctrain/conf/callbacks/early_stopping.yaml").read_text()
     assert model.read_text().endswith("# the user's own model change\n") and option.is_file()
     assert "## Start (our lab's way)\n" in readme.read_text()
-    assert untouched.check(project / "src") is None  # the record is hpctrain's new version
-    assert not list(project.rglob("*.rej"))
-
-    # an edit inside hpctrain: copier merges it where it does not overlap; the project's tests name it
-    snapshot = project / "src" / "hpctrain" / "runtime" / "snapshot.py"
-    snapshot.write_text(snapshot.read_text() + "\n# the user's edit of hpctrain\n")
-    sentence = untouched.check(project / "src")
-    assert sentence is not None and sentence.startswith(
-        "src/hpctrain/runtime/snapshot.py differs from hpctrain"
-    )
-    assert "subclass" in sentence and "conf/" in sentence
+    assert not list(project.rglob("*.rej")) and "<<<<<<<" not in snapshot.read_text()
+    assert snapshot.read_text().endswith("# the user's edit of hpctrain\n")  # merged, not lost
+    # the record is hpctrain's new version: the only file that differs from it is the user's edit
+    assert untouched.differences(project / "src")[1] == ["src/hpctrain/runtime/snapshot.py"]

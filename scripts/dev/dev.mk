@@ -4,3 +4,9 @@
 benchmark: install
 	$(PYTHON) scripts/dev/benchmark.py
 	$(PYTHON) scripts/dev/data_benchmark.py
+
+# The quick tier against the oldest and the newest releases of hpctrain's support window (fresh venvs)
+.PHONY: versions
+versions: install
+	bash scripts/dev/versions.sh oldest
+	bash scripts/dev/versions.sh newest
