@@ -143,7 +143,9 @@ def test_staging_copies_once_checks_sha256_and_a_later_attempt_reuses_it(tmp_pat
     assert (local / "train" / "shard-00001.bin").is_file()
 
     with open(out / "train" / "shard-00000.bin", "r+b") as file:
-        file.write(b"X")  # the shared copy changed after the manifest was written
+        first = file.read(1)
+        file.seek(0)
+        file.write(bytes([first[0] ^ 0xFF]))  # the shared copy changed after the manifest was written
     with pytest.raises(UserError, match="does not match the sha256 its manifest lists"):
         staging.stage(out, tmp_path / "elsewhere", shards.manifest_files(manifest), shards.MANIFEST)
 
