@@ -24,8 +24,8 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
     with Job(cfg) as job:
         checkpoint = existing_checkpoint(cfg.get("ckpt_path"))
-        cfg = job.from_checkpoint(cfg, checkpoint)  # the model (and data) it was trained with
-        run = job.build(cfg, training=False)  # weights of another model: refused here
+        cfg = job.from_checkpoint(checkpoint)  # the model (and data) it was trained with
+        run = job.build(training=False)  # weights of another model: refused here
         with job.running(run):  # under SLURM a signal requeues the job, which tests again
             run.test(checkpoint)
             return job.finish(run)

@@ -32,7 +32,7 @@ def main(cfg: DictConfig) -> str | None:
         predictor = hpctrain.load(checkpoint)  # model(preprocess(raw inputs)), from the config stored in it
         # one sample more than the traced batch: the export is checked at a batch size it was not traced with
         inputs = export.sample_inputs(predictor, cfg.paths.data_dir, rows=cfg.export.batch_size + 1)
-        job.record(cfg)  # config.yaml and run.yaml in the run dir, as for train and eval
+        job.record()  # config.yaml and run.yaml in the run dir, as for train and eval
         exported = export.write(predictor, chosen, path, inputs, traced_rows=cfg.export.batch_size)
         card = model_card.write(exported, predictor, checkpoint)  # beside the export
         export.report(exported, card, job.run_dir)

@@ -25,8 +25,8 @@ def main(cfg: DictConfig) -> None:
 
     with Job(cfg) as job:  # preflight, and an existing predict.output is refused before anything runs
         checkpoint = existing_checkpoint(cfg.get("ckpt_path"))
-        cfg = job.from_checkpoint(cfg, checkpoint)  # the model (and data) it was trained with
-        run = job.build(cfg, training=False)  # weights of another model: refused here
+        cfg = job.from_checkpoint(checkpoint)  # the model (and data) it was trained with
+        run = job.build(training=False)  # weights of another model: refused here
         from hpctrain.runtime.run.predict import predict
 
         with job.running(run):  # under SLURM a signal requeues the job, which predicts again

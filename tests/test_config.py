@@ -515,9 +515,12 @@ def test_a_checkpoint_entry_that_resume_could_not_find_is_refused(
         "trainer=cpu",
         *(f"+callbacks.mine.{k}={v}" for k, v in own.items()),
     )
-    assert build.trainer(
-        cfg, tmp_path, logger=False
-    )  # a checkpoint callback of your own is Lightning's business
+    # a checkpoint callback of your own is Lightning's business: it is built and kept beside the template's
+    trainer = build.trainer(cfg, tmp_path, logger=False)
+    mine = [
+        c for c in trainer.checkpoint_callbacks if c.dirpath is None or "checkpoints" not in str(c.dirpath)
+    ]
+    assert [c._every_n_train_steps for c in mine] == [5]
 
 
 def test_help_names_both_config_sources_and_an_option_the_project_replaces(tmp_path: Path):

@@ -5,7 +5,8 @@ Two sources of bad input, one form (`error: <sentence>` on stderr, exit status 2
 - mistakes Hydra finds while composing the config: an unknown key or group option, an override it
   cannot parse, a run dir it cannot create. Hydra prints those as several lines (a search-path dump
   for a missing option) and exits 1; `describe_hydra_error` makes them one line that keeps the list
-  of valid options and suggests the closest one (`hpctrain.runtime.config.command_line` hooks it into Hydra).
+  of valid options and suggests the closest one (`hpctrain.runtime.config.hydra_errors.describe_hydra_error`,
+  which `hpctrain.runtime.config.command_line` hooks into Hydra).
 """
 
 from __future__ import annotations
@@ -32,6 +33,3 @@ def reported_as_one_sentence() -> Iterator[None]:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
-
-
-# ------------------------------------------------------------------------------- Hydra's composition errors

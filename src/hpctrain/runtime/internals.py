@@ -136,6 +136,32 @@ INTERNALS = (
         "tests/test_differential.py::test_a_model_that_logs_nothing_trains_with_last_ckpt_only",
     ),
     Internal(
+        "pytorch_lightning.callbacks:ModelCheckpoint._every_n_train_steps",
+        "runtime/run/callbacks.py",
+        "with neither a step count nor a time interval (this and _train_time_interval), Lightning's per-step "
+        "save check always answers no, so it is skipped",
+        "tests/test_differential.py::test_user_code_behaves_as_under_bare_lightning",
+    ),
+    Internal(
+        "pytorch_lightning.callbacks:ModelCheckpoint._train_time_interval",
+        "runtime/run/callbacks.py",
+        "see _every_n_train_steps",
+        "tests/test_differential.py::test_user_code_behaves_as_under_bare_lightning",
+    ),
+    Internal(
+        "pytorch_lightning.loops.evaluation_loop:_EvaluationLoop._has_run",
+        "runtime/run/callbacks.py",
+        "a monitored metric missing is refused only once a validation has run (before it, nothing is logged yet)",
+        "tests/test_bring_your_own.py",
+    ),
+    Internal(
+        "lightning_fabric.strategies.launchers.subprocess_script:_ChildProcessObserver._child_processes",
+        "runtime/distributed/launch.py",
+        "Lightning's thread named child-process-observer SIGKILLs the main process when a local rank fails; "
+        "emptied before hpctrain ends the local ranks on purpose, so rank 0 reports the error first",
+        "tests/test_lightning_semantics.py",
+    ),
+    Internal(
         "lightning_fabric.utilities.types:_Stateful",
         "runtime/run/checkpoints/contents.py",
         "the protocol Lightning uses to decide whether a train loader resumes mid-epoch",

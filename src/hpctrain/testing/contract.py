@@ -280,7 +280,7 @@ def _tensors(value: Any) -> list[Tensor]:
 @contextmanager
 def first_outputs(module: LightningModule) -> Iterator[dict[str, list[Tensor]]]:
     """The outputs of the module's networks (its direct children that hold parameters, metrics left
-    out, as `hpctrain.build.tune_model` counts them) on the first batch they see."""
+    out, as `hpctrain.runtime.run.build.tune_model` counts them) on the first batch they see."""
     outputs: dict[str, list[Tensor]] = {}
     handles = []
     for name, child in module.named_children():

@@ -3,10 +3,10 @@
 `@hydra.main` runs the steps of a command (creating the app, `--cfg`, a run) through
 `hydra._internal.utils.run_and_report`, looked up at call time. `install` wraps it, once per process:
 - a mistake Hydra finds while composing the config becomes one `error:` sentence and exit 2
-  (`hpctrain.runtime.errors.describe_hydra_error`);
+  (`hpctrain.runtime.config.hydra_errors.describe_hydra_error`);
 - the app it creates lists config groups (`--help`) straight from its config repository. Hydra
-  builds a new repository for each listing, deep-copying every structured schema it holds: about
-  120 listings for this conf/, half a second, and more with every group added. Asked
+  builds a new repository for each listing, deep-copying every structured schema it holds: one
+  listing per group and option, a cost that grows with every group added. Asked
   without a primary config and without overrides, as `--help` asks, that copy lists exactly what
   the repository does, so each listing is read once from the repository itself;
 - the answers of `--help`, `--hydra-help` and `--cfg job` are stored for the next identical question

@@ -166,7 +166,7 @@ def _quiet_lightnings_observer() -> None:
     """Lightning's launcher watches the local ranks from a thread, every 5 s, and SIGKILLs this process
     when one of them ended with a non-zero code. The SIGKILL that follows is deliberate, so the watcher
     is given no ranks to watch: else it could kill rank 0 before it reports the run's error in one
-    sentence (seen: a failed DDP run ending with -9 and no sentence)."""
+    sentence."""
     for thread in threading.enumerate():
         if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
             thread._child_processes = []  # an empty list reads as "all ended well": the thread stops

@@ -102,8 +102,9 @@ def cpu_plan(cfg: DictConfig) -> tuple[int, int | None, str]:
     """Intra-op threads per process and `data.num_workers` (None: the config's number stays) for
     `num_threads: auto` and `data.num_workers: auto`, from the CPUs the process really has. Loader
     workers that decode files come first (the CPUs less one, at most 8); in-memory data takes none
-    (a batch is one tensor index). Threads get what is left. Oversubscribed threads on a loaded CPU
-    cost 30x here (193 against 7,030 samples/s), so an explicit value is taken as given."""
+    (a batch is one tensor index). Threads get what is left: threads beyond a process's CPUs spin
+    against each other and slow every process on them many times over. An explicit value is taken as
+    given."""
     cpus, found = cluster.cpus_per_process((cfg.get("trainer") or {}).get("devices"))
     asked_workers = (cfg.get("data") or {}).get("num_workers", 0)
     workers = None
@@ -134,9 +135,10 @@ def run_objects(cfg: DictConfig, run_dir: str | Path, training: bool = True, swe
     data = datamodule(cfg)
     check_data_available(data)
     module = tune_model(model(cfg), cfg)
-    monitor, requeue = own_callbacks(cfg, run_dir, training, sweep)
-    own = [c for c in (monitor, requeue) if c is not None]
-    return Run(data, module, trainer(cfg, run_dir, training=training, own=own), monitor, requeue)
+    built = trainer(cfg, run_dir, training=training, sweep=sweep)
+    monitor = next((c for c in built.callbacks if isinstance(c, MonitoredMetric)), None)
+    requeue = next((c for c in built.callbacks if isinstance(c, RequeueOnSignal)), None)
+    return Run(data, module, built, monitor, requeue)
 
 
 def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
@@ -292,10 +294,9 @@ def callbacks(
     run_dir: str | Path,
     has_logger: bool,
     training: bool = True,
-    own: list[Callback] | None = None,
+    sweep: bool = False,
 ) -> list[Callback]:
-    """The config's callbacks, then the template's own (see the module docstring); `own` are those the
-    caller built itself (the monitored metric, requeue), else they are built here."""
+    """The config's callbacks and the template's own (see the module docstring), in the order they run."""
     if training:
         check_checkpoint_entry(cfg.get("callbacks"), run_dir)
     chosen = _instantiate_group(cfg.get("callbacks"), "callbacks")
@@ -317,8 +318,7 @@ def callbacks(
         nan = cfg.get("nan") or {}
         if nan.get("action", "stop") == "stop":
             chosen.append(NonFiniteLoss(run_dir, nan.get("check_every_n_steps", 50)))
-    if own is None:
-        own = [c for c in own_callbacks(cfg, run_dir, training) if c is not None]
+    own = [c for c in own_callbacks(cfg, run_dir, training, sweep) if c is not None]
     # the monitored metric first: at each validation it decides before the checkpoint and early
     # stopping look at the metric (Lightning runs callbacks in list order, ModelCheckpoint last)
     monitors = [c for c in own if isinstance(c, MonitoredMetric)]
@@ -402,7 +402,7 @@ def trainer(
     cfg: DictConfig,
     run_dir: str | Path,
     training: bool = True,
-    own: list[Callback] | None = None,
+    sweep: bool = False,
     **overrides: Any,
 ) -> Trainer:
     """The Trainer for `cfg.trainer`; keyword arguments replace config entries (e.g. logger=False)."""
@@ -411,7 +411,7 @@ def trainer(
         chosen_loggers = loggers(cfg)
     kwargs: dict[str, Any] = {
         "logger": chosen_loggers or False,
-        "callbacks": callbacks(cfg, run_dir, has_logger=bool(chosen_loggers), training=training, own=own),
+        "callbacks": callbacks(cfg, run_dir, has_logger=bool(chosen_loggers), training=training, sweep=sweep),
         "strategy": strategy(cfg.trainer, cfg.get("dist")),
         "plugins": [launch.lightning_cluster_environment(), AtomicCheckpointIO()],
     }

@@ -1,12 +1,14 @@
 """One job's lifecycle, the same for every entry point (train, eval, export): preflight, build, run, end.
 
     with Job(cfg) as job:                  # preflight: config, launcher vs trainer, run dir; no torch yet
-        run = job.build(cfg)               # data, model, callbacks, loggers, trainer; the run's record
+        run = job.build()                  # data, model, callbacks, loggers, trainer; the run's record
         with job.running(run):             # a signal: checkpoint, requeue (or stop); always: teardown
             ...                            # fit, test
             return job.finish(run)
 
-A job without a trainer (export: one process, no fit or test) writes the same record with `job.record(cfg)`.
+A job without a trainer (export: one process, no fit or test) writes the same record with `job.record()`.
+The job keeps one config, `job.cfg`: eval and predict replace it once with the checkpoint's model and
+data (`job.from_checkpoint`).
 How the job ends is recorded once, in <run dir>/outcome.yaml (read by sweep summaries), and said
 once: a mistake as one sentence and exit status 2 (`errors`), a rank's crash as one line naming it
 (`watchdog`), a signal by requeueing the SLURM job or exiting with 143 (`requeue`).
@@ -84,22 +86,23 @@ class Job:
         if cluster.is_rank_zero():
             records.check_writable(self.run_dir)
 
-    def from_checkpoint(self, cfg: DictConfig, checkpoint: Path) -> DictConfig:
-        """`cfg` with the model (and, unless the command line chose one, the data) the checkpoint was
-        trained with, checked again (eval, predict)."""
+    def from_checkpoint(self, checkpoint: Path) -> DictConfig:
+        """The job's config from now on: the model (and, unless the command line chose one, the data)
+        the checkpoint was trained with, checked again (eval, predict)."""
         from hpctrain.runtime.run.checkpoints import contents
 
-        cfg = contents.config_from_checkpoint(cfg, checkpoint, self.overrides)
+        cfg = self.cfg = contents.config_from_checkpoint(self.cfg, checkpoint, self.overrides)
         check_config(cfg)
         self.checkpoint = checkpoint
         if self.outcome is not None and "monitor" in cfg:
             self.outcome.metric = cfg.monitor.metric  # the one the checkpoint was trained with
         return cfg
 
-    def build(self, cfg: DictConfig, training: bool = True) -> Any:
+    def build(self, training: bool = True) -> Any:
         """The run's objects (torch from here on), and on rank 0 its record in the run dir."""
         from hpctrain.runtime.run import build
 
+        cfg = self.cfg
         stacks_signal = (cfg.get("diagnostics") or {}).get("stacks_signal")
         if stacks_signal:  # scripts/stacks.py: where every rank is, from now on, even when it hangs
             stacks.register(self.run_dir, stacks_signal)
@@ -123,11 +126,11 @@ class Job:
                 console.log.info(cluster.network_summary(run.trainer.num_nodes))
         return run
 
-    def record(self, cfg: DictConfig) -> None:
+    def record(self) -> None:
         """What `build` does for a job without a trainer (one process): the config printed if `extras`
         asks, and the run's record (config.yaml, run.yaml, .hydra/) written."""
-        console.apply_extras(cfg)
-        self._write_record(cfg, world_size=1)
+        console.apply_extras(self.cfg)
+        self._write_record(self.cfg, world_size=1)
 
     def _write_record(self, cfg: DictConfig, world_size: int) -> None:
         records.write_run_record(cfg, self.run_dir, self.overrides, CODE_ROOT, world_size, self.hydra_cfg)

@@ -1,6 +1,7 @@
 """Sweeps: many runs from one command, locally, as SLURM jobs or as a SLURM job array.
 
-- `jobs.run_job`: one job of a sweep; its failure is recorded in its run dir, and the sweep goes on.
+- one job of a sweep is `hpctrain.runtime.run.job.run_job`: its failure is recorded in its run dir, and
+  the sweep goes on.
 - `grid`: a Hydra sweep grid expanded in Hydra's own job order (for slurm/sweep.sbatch's array tasks).
 - `summary`: summary.csv and summary.png of a sweep dir, written when a sweep ends (a Hydra callback)
   or afterwards (`python scripts/summarize.py <sweep dir>`).

@@ -46,53 +46,42 @@ class StartPoint:
     reason: str
     run_dir: Path | None = None
 
-    def announce(self, run: Any, cfg: Any) -> None:
-        """Before fit: refuse weights of another model, apply `init_from` to a fresh start (a restart
-        continues from its own checkpoint instead), freeze what `init_from.freeze` names, and say (rank 0)
-        where the run starts and which configured optimizer values a resumed checkpoint overrides."""
-        from omegaconf import OmegaConf
-
-        from hpctrain.runtime.run.checkpoints import contents, init_from
-
+    def prepare(self, run: Any, cfg: Any) -> None:
+        """Before fit, in order: check the checkpoint the run continues from (or load `init_from`'s
+        weights into a fresh start), freeze what `init_from.freeze` names, remove partial saves of an
+        earlier attempt, and say (rank 0) where the run starts and what a resumed checkpoint overrides."""
+        settings = cfg.get("init_from") or {}
         lines: list[str] = []
         warning = None
-        settings = cfg.get("init_from") or {}
         if self.checkpoint is not None:
-            content = contents.read(self.checkpoint)  # once, for both checks
-            contents.check_matches_model(self.checkpoint, run.model, content=content)
-            model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-            warning = contents.resume_overrides(self.checkpoint, model_cfg, content=content)
+            warning = self._check_checkpoint(run, cfg)
             if settings.get("path"):
                 lines.append(
                     f"init_from.path={settings.path} skipped: the run continues from {self.checkpoint}"
                 )
         elif settings.get("path"):
-            lines.append(
-                init_from.apply(
-                    run.model,
-                    settings.path,
-                    strict=bool(settings.get("strict", True)),
-                    exclude=list(settings.get("exclude") or []),
-                    prefix=str(settings.get("prefix") or ""),
-                )
-            )
-        freeze = list(settings.get("freeze") or [])
-        if freeze:
-            until = settings.get("unfreeze_at_epoch")
-            frozen = init_from.FrozenParts(run.model, freeze, None if until is None else int(until))
-            run.trainer.callbacks.append(frozen)
-            lines.append(
-                f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"
-                + (f", until epoch {until}" if until is not None else "")
-            )
+            lines.append(_load_init_weights(run, settings))
+        if settings.get("freeze"):
+            lines.append(_freeze(run, settings))
         if cluster.is_rank_zero():
             if self.run_dir is not None:
                 remove_partial_saves(self.run_dir)
-            log.info(self.describe())
-            for line in lines:
+            for line in (self.describe(), *lines):
                 log.info(line)
             if warning:
                 log.warning(warning)
+
+    def _check_checkpoint(self, run: Any, cfg: Any) -> str | None:
+        """Refuse weights of another model; the configured optimizer values the checkpoint overrides."""
+        from omegaconf import OmegaConf
+
+        from hpctrain.runtime.run.checkpoints import contents
+
+        assert self.checkpoint is not None
+        content = contents.read(self.checkpoint)  # once, for both checks
+        contents.check_matches_model(self.checkpoint, run.model, content=content)
+        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        return contents.resume_overrides(self.checkpoint, model_cfg, content=content)
 
     def describe(self) -> str:
         return (
@@ -100,6 +89,32 @@ class StartPoint:
             if self.checkpoint
             else f"starting fresh ({self.reason})"
         )
+
+
+def _load_init_weights(run: Any, settings: Any) -> str:
+    """A fresh run starts from `init_from.path`'s weights; the line that says what was loaded."""
+    from hpctrain.runtime.run.checkpoints import init_from
+
+    return init_from.apply(
+        run.model,
+        settings.path,
+        strict=bool(settings.get("strict", True)),
+        exclude=list(settings.get("exclude") or []),
+        prefix=str(settings.get("prefix") or ""),
+    )
+
+
+def _freeze(run: Any, settings: Any) -> str:
+    """Freeze what `init_from.freeze` names (a callback unfreezes it at `unfreeze_at_epoch`)."""
+    from hpctrain.runtime.run.checkpoints import init_from
+
+    until = settings.get("unfreeze_at_epoch")
+    frozen = init_from.FrozenParts(run.model, list(settings.freeze), None if until is None else int(until))
+    run.trainer.callbacks.append(frozen)
+    return (
+        f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"
+        + (f", until epoch {until}" if until is not None else "")
+    )
 
 
 def is_restart(record: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:
