@@ -113,7 +113,8 @@ class _SaveAtStep(Callback):
 def _fit(callbacks=(), ckpt_path: Path | None = None):
     from pytorch_lightning import Trainer
 
-    from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, CheckpointExtras
+    from hpctrain.runtime.run.checkpoints.extras import CheckpointExtras
+    from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
     from myproject.models.classifier import ImageClassifier
     from myproject.models.nets import MLP
 

@@ -18,7 +18,7 @@ from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.config.schema import EXPORT_FORMATS
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import export
-from hpctrain.runtime.run.checkpoints.contents import CONFIG_KEY
+from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY
 from tests.differential.cases import user_overrides
 from tests.helpers import PYTHON, ROOT, assert_ok, local_env, require_modules, run_dirs, run_entry, train
 

@@ -9,7 +9,7 @@ import torch
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import init_from
-from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO
+from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 from tests.helpers import assert_ok, require_modules, run_dirs, train
 
 

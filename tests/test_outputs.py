@@ -118,7 +118,7 @@ def test_a_checkpoint_keeps_the_plain_hyperparameters_and_reads_back_weights_onl
 
     import torch
 
-    from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, plain_hyperparameters
+    from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO, plain_hyperparameters
 
     recorded = {
         "net": torch.nn.Linear(2, 2),
@@ -142,7 +142,8 @@ def test_a_checkpoint_keeps_the_plain_hyperparameters_and_reads_back_weights_onl
 def test_an_object_a_checkpoint_could_not_be_read_back_with_is_refused_before_writing(tmp_path: Path):
     import torch
 
-    from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, UnreadableCheckpoint
+    from hpctrain.runtime.run.checkpoints.reading import UnreadableCheckpoint
+    from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 
     checkpoint = {"state_dict": {"w": torch.ones(2)}, "callbacks": {"Mine": {"seen": torch.nn.ReLU()}}}
     with pytest.raises(UnreadableCheckpoint, match=r"checkpoint's callbacks\.Mine\.seen holds a torch\.nn\."):
@@ -157,7 +158,7 @@ def test_eval_takes_the_checkpoints_config_and_reads_this_commands_data_dir(
     read from this command's paths.data_dir (the log says which, and from where the checkpoint came)."""
     import torch
 
-    from hpctrain.runtime.run.checkpoints.contents import CONFIG_KEY, config_from_checkpoint
+    from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY, config_from_checkpoint
 
     stored = {
         "model": {"_target_": "my.Model", "width": 8},

@@ -94,7 +94,7 @@ INTERNALS = (
     ),
     Internal(
         "pytorch_lightning.loops.fit_loop:_FitLoop.setup_data",
-        "runtime/run/checkpoints/contents.py",
+        "runtime/run/checkpoints/extras.py",
         "on resume the train loader built early by estimated_stepping_batches (fit_loop._combined_loader, "
         "fit_loop._data_fetcher) is dropped so Lightning rebuilds and restores it (Lightning #20550)",
         "tests/test_differential.py::test_onecycle_resumed_mid_epoch_ends_as_the_uninterrupted_run",
@@ -163,7 +163,7 @@ INTERNALS = (
     ),
     Internal(
         "lightning_fabric.utilities.types:_Stateful",
-        "runtime/run/checkpoints/contents.py",
+        "runtime/run/checkpoints/extras.py",
         "the protocol Lightning uses to decide whether a train loader resumes mid-epoch",
         "tests/test_bring_your_own.py::test_a_plain_dataloader_resumes_from_the_last_step_and_says_so",
     ),

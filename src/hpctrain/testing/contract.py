@@ -46,9 +46,11 @@ from hpctrain.runtime.config.hydra_errors import describe_hydra_error
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import build
-from hpctrain.runtime.run.checkpoints import contents as checkpointing
+from hpctrain.runtime.run.checkpoints import reading
+from hpctrain.runtime.run.checkpoints.extras import resumes_mid_epoch
 
 __all__ = [
+    "pytestmark",
     "test_checkpoint_loads_weights_only_and_gives_the_same_outputs",
     "test_one_batch_trains_with_finite_gradients",
     "test_resumes_mid_epoch_exactly_or_says_it_cannot",
@@ -334,11 +336,11 @@ def test_checkpoint_loads_weights_only_and_gives_the_same_outputs(contract: Cont
     trained = contract.fit(cfg)
     saved = contract.tmp_path / "round_trip.ckpt"
     trained.trainer.save_checkpoint(saved)  # what every checkpoint of a run holds, written by the template
-    unreadable = _refusal(checkpointing.read, saved)
+    unreadable = _refusal(reading.read, saved)
     if unreadable:
         fail(f"{pair}: {unreadable}")
     reloaded = build.model(cfg)
-    other_model = _refusal(checkpointing.check_matches_model, saved, reloaded)
+    other_model = _refusal(reading.check_matches_model, saved, reloaded)
     if other_model:
         fail(
             f"{pair}: the model built again from the same config does not fit the checkpoint its own "
@@ -437,7 +439,7 @@ def test_resumes_mid_epoch_exactly_or_says_it_cannot(
             f"{save_at} where this test saves its checkpoint; an early-stopping callback or the model's own "
             "stop condition (trainer.should_stop) ended it."
         )
-    resumable = checkpointing.resumes_mid_epoch(uninterrupted.trainer.train_dataloader)
+    resumable = resumes_mid_epoch(uninterrupted.trainer.train_dataloader)
     with caplog.at_level(logging.WARNING, logger="hpctrain"):
         resumed = contract.fit(contract.compose(*shape, run="resumed"), ckpt_path=checkpoint)
     assert resumed.trainer.global_step == uninterrupted.trainer.global_step

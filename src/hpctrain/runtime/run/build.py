@@ -45,7 +45,8 @@ from hpctrain.runtime.run.callbacks import (
     no_monitor_note,
 )
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
-from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO, CheckpointExtras
+from hpctrain.runtime.run.checkpoints.extras import CheckpointExtras
+from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 from hpctrain.runtime.run.nonfinite import NonFiniteLoss
 
 log = logging.getLogger(__package__)

@@ -89,9 +89,9 @@ class Job:
     def from_checkpoint(self, checkpoint: Path) -> DictConfig:
         """The job's config from now on: the model (and, unless the command line chose one, the data)
         the checkpoint was trained with, checked again (eval, predict)."""
-        from hpctrain.runtime.run.checkpoints import contents
+        from hpctrain.runtime.run.checkpoints import reading
 
-        cfg = self.cfg = contents.config_from_checkpoint(self.cfg, checkpoint, self.overrides)
+        cfg = self.cfg = reading.config_from_checkpoint(self.cfg, checkpoint, self.overrides)
         check_config(cfg)
         self.checkpoint = checkpoint
         if self.outcome is not None and "monitor" in cfg:
@@ -114,9 +114,9 @@ class Job:
         build.configure_process(cfg)
         run = build.run_objects(cfg, self.run_dir, training=training, sweep=self.sweep)
         if self.checkpoint is not None:  # weights of another model: one sentence before anything runs
-            from hpctrain.runtime.run.checkpoints import contents
+            from hpctrain.runtime.run.checkpoints import reading
 
-            contents.check_matches_model(self.checkpoint, run.model)
+            reading.check_matches_model(self.checkpoint, run.model)
         if cluster.is_rank_zero():
             self._write_record(cfg, run.trainer.world_size)
             if training:

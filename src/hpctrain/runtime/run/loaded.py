@@ -4,7 +4,7 @@
     model = hpctrain.load("logs/train/runs/<run>/checkpoints/last.ckpt")
     logits = model(images)            # uint8 images (B, C, H, W), as the datamodule's batches were
 
-The checkpoint holds the resolved model and data config it was trained with (`contents.CONFIG_KEY`):
+The checkpoint holds the resolved model and data config it was trained with (`reading.CONFIG_KEY`):
 the LightningModule is rebuilt from it and gets the weights (read with weights_only=True), and the
 datamodule's `preprocessing()` (for the template's image datamodules: the normalisation) goes in front,
 so the model is fed exactly what it was trained on. src/predict.py and src/export.py start from here.
@@ -20,7 +20,7 @@ from pytorch_lightning import LightningModule
 from torch import Tensor, nn
 
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import contents
+from hpctrain.runtime.run.checkpoints import reading
 
 
 class Predictor(nn.Module):
@@ -55,8 +55,8 @@ def load(ckpt_path: str | Path) -> Predictor:
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
         raise UserError(f"{path} does not exist; pass a checkpoint file (see <run dir>/checkpoints/).")
-    content = contents.read(path)
-    stored = content.get(contents.CONFIG_KEY) or {}
+    content = reading.read(path)
+    stored = content.get(reading.CONFIG_KEY) or {}
     if "model" not in stored:
         raise UserError(
             f"{path} holds no model config (it was not written by this template); build its LightningModule "
@@ -64,7 +64,7 @@ def load(ckpt_path: str | Path) -> Predictor:
         )
     config = OmegaConf.create(stored)
     module = model(config)
-    contents.check_matches_model(path, module, content=content)
+    reading.check_matches_model(path, module, content=content)
     module.load_state_dict(content["state_dict"])
     preprocess = preprocessing_of(datamodule(config)) if "data" in stored else nn.Identity()
     return Predictor(module, preprocess, stored)

@@ -104,9 +104,9 @@ def _versions(exported: Exported) -> str:
 
 def _position(checkpoint: Path) -> str:
     """`(epoch 3, step 120)`, from the checkpoint itself, when it records them."""
-    from hpctrain.runtime.run.checkpoints import contents
+    from hpctrain.runtime.run.checkpoints import reading
 
-    content = contents.read(checkpoint)
+    content = reading.read(checkpoint)
     if "epoch" not in content or "global_step" not in content:
         return ""
     return f" (saved at epoch {content['epoch']}, step {content['global_step']})"

@@ -38,8 +38,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import contents
-from hpctrain.runtime.run.checkpoints.contents import AtomicCheckpointIO
+from hpctrain.runtime.run.checkpoints import reading
+from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 from hpctrain.runtime.run.export import tensors
 from hpctrain.runtime.run.records import write_atomically
 
@@ -66,7 +66,7 @@ def predict(
     run.trainer.callbacks.append(writer)
     # The weights only (as trainer.predict(ckpt_path=...) would load), without Lightning's warning that
     # the training callbacks stored in the checkpoint are missing: prediction needs none of them.
-    run.model.load_state_dict(contents.read(checkpoint)["state_dict"])
+    run.model.load_state_dict(reading.read(checkpoint)["state_dict"])
     run.trainer.predict(run.model, run.datamodule, return_predictions=False)
     return writer.written
 

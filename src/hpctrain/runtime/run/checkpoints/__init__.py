@@ -1,5 +1,6 @@
 """Checkpoints, in one place: their names and folder and which one a run starts from (here, no torch:
-the choice is made in preflight), and what they hold, how they are written and read (`contents`).
+the choice is made in preflight); how they are written (`writing`), what hpctrain adds to them
+(`extras`) and how they are read (`reading`).
 
     <run dir>/checkpoints/last.ckpt       the newest state, at the end of every epoch and of fit
     <run dir>/checkpoints/epoch_NNN.ckpt  the best epoch so far (monitor.metric, monitor.mode)
@@ -75,13 +76,13 @@ class StartPoint:
         """Refuse weights of another model; the configured optimizer values the checkpoint overrides."""
         from omegaconf import OmegaConf
 
-        from hpctrain.runtime.run.checkpoints import contents
+        from hpctrain.runtime.run.checkpoints import reading
 
         assert self.checkpoint is not None
-        content = contents.read(self.checkpoint)  # once, for both checks
-        contents.check_matches_model(self.checkpoint, run.model, content=content)
+        content = reading.read(self.checkpoint)  # once, for both checks
+        reading.check_matches_model(self.checkpoint, run.model, content=content)
         model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-        return contents.resume_overrides(self.checkpoint, model_cfg, content=content)
+        return reading.resume_overrides(self.checkpoint, model_cfg, content=content)
 
     def describe(self) -> str:
         return (

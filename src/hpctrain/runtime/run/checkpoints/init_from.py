@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints.contents import read
+from hpctrain.runtime.run.checkpoints.reading import read
 
 log = logging.getLogger("hpctrain")
 

@@ -1,0 +1,174 @@
+"""How a checkpoint is read: with `weights_only=True`, every way a file can be wrong (missing, truncated,
+random bytes, pickled code, another model's weights) said in one sentence; the config it was trained with
+(`stored_config`, `config_from_checkpoint`), and what resuming from it overrides (`resume_overrides`).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import Tensor
+
+from hpctrain.runtime import cluster
+from hpctrain.runtime.errors import UserError
+
+log = logging.getLogger(__package__)
+
+CONFIG_KEY = f"{__package__}_config"  # the resolved model, data and monitor config stored in every checkpoint
+
+
+class UnreadableCheckpoint(UserError):
+    pass
+
+
+def read(path: str | Path, what: str = "ckpt_path") -> dict[str, Any]:
+    """The checkpoint's contents (tensors memory-mapped, so reading only the config is cheap)."""
+    path = Path(path)
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        detail = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line), "")
+        raise UnreadableCheckpoint(
+            f"{what}={path} holds pickled Python objects ({detail or 'not plain tensors'}), which are not "
+            "loaded because loading them can run arbitrary code (weights_only=True); save the checkpoint "
+            "with plain tensors and containers only (do not put modules or objects in save_hyperparameters)."
+        ) from err
+    except Exception as err:
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise UnreadableCheckpoint(
+            f"{what}={path} is not a readable checkpoint ({reason}); it may be truncated or not a "
+            "checkpoint at all: pass a complete .ckpt file (see <run dir>/checkpoints/)."
+        ) from err
+    if not isinstance(content, dict) or "state_dict" not in content:
+        raise UnreadableCheckpoint(f"{what}={path} is not a Lightning checkpoint (it has no state_dict).")
+    return content
+
+
+def stored_config(path: str | Path) -> dict[str, Any]:
+    """The model and data config a checkpoint of this template was trained with ({} for others)."""
+    return read(path).get(CONFIG_KEY) or {}
+
+
+def check_matches_model(
+    path: str | Path, module: torch.nn.Module, what: str = "ckpt_path", content: dict[str, Any] | None = None
+) -> None:
+    """Refuse a checkpoint whose weights do not fit `module` (another model, or other sizes); `content`:
+    the checkpoint already read, if the caller has it."""
+    stored: dict[str, Tensor] = (content or read(path, what))["state_dict"]
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    resized = sorted(
+        k for k in set(expected) & set(stored) if tuple(expected[k].shape) != tuple(stored[k].shape)
+    )
+    if not (missing or unexpected or resized):
+        return
+    details = []
+    if missing:
+        details.append(f"{len(missing)} weight(s) missing, e.g. {missing[0]}")
+    if unexpected:
+        details.append(f"{len(unexpected)} unknown, e.g. {unexpected[0]}")
+    if resized:
+        key = resized[0]
+        details.append(
+            f"{len(resized)} of another size, e.g. {key} {list(stored[key].shape)} vs {list(expected[key].shape)}"
+        )
+    raise UnreadableCheckpoint(
+        f"{what}={path} holds the weights of a different model than the one configured ({'; '.join(details)}); "
+        "pass a checkpoint of this model, or the model=/data= options it was trained with."
+    )
+
+
+_OPTIMIZER_NODES = ("optimizer", "scheduler", "lr_scheduler")
+_OPTIMIZER_LEAVES = ("lr", "learning_rate", "weight_decay", "momentum", "betas", "eps")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(_flat(value, f"{prefix}{key}."))
+    return flat
+
+
+def _optimizer_keys(flat: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a flattened model config that the optimizer and schedule are built from."""
+    return {
+        key: value
+        for key, value in flat.items()
+        if any(part in _OPTIMIZER_NODES for part in key.split(".")[:-1])
+        or key.rsplit(".", 1)[-1] in _OPTIMIZER_LEAVES
+    }
+
+
+def resume_overrides(
+    path: str | Path, model_cfg: dict[str, Any], content: dict[str, Any] | None = None
+) -> str | None:
+    """What resuming from `path` does to the configured optimizer and schedule, in one line (None if
+    nothing): Lightning restores the optimizer and schedulers from the checkpoint, so a value changed on
+    the command line (model.optimizer.lr=...) would otherwise be ignored without a word. An optimizer of
+    another class cannot take the saved state at all: that is refused, in one sentence."""
+    stored = ((content or read(path)).get(CONFIG_KEY) or {}).get("model")
+    if not isinstance(stored, dict):
+        return None  # not a checkpoint of this template: nothing to compare with
+    then, now = _optimizer_keys(_flat(stored)), _optimizer_keys(_flat(model_cfg))
+    for key in sorted(k for k in now if k.endswith("_target_") and k in then and then[k] != now[k]):
+        raise UserError(
+            f"ckpt_path={path} was trained with model.{key}={then[key]}, but model.{key}={now[key]} is configured: "
+            "resuming continues the checkpoint's optimizer state, which the other class cannot take; resume with "
+            f"the optimizer it was saved with, or start a new run from its weights: init_from.path={path}."
+        )
+    changed = [k for k in sorted(now) if not k.endswith(("_target_", "_partial_")) and then.get(k) != now[k]]
+    if not changed:
+        return None
+    shown = ", ".join(f"model.{k}={now[k]} (the checkpoint has {then.get(k)})" for k in changed[:4])
+    more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+    return (
+        f"resuming restores the optimizer and schedule saved in {path}, so these configured values are not "
+        f"used: {shown}{more}; to train from its weights with a fresh optimizer, use init_from.path={path} instead."
+    )
+
+
+def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
+    """`cfg` with `model` and `data` replaced by the checkpoint's, unless the command line chose them.
+
+    `model=...` / `data=...` keep the eval config's choice; `model.<key>=...` / `data.<key>=...` are
+    applied on top of the checkpoint's config, and so is `monitor` (the metric it was trained to
+    watch). The data directory is this command's `paths.data_dir` (said in the log), and
+    the training job's node-local staging directory (`data.stage_dir`) is not reused unless given again.
+    """
+    stored = stored_config(checkpoint)
+    for group in ("model", "data", "monitor"):
+        chosen = any(o.lstrip("+~").startswith((f"{group}=", f"{group}/")) for o in overrides)
+        if group not in stored or chosen:
+            continue
+        dotted = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith(f"{group}.")]
+        replacement = OmegaConf.merge(
+            OmegaConf.create(stored[group]), OmegaConf.from_dotlist(dotted).get(group) or {}
+        )
+        if group == "data" and "data_dir" in replacement:
+            # the checkpoint's data_dir is where the training job's machine kept its data
+            if not any(o.startswith("data.data_dir=") for o in dotted):
+                replacement.data_dir = cfg.paths.data_dir
+            if cluster.is_rank_zero():
+                log.info(
+                    "data: read from %s (paths.data_dir of this command; the checkpoint was trained on %s); "
+                    "pass paths.data_dir=<dir> to read another",
+                    replacement.data_dir,
+                    stored[group].get("data_dir"),
+                )
+        if (
+            group == "data"
+            and "stage_dir" in replacement
+            and not any(o.startswith("data.stage_dir=") for o in dotted)
+        ):
+            replacement.stage_dir = None  # the training job's node-local scratch is gone (or another job's)
+        with open_dict(cfg):
+            cfg[group] = replacement
+    return cfg

@@ -1,0 +1,165 @@
+"""How a checkpoint is written: atomically, and only with what `weights_only=True` loading can read back.
+
+`AtomicCheckpointIO` writes every checkpoint (last, best-k, requeue) to a temporary file in the same
+directory and renames it, so a process killed during a save leaves the previous file whole (Lightning's
+own writer stages the file in /tmp and moves it, which on another filesystem is a copy that a kill can
+cut short). It keeps only the plain values of what `save_hyperparameters()` recorded
+(`plain_hyperparameters`): a network or a partial optimizer kept there would make the file unreadable
+with `weights_only=True`, and hpctrain rebuilds every model from its config, never from those. The
+first checkpoint of a process is checked whole (`check_readable`) before it is written.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import os
+import pickle
+import re
+from collections import OrderedDict
+from pathlib import Path, PurePath
+from typing import Any
+
+import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from pytorch_lightning import LightningDataModule, LightningModule
+from torch import Tensor
+
+from hpctrain.runtime.run.checkpoints.reading import UnreadableCheckpoint
+
+log = logging.getLogger(__package__)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save into `.<name>.tmp-<pid>` beside the target, fsync, then an atomic rename."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        checkpoint = self._plain(checkpoint)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    _checked = False  # the first checkpoint of the process is checked for objects, then said once
+
+    def _plain(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        checkpoint, left_out = plain_hyperparameters(checkpoint)
+        if self._checked:
+            return checkpoint
+        self._checked = True
+        check_readable(checkpoint)
+        if left_out:
+            log.info(
+                "checkpoints keep the plain values of save_hyperparameters() only; left out: %s (objects "
+                "cannot be read back with weights_only=True; this template rebuilds the model from its "
+                "config, and Lightning's load_from_checkpoint needs them passed in, e.g. net=...)",
+                ", ".join(left_out),
+            )
+        return checkpoint
+
+
+def check_readable(checkpoint: dict[str, Any]) -> None:
+    """Refuse, before it is written, a checkpoint that `weights_only=True` loading could not read back (an
+    object put there by a hook or a callback's state_dict): its structure, with every tensor replaced
+    by an empty one, goes through torch.save and torch.load as the file would."""
+    buffer = io.BytesIO()
+    torch.save(_skeleton(checkpoint), buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        name = found.group(1) if found else "an object"
+        where = _key_of(checkpoint, name.rsplit(".", 1)[-1]) or "an entry"
+        raise UnreadableCheckpoint(
+            f"the checkpoint's {where} holds a {name}, which weights_only=True loading refuses (resume, eval "
+            "and predict would fail on it); keep tensors, numbers, strings, lists and dicts in on_save_checkpoint "
+            "and state_dict (save an object's state, not the object)."
+        ) from err
+
+
+def _skeleton(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return torch.empty(0, dtype=value.dtype)
+    if type(value) in (dict, OrderedDict):  # a dict subclass stays itself: loading must accept its class
+        return {k: _skeleton(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_skeleton(v) for v in value)
+    return value
+
+
+def _key_of(node: Any, class_name: str, path: str = "") -> str | None:
+    """The dotted key of the first value in `node` whose class is named `class_name`."""
+    if type(node).__name__ == class_name:
+        return path or None
+    items = node.items() if isinstance(node, dict) else enumerate(node) if type(node) in (list, tuple) else ()
+    for key, value in items:
+        found = _key_of(value, class_name, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+# where Lightning puts what save_hyperparameters() recorded, of the module and of the datamodule,
+# and the class of an OmegaConf container recorded there
+_HPARAMS = (LightningModule.CHECKPOINT_HYPER_PARAMS_KEY, LightningDataModule.CHECKPOINT_HYPER_PARAMS_KEY)
+_HPARAMS_TYPES = (
+    LightningModule.CHECKPOINT_HYPER_PARAMS_TYPE,
+    LightningDataModule.CHECKPOINT_HYPER_PARAMS_TYPE,
+)
+_PLAIN = (str, int, float, bool, complex, bytes, type(None), Tensor, torch.Size, torch.dtype, torch.device)
+
+
+def plain_hyperparameters(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`checkpoint` with its recorded hyperparameters reduced to plain values (numbers, strings, tensors,
+    lists and dicts of them; OmegaConf containers as plain ones; paths as strings), and the dotted names
+    of what was left out, with its type (e.g. `net (SimpleDenseNet)`). The checkpoint is not changed."""
+    if not any(key in checkpoint for key in _HPARAMS):
+        return checkpoint, []
+    left_out: list[str] = []
+    plain = {k: v for k, v in checkpoint.items() if k not in _HPARAMS_TYPES}
+    for key in _HPARAMS:
+        if key in plain:
+            plain[key] = _plain_value(plain[key], "", left_out)
+    return plain, left_out
+
+
+_LEFT_OUT = object()
+
+
+def _plain_value(value: Any, name: str, left_out: list[str]) -> Any:
+    """`value` as plain data, or _LEFT_OUT (its name and type appended to `left_out`)."""
+    if isinstance(value, DictConfig | ListConfig):
+        try:
+            value = OmegaConf.to_container(value, resolve=True)
+        except Exception:  # an interpolation that cannot be resolved here: keep it as written
+            value = OmegaConf.to_container(value, resolve=False)
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, dict):
+        kept = {k: _plain_value(v, f"{name}{k}.", left_out) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v is not _LEFT_OUT}
+    if type(value) in (list, tuple):
+        items = [_plain_value(v, name, []) for v in value]
+        if all(item is not _LEFT_OUT for item in items):
+            return type(value)(items)
+    kind = type(value).__name__
+    if isinstance(value, functools.partial):  # a `_partial_: true` optimizer or scheduler
+        kind = f"partial {getattr(value.func, '__name__', type(value.func).__name__)}"
+    left_out.append(f"{name[:-1] or 'hyperparameters'} ({kind})")
+    return _LEFT_OUT
