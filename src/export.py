@@ -21,7 +21,7 @@ from omegaconf import DictConfig  # noqa: E402
 @hydra.main(version_base="1.3", config_path="../conf", config_name="export")
 def main(cfg: DictConfig) -> str | None:
     import hpctrain  # here: --help and --cfg never run a job
-    from hpctrain.runtime.run import export, model_card
+    from hpctrain.runtime.inference import export, model_card
     from hpctrain.runtime.run.checkpoints import existing_checkpoint
     from hpctrain.runtime.run.job import Job
 

@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> None:
         checkpoint = existing_checkpoint(cfg.get("ckpt_path"))
         cfg = job.from_checkpoint(checkpoint)  # the model (and data) it was trained with
         run = job.build(training=False)  # weights of another model: refused here
-        from hpctrain.runtime.run.predict import predict
+        from hpctrain.runtime.inference.predict import predict
 
         with job.running(run):  # under SLURM a signal requeues the job, which predicts again
             given = any(o.startswith("predict.split=") for o in job.overrides)

@@ -17,7 +17,7 @@ import hpctrain
 from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.config.schema import EXPORT_FORMATS
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run import export
+from hpctrain.runtime.inference import export, exporter_errors
 from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY
 from tests.differential.cases import user_overrides
 from tests.helpers import PYTHON, ROOT, assert_ok, local_env, require_modules, run_dirs, run_entry, train
@@ -36,7 +36,7 @@ fmt, artifact, inputs_file, outputs_file = sys.argv[1:]
 blocked = {
     "torch_export": ["hpctrain", "pytorch_lightning", "lightning"],
     "onnx": ["torch", "hpctrain", "pytorch_lightning", "lightning"],
-    "safetensors": ["hpctrain.runtime.run", "hpctrain.runtime.run.loaded"],
+    "safetensors": ["hpctrain.runtime.run", "hpctrain.runtime.inference"],
 }[fmt]
 for name in blocked:
     sys.modules[name] = None  # importing it fails from here on
@@ -292,7 +292,7 @@ def test_an_exporters_reason_is_its_first_meaningful_line_and_the_models_line():
         except RuntimeError as inner:
             raise ValueError("Failed to export the model. This is step 1/3.") from inner
     except ValueError as err:
-        reason = export._reason(err)
+        reason = exporter_errors.reason(err)
     assert reason.startswith(
         "You marked batch as dynamic but your code specialized it to be a constant (2), at "
     )

@@ -3,7 +3,8 @@ the machinery, and entry points that repeat no code.
 
     the user's package   src/<yours>/ (here myproject): models, networks, datasets   (yours to edit)
     the machinery        src/hpctrain/, carried untouched:
-                         errors, cluster < config < distributed < report, data < run < sweeps, testing
+                         errors, cluster < config < distributed < report, data < run
+                         < sweeps, inference (what comes after training) < testing
 
 hpctrain imports nothing of the user's package (its extension points take the user's classes from
 config), and the user's package imports hpctrain only through its public API: the names of
@@ -41,7 +42,8 @@ LAYERS = [
     {"hpctrain.runtime.distributed"},
     {"hpctrain.runtime.report", "hpctrain.data"},
     {"hpctrain.runtime.run"},
-    {"hpctrain.runtime.sweeps", "hpctrain.testing"},
+    {"hpctrain.runtime.sweeps", "hpctrain.runtime.inference"},
+    {"hpctrain.testing"},
 ]
 # The public API: what the user's package may import from hpctrain, module -> names.
 PUBLIC = {"hpctrain": set(hpctrain.__all__), "hpctrain.data": set(hpctrain.data.__all__)}

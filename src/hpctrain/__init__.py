@@ -28,7 +28,7 @@ def load(ckpt_path: str) -> "Predictor":  # noqa: F821
 
     `model.model` is the LightningModule, `model.preprocess` what goes in front, `model.config` the model and
     data config it was trained with. torch is imported here, on the first call, not with the package."""
-    from hpctrain.runtime.run.loaded import load as load_checkpoint
+    from hpctrain.runtime.inference.loaded import load as load_checkpoint
 
     return load_checkpoint(ckpt_path)
 

@@ -64,7 +64,7 @@ INTERNALS = (
     ),
     Internal(
         "torch.distributed.distributed_c10d:_get_default_store",
-        "runtime/distributed/watchdog.py",
+        "runtime/distributed/job_store.py",
         "the job's key-value store, where a failing rank or one whose data ran out records it for the others",
         "tests/test_faults.py::test_an_exception_in_one_rank_ends_the_job_naming_that_rank",
     ),

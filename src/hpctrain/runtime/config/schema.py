@@ -29,7 +29,7 @@ PRECISIONS = (
     "bf16-true",
 )
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-EXPORT_FORMATS = ("torch_export", "onnx", "safetensors")  # src/export.py (hpctrain.runtime.run.export)
+EXPORT_FORMATS = ("torch_export", "onnx", "safetensors")  # src/export.py (hpctrain.runtime.inference.export)
 INTERPOLATION = {"type": "string", "pattern": r"^\$\{.*\}$"}  # ${...}: resolved later, checked then
 
 

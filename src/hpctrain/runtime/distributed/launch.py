@@ -25,7 +25,7 @@ from hpctrain.runtime import cluster
 from hpctrain.runtime.config.compose import task_overrides
 
 # Hydra flags that are not overrides but choose the config; children need them too.
-from hpctrain.runtime.distributed import watchdog
+from hpctrain.runtime.distributed import failures, watchdog
 
 # Hydra flags that are not overrides but choose the config; children need them too.
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
@@ -96,7 +96,7 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         for local_rank in range(1, self.num_processes):
             env = {**os.environ, "LOCAL_RANK": str(local_rank)}
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
-        watchdog.watch_children(self.procs)
+        failures.watch_children(self.procs)
 
 
 class OneGPUPerTaskSLURMEnvironment(SLURMEnvironment):

@@ -13,12 +13,21 @@ record at points where every rank takes the same collective path.
 from __future__ import annotations
 
 import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 NO_SIGNAL, TERMINATE, REQUEUE = 0, 1, 2
 
-_state: dict[str, Any] = {"received": NO_SIGNAL, "requeue_signal": None}
+
+@dataclass
+class _Recorded:
+    received: int = NO_SIGNAL  # the strongest signal recorded so far
+    requeue_signal: signal.Signals | None = None  # the one that requeues (the SLURM time-limit warning)
+    early: set[int] = field(default_factory=set)  # arrived during startup, before install()
+
+
+_state = _Recorded()
 
 
 class Interrupted(Exception):
@@ -36,8 +45,8 @@ class Interrupted(Exception):
 
 
 def _record(signum: int, frame: Any) -> None:
-    code = REQUEUE if signum == _state["requeue_signal"] else TERMINATE
-    _state["received"] = max(_state["received"], code)
+    code = REQUEUE if signum == _state.requeue_signal else TERMINATE
+    _state.received = max(_state.received, code)
 
 
 EARLY = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -51,17 +60,17 @@ def install_early() -> None:
 
 
 def _record_early(signum: int, frame: Any) -> None:
-    _state.setdefault("early", set()).add(signum)
+    _state.early.add(signum)
 
 
 def install(requeue_signal: str | None) -> None:
     """From now on record SIGTERM and `requeue_signal` (the SLURM time-limit warning, e.g. SIGUSR1),
     counting what arrived during startup. With `requeue_signal=None` (requeue disabled) the default
     actions come back, and a signal that arrived during startup ends the process now."""
-    early = _state.pop("early", set())
+    early, _state.early = _state.early, set()
     chosen = signal.Signals[requeue_signal] if requeue_signal else None
-    _state["requeue_signal"] = chosen
-    _state["received"] = NO_SIGNAL
+    _state.requeue_signal = chosen
+    _state.received = NO_SIGNAL
     for sig in EARLY:
         signal.signal(sig, signal.SIG_DFL)
     if chosen is None:
@@ -77,11 +86,11 @@ def install(requeue_signal: str | None) -> None:
 
 def received() -> int:
     """The strongest signal recorded in this process (NO_SIGNAL, TERMINATE or REQUEUE)."""
-    return _state["received"]
+    return _state.received
 
 
 def requeue_signal_name() -> str:
-    sig = _state["requeue_signal"]
+    sig = _state.requeue_signal
     return sig.name if sig is not None else "SIGUSR1"
 
 

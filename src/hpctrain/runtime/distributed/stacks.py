@@ -19,8 +19,9 @@ import signal
 import socket
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from hpctrain.runtime import cluster
 
@@ -28,7 +29,15 @@ STACKS_DIR = "stacks"
 PIDS_FILE = "pids"
 HEADER = "===== stacks"  # each dump begins with a line starting so, with its time and why
 
-_state: dict[str, Any] = {"file": None, "signal": None, "fork_hook": False}
+
+@dataclass
+class _Registered:
+    file: IO[str] | None = None  # <run dir>/stacks/rank<N>.txt, open while registered
+    signal: int | None = None  # the signal faulthandler dumps the stacks on
+    fork_hook: bool = False  # a forked loader worker unregisters it
+
+
+_state = _Registered()
 
 
 def rank_file(run_dir: str | Path, rank: int) -> Path:
@@ -41,34 +50,34 @@ def register(run_dir: str | Path, signal_name: str) -> None:
     rank = cluster.global_rank()
     folder = Path(run_dir) / STACKS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    if _state["file"] is not None:
-        faulthandler.unregister(_state["signal"])
-        _state["file"].close()
+    if _state.file is not None and _state.signal is not None:
+        faulthandler.unregister(_state.signal)
+        _state.file.close()
     file = open(rank_file(run_dir, rank), "a", buffering=1)  # noqa: SIM115 - open as long as the process
     with open(folder / PIDS_FILE, "a") as pids:
         pids.write(f"{rank} {os.getpid()} {socket.gethostname()}\n")
     faulthandler.register(signum, file=file, all_threads=True, chain=False)
-    _state.update(file=file, signal=signum)
-    if not _state["fork_hook"]:  # a forked loader worker goes back to the signal's default (ignored)
+    _state.file, _state.signal = file, signum
+    if not _state.fork_hook:  # a forked loader worker goes back to the signal's default (ignored)
         os.register_at_fork(after_in_child=_forget)
-        _state["fork_hook"] = True
+        _state.fork_hook = True
 
 
 def run_dir() -> Path | None:
     """The run dir whose stacks folder this process writes to (None before `register`)."""
-    file = _state["file"]
+    file = _state.file
     return Path(file.name).parents[1] if file is not None else None
 
 
 def _forget() -> None:
-    if _state["signal"] is not None:
-        faulthandler.unregister(_state["signal"])
-        _state.update(file=None, signal=None)
+    if _state.signal is not None:
+        faulthandler.unregister(_state.signal)
+        _state.file, _state.signal = None, None
 
 
 def dump(reason: str) -> None:
     """Append this process's stacks to its rank's file now (from any thread), under a header saying why."""
-    file: IO[str] | None = _state["file"]
+    file: IO[str] | None = _state.file
     if file is None:
         return
     file.write(f"\n{HEADER} {time.strftime('%Y-%m-%d %H:%M:%S')}: {reason}\n")

@@ -19,7 +19,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from hpctrain.runtime.distributed import watchdog
+from hpctrain.runtime.distributed import failures, positions, watchdog
 from hpctrain.runtime.distributed.stragglers import StepClock, StragglerReport
 from hpctrain.runtime.distributed.streams import shares_itself_out
 from hpctrain.runtime.errors import UserError
@@ -298,7 +298,7 @@ class RankWatchdog(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         watchdog.start()
         self._several = trainer.world_size > 1
-        watchdog.set_timeout_min(self.init_timeout_min)
+        failures.set_timeout_min(self.init_timeout_min)
         if self._several and self.init_timeout_min != self.timeout_min:
             self._training_timeout = self.timeout_min
         if self._several and stage == "fit":
@@ -308,13 +308,13 @@ class RankWatchdog(Callback):
                 if trainer.is_global_zero
                 else None
             )
-            watchdog.watch_steps(self.clock, self.report)
+            positions.watch_steps(self.clock, self.report)
         if stage == "fit":
-            watchdog.follow(trainer)
+            positions.follow(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        watchdog.follow(None)
-        watchdog.watch_steps(None, self.report)  # the clock stops; rank 0's totals stay for outcome.yaml
+        positions.follow(None)
+        positions.watch_steps(None, self.report)  # the clock stops; rank 0's totals stay for outcome.yaml
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not (self._several and trainer.is_global_zero):
@@ -336,12 +336,12 @@ class RankWatchdog(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._several:
-            watchdog.note_phase(0)
+            positions.note_phase(0)
             self.clock.step_started()
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
         if self._several:
-            watchdog.note_phase(1)
+            positions.note_phase(1)
             self.clock.backward_started()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -349,7 +349,7 @@ class RankWatchdog(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._several:
-            watchdog.publish_timing()  # complete figures for outcome.yaml
+            positions.publish_timing()  # complete figures for outcome.yaml
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -366,7 +366,7 @@ class RankWatchdog(Callback):
                 {f"ranks/own_ms/{r}": v for r, v in report.latest.items()}, rank_zero_only=True
             )
         if self._several and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            watchdog.note_training_data_end(
+            positions.note_training_data_end(
                 trainer.current_epoch,
                 trainer.fit_loop.epoch_loop.batch_progress.current.ready,
                 trainer.world_size,
@@ -374,7 +374,7 @@ class RankWatchdog(Callback):
             )
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        watchdog.note_failure(exception)  # now, while the other ranks can still be told
+        failures.note_failure(exception)  # now, while the other ranks can still be told
         watchdog.stop()
 
 
@@ -387,7 +387,7 @@ def _set_timeout(minutes: float) -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.set_timeout(timedelta(minutes=minutes))
-    watchdog.set_timeout_min(minutes)
+    failures.set_timeout_min(minutes)
 
 
 def _as_list(loaders: Any) -> list[Any]:

@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config.checks import check_config
 from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
-from hpctrain.runtime.distributed import signals, stacks, watchdog
+from hpctrain.runtime.distributed import failures, positions, signals, stacks, watchdog
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import records
@@ -73,7 +73,7 @@ class Job:
         """Everything that can be checked before torch is imported: one sentence and exit 2 on a mistake."""
         cfg = self.cfg
         if cluster.launcher() == cluster.CHILD:
-            watchdog.die_with_parent()
+            failures.die_with_parent()
         check_config(cfg)
         if self.sweep:  # a job array's task (a sweep launched in-process is checked in run_job)
             check_sweep_has_a_metric(cfg)
@@ -158,7 +158,7 @@ class Job:
         """Report where everything went; the value sweepers get is the best of `monitor.metric`."""
         results = console.report(self.run_dir, run.trainer, best)
         if self.outcome is not None:
-            self.outcome.ranks = watchdog.rank_summary()  # each rank's time per step, under DDP
+            self.outcome.ranks = positions.rank_summary()  # each rank's time per step, under DDP
             self.outcome.skipped_files = getattr(run.datamodule, "skipped_files", None)  # data.skip_bad=true
         return results
 
@@ -194,7 +194,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
             "(hydra/launcher=slurm), or one torchrun command per point."
         )
     check_sweep_has_a_metric(cfg)  # before the first point: the whole sweep is refused
-    watchdog.in_sweep()
+    failures.in_sweep()
     job = HydraConfig.get().job.num
     if cfg.get("skip_completed"):
         run_dir = HydraConfig.get().runtime.output_dir
@@ -212,7 +212,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
             log.error("job %s failed (exit status %s); the sweep goes on", job, err.code)
         return None
     except KeyboardInterrupt:
-        if watchdog.take_verdict() is None:
+        if failures.take_verdict() is None:
             raise  # Ctrl-C: stop the sweep
         log.error("job %s failed (one of its ranks died); the sweep goes on", job)
         return None

@@ -259,11 +259,11 @@ def _remove_if_only_logs(run_dir: Path) -> None:
 
 
 def _ending(err: BaseException) -> tuple[str, str | None]:
-    from hpctrain.runtime.distributed import watchdog
+    from hpctrain.runtime.distributed import failures
     from hpctrain.runtime.distributed.endings import REFUSED, ending
 
-    if isinstance(err, KeyboardInterrupt) and watchdog.pending_verdict():  # a sweep job's rank died
-        return "failed", watchdog.pending_verdict()
+    if isinstance(err, KeyboardInterrupt) and failures.pending_verdict():  # a sweep job's rank died
+        return "failed", failures.pending_verdict()
     found = ending(err)
     # outcome.yaml (and sweep summaries) keep their two words for a job that did not complete
     return ("failed" if found.status in (REFUSED, "exited") else found.status), found.detail

@@ -38,9 +38,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.inference.export import tensors
 from hpctrain.runtime.run.checkpoints import reading
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
-from hpctrain.runtime.run.export import tensors
 from hpctrain.runtime.run.records import write_atomically
 
 log = logging.getLogger("hpctrain")

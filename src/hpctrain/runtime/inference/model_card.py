@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run import records
-from hpctrain.runtime.run.checkpoints import CHECKPOINT_DIR
-from hpctrain.runtime.run.export import (
+from hpctrain.runtime.inference.export import (
     ATOL,
     RTOL,
     Exported,
@@ -26,9 +24,11 @@ from hpctrain.runtime.run.export import (
     input_name,
     tensors,
 )
+from hpctrain.runtime.run import records
+from hpctrain.runtime.run.checkpoints import CHECKPOINT_DIR
 
 if TYPE_CHECKING:
-    from hpctrain.runtime.run.loaded import Predictor
+    from hpctrain.runtime.inference.loaded import Predictor
 
 CARD = "model_card.md"
 

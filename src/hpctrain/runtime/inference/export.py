@@ -21,26 +21,22 @@ torch is imported inside the functions, so a mistake in the command is one sente
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 import logging
-import re
-import sys
-import sysconfig
 import time
-import traceback
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, redirect_stderr
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.inference.describe import describe, describe_tensor, file_size, input_name, tensors
+from hpctrain.runtime.inference.exporter_errors import reason, reported
 
 if TYPE_CHECKING:
-    from torch import Tensor, nn
+    from torch import Tensor
 
-    from hpctrain.runtime.run.loaded import Predictor
+    from hpctrain.runtime.inference.loaded import Predictor
 
 log = logging.getLogger("hpctrain")
 
@@ -186,7 +182,7 @@ def _traced(predictor: Predictor, example: Tensor, chosen: Format) -> Any:
     import torch
 
     batch = torch.export.Dim("batch", min=1)
-    with _exporter(chosen):
+    with reported(chosen.name):
         return torch.export.export(predictor, (example,), dynamic_shapes=({0: batch},), strict=False)
 
 
@@ -202,7 +198,7 @@ def _write_onnx(predictor: Predictor, example: Tensor, path: Path) -> None:
     chosen = FORMATS["onnx"]
     program = _traced(predictor, example, chosen)
     single = isinstance(predictor(example), torch.Tensor)
-    with _exporter(chosen):
+    with reported(chosen.name):
         onnx_program = torch.onnx.export(
             program,
             (example,),
@@ -286,7 +282,7 @@ def _check(path: Path, chosen: Format, predictor: Predictor, inputs: Tensor, out
         got = tensors(RUNNERS[chosen.name](path, inputs, predictor))
     except Exception as err:
         raise UserError(
-            f"{where} it fails ({_reason(err)}); if the forward fixes the batch size (a view or reshape "
+            f"{where} it fails ({reason(err)}); if the forward fixes the batch size (a view or reshape "
             "with a number), make that -1, or export the weights alone with export.format=safetensors."
         ) from err
     want = tensors(outputs)
@@ -306,144 +302,6 @@ def _check(path: Path, chosen: Format, predictor: Predictor, inputs: Tensor, out
             "differs on every call)."
         )
     return difference
-
-
-# ------------------------------------------------------------------------------- exporter failures
-
-
-# the ONNX passes log a progress line per pass: kept off the terminal while an exporter runs
-_QUIETED = ("onnxscript", "onnx_ir")
-
-
-@contextmanager
-def _exporter(chosen: Format) -> Iterator[None]:
-    """Around an exporter's call: its exception as one sentence. What it writes to stderr meanwhile is
-    held back, and passed on only if it succeeds: a failed trace prints whole graphs before it raises
-    (torch.export does, unconditionally), and the sentence says what matters in them."""
-    loggers = {logging.getLogger(name): logging.getLogger(name).level for name in _QUIETED}
-    for logger in loggers:
-        logger.setLevel(max(logging.WARNING, logger.getEffectiveLevel()))
-    held = io.StringIO()
-    try:
-        with redirect_stderr(held):
-            yield
-    except UserError:
-        raise
-    except Exception as err:
-        raise UserError(
-            f"export.format={chosen.name} cannot export this model: {_reason(err)}; make its forward "
-            "traceable by torch.export (no Python branch on a tensor's values, no .item() or .numpy(), "
-            "no fixed batch size), or export the weights alone with export.format=safetensors."
-        ) from err
-    finally:
-        for logger, level in loggers.items():
-            logger.setLevel(level)
-    sys.stderr.write(held.getvalue())
-
-
-# torch's pointers to more logs, cut from its messages: the sentence keeps what went wrong
-_HINT = re.compile(r"\s*(For more information|For extended logs|consider using|Caused by)\b.*", re.I)
-_LIBRARIES = (
-    "torch",
-    "pytorch_lightning",
-    "lightning_fabric",
-    "torchmetrics",
-    "onnx",
-    "onnxscript",
-    "onnxruntime",
-)
-
-
-def _reason(err: BaseException) -> str:
-    """The exception's reason as one clause: the first meaningful line of its innermost cause (torch's
-    exporters wrap the real reason), and the line of the model's code the trace stopped at, if any."""
-    root = err
-    while root.__cause__ is not None:
-        root = root.__cause__
-    lines = [_HINT.sub("", line).strip(" -") for line in str(root).splitlines()]
-    line = next((line for line in lines if len(line.split()) >= 4), lines[0] if lines else "")
-    sentence = re.split(r"(?<=[.!?])\s", line)[0].rstrip(".; ") or type(root).__name__
-    if len(sentence) > 200:
-        sentence = sentence[:197].rsplit(" ", 1)[0] + " ..."
-    place = _model_code_line(err)
-    return f"{sentence}, at {place}" if place else sentence
-
-
-def _model_code_line(err: BaseException) -> str | None:
-    """`file:line (code)` of the innermost frame outside the libraries, the standard library and the
-    template's machinery: the line of the model (yours or the template's) where the trace stopped."""
-    found = None
-    chain: BaseException | None = err
-    while chain is not None:
-        for frame in traceback.extract_tb(chain.__traceback__):
-            path = Path(frame.filename)
-            if path.is_file() and not _in_a_library(path):
-                found = f"{_shown(path)}:{frame.lineno} ({(frame.line or '').strip()})"
-        chain = chain.__cause__
-    return found
-
-
-def _in_a_library(path: Path) -> bool:
-    paths = sysconfig.get_paths()
-    folders = [Path(__file__).parents[1]]  # hpctrain.runtime
-    folders += [Path(m.__file__).parent for name in _LIBRARIES if (m := sys.modules.get(name)) and m.__file__]
-    installed = path.is_relative_to(paths["purelib"]) or path.is_relative_to(paths["platlib"])
-    return any(path.is_relative_to(f) for f in folders) or (
-        path.is_relative_to(paths["stdlib"]) and not installed
-    )
-
-
-def _shown(path: Path) -> str:
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
-# ------------------------------------------------------------------------------- descriptions
-
-
-def tensors(value: Any) -> list[Tensor]:
-    """The tensors of a model's output (a tensor, or lists, tuples and dicts of them), in order."""
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors(v)]
-    return [value]
-
-
-def describe_tensor(value: Tensor) -> str:
-    """`uint8 (N, 1, 28, 28)`: the dtype, and the shape with any batch size N."""
-    return f"{str(value.dtype).removeprefix('torch.')} ({', '.join(['N', *map(str, value.shape[1:])])})"
-
-
-def input_name(inputs: Tensor) -> str:
-    import torch
-
-    return "images" if inputs.dtype == torch.uint8 and inputs.dim() == 4 else "inputs"
-
-
-def describe(preprocess: nn.Module) -> str:
-    """What goes in front of the model, in words."""
-    from torch import nn
-
-    from hpctrain.data.images import Normalise
-
-    if isinstance(preprocess, nn.Identity):
-        return "none (the model takes the data's batches as they are)"
-    if isinstance(preprocess, Normalise):
-        mean, std = list(preprocess.mean), list(preprocess.std)
-        return f"x / 255, minus mean {mean}, divided by std {std}, per channel (float32)"
-    return repr(preprocess)
-
-
-def file_size(path: Path) -> str:
-    size = float(path.stat().st_size)
-    for unit in ("bytes", "KB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
-        size /= 1000
-    return ""
 
 
 def report(exported: Exported, card: Path, run_dir: Path) -> None:

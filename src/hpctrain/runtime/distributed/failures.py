@@ -1,0 +1,256 @@
+"""When a rank fails: deciding which rank failed first, saying so in one line, and ending this one.
+
+A rank whose code raises records one line, `rank R on HOST failed: ...`, in the job's store before it
+exits (`note_failure`), so every other rank can name it; a collective that timed out names the ranks
+that did not arrive, with where their stacks say they were. Rank 0 of hpctrain's local launcher also
+watches the processes it started (`watch_children`: a child killed by SIGKILL or the OOM killer records
+nothing), and each child dies with its parent (`die_with_parent`). In a sweep, a failure ends the job,
+not the process (`in_sweep`, `take_verdict`).
+"""
+
+from __future__ import annotations
+
+import _thread
+import ctypes
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpctrain.runtime.distributed import stacks
+from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, POSITION_KEY, rank, store
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # a terminal colour or style code
+PARENT_DIED = "error: rank 0 (the process that started rank {rank}) has died; ending rank {rank} too."
+STORE_LOST = "rank 0's process, which serves the job's store, stopped answering (it has died)"
+
+
+@dataclass
+class _Failures:
+    in_sweep: bool = False  # this process runs a sweep's jobs one after another
+    stopping: bool = False  # the run is ending (on purpose, or after a failure): exits are not failures
+    verdict: str | None = None  # the failure line of this job, once decided
+    explained: bool = False  # the verdict says it all: no traceback (a collective that timed out)
+    timeout_min: float | None = None  # dist.timeout_min, for the sentence about a collective that timed out
+    children: list[Any] = field(default_factory=list)  # the local launcher's processes of ranks 1..N-1
+
+
+STATE = _Failures()
+
+
+class RankFailed(RuntimeError):
+    """In a sweep, a job's rank failed: the sweep process records it and goes on to the next job."""
+
+
+def in_sweep() -> None:
+    """This process runs a sweep's jobs one after another: a failure ends the job, not the process."""
+    STATE.in_sweep = True
+
+
+def pending_verdict() -> str | None:
+    """The failure line recorded for a sweep's job, left for `take_verdict` (a rank died: the job failed)."""
+    return STATE.verdict
+
+
+def take_verdict() -> str | None:
+    """The failure line the watchdog recorded before interrupting a sweep's job, if it did."""
+    verdict, STATE.verdict = STATE.verdict, None
+    return verdict
+
+
+def exit_with(line: str, code: int = 1) -> None:
+    """Say `line` and end this rank at once (in a sweep: end the job and let the sweep go on)."""
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if STATE.in_sweep:
+        if threading.current_thread() is threading.main_thread():
+            raise RankFailed(line.removeprefix("error: "))
+        if STATE.verdict is None:
+            STATE.verdict = line.removeprefix("error: ")
+        _thread.interrupt_main()  # the main thread raises KeyboardInterrupt at its next bytecode
+        return
+    logging.shutdown()
+    os._exit(code)
+
+
+def die_with_parent() -> None:
+    """In a local child rank: end this process, with a sentence, when its parent (rank 0) dies, however
+    it dies (Linux: the kernel sends SIGHUP); if the parent is already gone, end now."""
+
+    def parent_died(signum: int, frame: Any) -> None:
+        exit_with(PARENT_DIED.format(rank=rank()))
+
+    signal.signal(signal.SIGHUP, parent_died)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGHUP)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: the watchdog still notices rank 0's store going away
+    if os.getppid() == 1:  # already re-parented: the parent died before the call above
+        parent_died(signal.SIGHUP, None)
+
+
+def watch_children(procs: list[Any]) -> None:
+    """Rank 0 of the local launcher: the child processes (local ranks 1..N-1) to watch."""
+    STATE.children = procs
+
+
+def dead_child() -> str | None:
+    for local_rank, proc in enumerate(STATE.children, start=1):
+        code = proc.poll()
+        if code is None or code == 0:
+            continue
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        return f"rank {local_rank} (pid {proc.pid}) {how}"
+    return None
+
+
+def first_failure(wait_s: float = 0.0) -> str | None:
+    """Another rank's recorded failure (or a dead child of the local launcher, or a dead rank 0), if any,
+    waiting up to `wait_s` for one to show."""
+    job = store()
+    deadline = time.monotonic() + wait_s
+    while True:
+        if job is not None:  # a recorded failure says more than an exit status
+            try:
+                if job.check([FAILED_KEY]):
+                    return job.get(FAILED_KEY).decode(errors="replace")
+            except Exception:
+                return STORE_LOST
+        dead = dead_child()
+        if dead:
+            return dead
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
+
+
+def announce(job: Any | None, line: str) -> None:
+    """Record `line` as the job's failure, unless another rank recorded one first."""
+    if job is None:
+        return
+    try:
+        if not job.check([FAILED_KEY]):
+            job.set(FAILED_KEY, line)
+    except Exception:
+        pass
+
+
+def expected(err: BaseException) -> bool:
+    """Ways a run ends on purpose (hpctrain.runtime.distributed.endings): not a rank's failure."""
+    from hpctrain.runtime.distributed.endings import ending
+
+    return ending(err).on_purpose
+
+
+def note_failure(err: BaseException) -> None:
+    """Called while the process group is still up (Lightning's on_exception): decide who failed first,
+    and record this rank's failure for the others if it was this one."""
+    STATE.stopping = True
+    if expected(err) or STATE.verdict is not None:
+        return
+    other = first_failure(wait_s=2.0)
+    # one line, without the terminal colour codes some libraries put in their messages (torch.load's)
+    summary = " ".join(_ANSI.sub("", f"{type(err).__name__}: {err}").split())
+    if other:
+        STATE.verdict = (
+            f"{other}; rank {rank()} on {socket.gethostname()} stopped too ({shorten(summary, 80)})."
+        )
+        return
+    job = store()
+    if job is not None and _timed_out(summary):
+        line = _who_did_not_arrive(job)
+        if line:
+            announce(job, line)
+            STATE.verdict, STATE.explained = f"{line}.", True  # no traceback of the timed-out collective
+            return
+    hint = failure_hint(summary)
+    who = f"rank {rank()} on {socket.gethostname()} failed: " if job is not None else ""
+    line = f"{who}{shorten(summary, 300)}" + (f"; {hint}" if hint else "")
+    announce(job, line)
+    STATE.verdict = f"{line} (traceback above)."
+
+
+def _timed_out(summary: str) -> bool:
+    """A collective that waited past the process group's timeout (gloo and NCCL say it in these words)."""
+    lowered = summary.lower()
+    return "timed out" in lowered or (
+        "timeout" in lowered and ("collective" in lowered or "watchdog" in lowered)
+    )
+
+
+def _who_did_not_arrive(job: Any, wait_s: float = 3.0) -> str | None:
+    """After a collective timed out on this rank: every rank dumps its stacks (DUMP_KEY), and the ranks
+    whose last recorded position lags the others' are named, with where their stacks say they were."""
+    me = rank()
+    reason = f"a collective timed out on rank {me}"
+    try:
+        job.compare_set(DUMP_KEY, "", reason)
+    except Exception:
+        return None
+    stacks.dump(reason)
+    time.sleep(wait_s)  # the other ranks' watchdogs look every second
+    import torch.distributed as dist
+
+    positions: dict[int, tuple[int, int, int, str]] = {}
+    for other in range(dist.get_world_size()):
+        try:
+            epoch, step, phase, host = job.get(f"{POSITION_KEY}/{other}").decode().split(" ", 3)
+            positions[other] = (int(epoch), int(step), int(phase), host)
+        except Exception:
+            continue
+    if not positions:
+        return None
+    furthest = max(p[:3] for p in positions.values())
+    lagging = sorted(r for r, p in positions.items() if p[:3] < furthest)
+    if not lagging:
+        return None
+    run_dir = stacks.run_dir()
+    places = []
+    for late in lagging:
+        epoch, step, phase, host = positions[late]
+        behind = (
+            "before its backward pass"
+            if (epoch, step) == furthest[:2]
+            else f"at step {step} of epoch {epoch}"
+        )
+        place = f"rank {late} on {host} ({behind}"
+        if run_dir is not None:
+            frames = stacks.main_thread_frames(stacks.latest_dump(stacks.rank_file(run_dir, late)))
+            if frames:
+                place += f", {stacks.where(frames)}"
+        places.append(place + ")")
+    timeout = STATE.timeout_min
+    within = f" within dist.timeout_min={timeout:g}" if timeout else ""
+    where = f"; every rank's stacks: {run_dir / stacks.STACKS_DIR}/rank<N>.txt" if run_dir is not None else ""
+    return (
+        f"{'; '.join(places)} did not arrive at a collective{within} while the others waited for "
+        f"{'it' if len(lagging) == 1 else 'them'} at step {furthest[1]} of epoch {furthest[0]}{where}"
+    )
+
+
+def set_timeout_min(minutes: float) -> None:
+    STATE.timeout_min = float(minutes)
+
+
+def shorten(text: str, limit: int) -> str:
+    """`text` cut to at most about `limit` characters at a word boundary, never mid-word."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0].rstrip(",;:")
+    return f"{cut} ..."
+
+
+def failure_hint(summary: str) -> str | None:
+    """The config key that fixes a failure torch explains only in its own terms."""
+    if "find_unused_parameters" in summary or "were not used in producing" in summary:
+        return (
+            "some parameters got no gradient in a step (manual optimization, a GAN, a branch not taken): "
+            "pass dist.find_unused_parameters=true (or dist.static_graph=true if the graph is the same every step)"
+        )
+    return None

@@ -1,0 +1,41 @@
+"""How the ranks of a job tell each other things without a collective: the job's key-value store (the
+TCPStore every process group has, served by rank 0's process), the keys hpctrain writes there, and this
+process's rank. Nothing here imports torch: a process without a process group has no store."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+FAILED_KEY = f"{__package__}/failed-rank"  # the first failure's line (failures)
+DATA_END_KEY = f"{__package__}/data-end"  # + /<epoch>: the first rank whose training data ran out, and when
+POSITION_KEY = f"{__package__}/position"  # + /<rank>: "<epoch> <step> <phase> <host>", each second
+DUMP_KEY = f"{__package__}/dump-stacks"  # set: every rank's watchdog appends its stacks to its file, once
+
+
+def rank() -> int:
+    """This process's global rank (the process group's, else the launcher's)."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    from hpctrain.runtime import cluster
+
+    return cluster.global_rank()
+
+
+def store() -> Any | None:
+    """The job's store, when this process is one of several ranks of a process group."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # a process group without a store (not the case for env:// or TCP init)
+        return None
