@@ -1,5 +1,5 @@
-"""README "Bring your own model": each worked case (src/myproject/examples/) trains with DDP on CPU,
-resumes from ckpt_path and is evaluated by eval.py, with exactly the commands the README shows; a
+"""The guide "Your model" (docs/guides/your-model.md): each worked case (src/myproject/examples/) trains with DDP on CPU,
+resumes from ckpt_path and is evaluated by eval.py, with exactly the commands the guide shows; a
 misnamed monitored metric and a module from the `lightning` namespace each stop with one sentence."""
 
 from __future__ import annotations

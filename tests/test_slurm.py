@@ -298,7 +298,7 @@ def test_node_local_log_dir_fails_fast(slurm_cluster, tmp_path: Path):
 
 
 def test_srun_torchrun_with_one_task_per_node_trains_one_model(slurm_cluster, tmp_path: Path):
-    """slurm/README's `srun torchrun` form, exactly as `scripts/torchrun_command.py --srun` prints it,
+    """the SLURM guide's `srun torchrun` form, exactly as `scripts/torchrun_command.py --srun` prints it,
     as a batch script: one task per node, each a torchrun agent; one run dir named after the job."""
     printed = slurm_cluster.run(
         PYTHON,

@@ -456,8 +456,8 @@ def test_resumes_mid_epoch_exactly_or_says_it_cannot(
             )
         warnings.warn(
             f"{pair}: the train loader ({loader}) cannot resume mid-epoch, so a resumed run redraws that "
-            "epoch's data from its start; for exact resume, return hpctrain.data.loading.make_loader(...) "
-            "from train_dataloader (README, Bring your own model).",
+            "epoch's data from its start; for exact resume, return hpctrain.data.make_loader(...) "
+            "from train_dataloader (the docs: Your data).",
             stacklevel=1,
         )
         return

@@ -1,7 +1,7 @@
 """Preemption and the time limit: act on a recorded signal where every rank agrees, then requeue or stop.
 
 The protocol (why Lightning's own auto-requeue is off, what is saved, how the job comes back) is
-described once, in slurm/README.md, "Preemption, requeue and exact resume". In short: the handlers
+described once, in the SLURM guide (docs/guides/slurm.md, "Preemption, requeue and exact resume"). In short: the handlers
 of `hpctrain.runtime.distributed.signals` only record; all ranks combine their records in one tiny all-reduce at agreed
 points, and if any rank was signalled, all of them act:
 

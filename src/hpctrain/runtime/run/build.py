@@ -178,7 +178,7 @@ def _import_failure(err: InstantiationException) -> str | None:
     return (
         f"_target_: {target} cannot be imported ({type(missing).__name__}: {missing}); put the package that "
         "holds it on PYTHONPATH (PYTHONPATH=/path/to/its/parent python src/train.py ...), install it "
-        "(pip install -e <its project>), or move it into this project's src/ (README: Your own package)."
+        "(pip install -e <its project>), or move it into this project's src/ (the docs' guide: Your model)."
     )
 
 
