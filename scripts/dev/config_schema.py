@@ -9,13 +9,14 @@ schema to the config files it describes, so keys complete and wrong values are u
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+
+from generated import write_or_check  # noqa: E402
 
 from hpctrain.runtime.config.schema import FILE_PREFIXES, json_schema  # noqa: E402
 
@@ -52,27 +53,7 @@ def rendered() -> dict[str, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="only check that the files are up to date")
-    args = parser.parse_args()
-    stale = []
-    for name, text in rendered().items():
-        path = ROOT / name
-        if path.is_file() and path.read_text() == text:
-            continue
-        if args.check:
-            stale.append(name)
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {name}")
-    if stale:
-        print(
-            f"error: {', '.join(stale)} out of date; run python scripts/dev/config_schema.py.",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return write_or_check(ROOT, rendered, __doc__.split("\n\n")[0], "scripts/dev/config_schema.py")
 
 
 if __name__ == "__main__":
