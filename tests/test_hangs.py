@@ -167,3 +167,22 @@ def test_a_dump_is_summed_up_by_its_innermost_call_and_the_users_frame():
     assert stacks.summary(places) == (
         "ranks 0-2, 4-7: wrapper in training_step at model.py:41; rank 3: on_train_batch_start at user.py:12"
     )
+
+
+def test_the_ranks_timing_is_read_without_waiting_for_a_rank_that_trained_no_step():
+    """A job requeued after its last training step resumes with nothing left to train: its ranks publish
+    no step clock, and rank 0's end-of-run summary must not wait for one until the store's timeout (the
+    job hung there, its work done, until its time limit)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hpctrain.runtime.distributed.stragglers import TIMING_KEY, StragglerReport
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    store.set(f"{TIMING_KEY}/0", "79 0.5 1.5 node1")  # rank 1 trained no step in this attempt
+    report = StragglerReport(world_size=2, every_s=30, factor=1.5)
+    started = time.monotonic()
+    assert report.read(store) == {0: (79, 0.5, 1.5, "node1")}
+    assert time.monotonic() - started < 10  # not the store's 20 s timeout

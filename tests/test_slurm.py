@@ -388,7 +388,7 @@ def test_a_signal_during_prediction_requeues_the_job_which_predicts_everything_a
 
 def _break_the_training_step(project: Path) -> None:
     """Edit the project's model so that a training step fails, as an edit after submission might."""
-    model = project / "src" / "hpctrain" / "models" / "classifier.py"
+    model = project / "src" / "myproject" / "models" / "classifier.py"
     edited = model.read_text().replace(
         "        loss, preds, y = self._loss_and_predictions(batch)\n        self.train_acc.update(preds, y)",
         '        raise RuntimeError("the code edited after submission ran")',

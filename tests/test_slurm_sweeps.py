@@ -147,12 +147,14 @@ def test_a_preempted_slurm_launcher_job_resumes_and_finishes(slurm_cluster, tmp_
             "data.batch_size=8",
             "trainer.max_epochs=1",  # signalled at step 10 of 79: the rest of the epoch is the resumed part
             "callbacks.progress.log_every_n_s=0",
+            # 0.1 s per step, or on a quiet machine the epoch ends before the signal arrives
+            "+callbacks.slow._target_=tests.differential.user_code.SlowRankCallback",
             "extras.print_config=false",
             f"paths.log_dir={tmp_path}",
             "model.optimizer.lr=0.003",
         ],
         cwd=ROOT,
-        env=slurm_cluster.env,
+        env={**slurm_cluster.env, "PYTHONPATH": str(ROOT), "SLOW_RANK": "0", "SLOW_S": "0.1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

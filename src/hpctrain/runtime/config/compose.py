@@ -19,15 +19,22 @@ MARKER = Path("conf") / "train.yaml"  # what makes a directory a project's code 
 
 
 def find_code_root() -> Path:
-    """The directory holding the running code's conf/ and src/, wherever hpctrain is installed:
-    $HPCTRAIN_CODE_ROOT if set, else the nearest directory holding conf/train.yaml above the running
-    script (src/train.py, scripts/...), else above the working directory, else the working directory."""
+    """The directory holding the running code's conf/ and src/, wherever hpctrain is installed, the first of:
+    $HPCTRAIN_CODE_ROOT; the project that carries this hpctrain (<root>/src/hpctrain, as a generated project
+    and a snapshot of one do); the nearest directory holding conf/train.yaml above the running script (not a
+    library's module, as under submitit), then above the working directory; else the working directory."""
     named = os.environ.get("HPCTRAIN_CODE_ROOT")
     if named:
         return Path(named).resolve()
+    carried = Path(__file__).resolve().parents[4]  # <root>/src/hpctrain/runtime/config/compose.py
+    if (carried / MARKER).is_file():
+        return carried
     main = getattr(sys.modules.get("__main__"), "__file__", None)
-    starts = ([Path(main).resolve().parent] if main else []) + [Path.cwd()]
-    for start in starts:
+    script = Path(main).resolve().parent if main else None
+    installed = script is not None and (
+        script.is_relative_to(Path(sys.prefix).resolve()) or "site-packages" in script.parts
+    )
+    for start in ([script] if script and not installed else []) + [Path.cwd()]:
         for folder in (start, *start.parents):
             if (folder / MARKER).is_file():
                 return folder

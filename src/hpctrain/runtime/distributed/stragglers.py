@@ -72,10 +72,15 @@ class StragglerReport:
         self.totals: dict[int, tuple[int, float, float, str]] = {}
 
     def read(self, store: Any) -> dict[int, tuple[int, float, float, str]]:
+        """Each rank's published sums. A rank that trained no step in this attempt (one resumed at the end
+        of training) published none: `store.get` would wait for its key until the store's timeout."""
         found = {}
         for rank in range(self.world_size):
+            key = f"{TIMING_KEY}/{rank}"
             try:
-                steps, between, forward, host = store.get(f"{TIMING_KEY}/{rank}").decode().split(" ", 3)
+                if not store.check([key]):
+                    continue
+                steps, between, forward, host = store.get(key).decode().split(" ", 3)
                 found[rank] = (int(steps), float(between), float(forward), host)
             except Exception:
                 continue
