@@ -158,7 +158,7 @@ INTERNALS = (
         "lightning_fabric.strategies.launchers.subprocess_script:_ChildProcessObserver._child_processes",
         "runtime/distributed/launch.py",
         "Lightning's thread named child-process-observer SIGKILLs the main process when a local rank fails; "
-        "emptied before hpctrain ends the local ranks on purpose, so rank 0 reports the error first",
+        "emptied once hpctrain's watchdog watches the local ranks (it names the rank; the two raced)",
         "tests/test_lightning_semantics.py",
     ),
     Internal(

@@ -154,7 +154,7 @@ def end_distributed_job(trainer, completed: bool = True) -> None:
     launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
     if isinstance(launcher, HydraJobLauncher) and launcher.procs:
         if not completed:  # a failed job of a sweep: its local ranks must not outlive it
-            _quiet_lightnings_observer()
+            leave_children_to_the_watchdog()
             launcher.kill(signal.SIGKILL)
         for proc in launcher.procs:
             proc.wait(timeout=120)
@@ -162,11 +162,12 @@ def end_distributed_job(trainer, completed: bool = True) -> None:
             os.environ.pop(key, None)
 
 
-def _quiet_lightnings_observer() -> None:
+def leave_children_to_the_watchdog() -> None:
     """Lightning's launcher watches the local ranks from a thread, every 5 s, and SIGKILLs this process
-    when one of them ended with a non-zero code. The SIGKILL that follows is deliberate, so the watcher
-    is given no ranks to watch: else it could kill rank 0 before it reports the run's error in one
-    sentence."""
+    (printing a line about zombies) when one of them ended with a non-zero code. hpctrain's watchdog
+    watches them too, each second, and ends the job with the sentence that names the rank; the two would
+    race, and Lightning's kill could take rank 0 before it reports. Once the watchdog runs, and before
+    rank 0 ends its local ranks on purpose, Lightning's watcher is given no ranks to watch."""
     for thread in threading.enumerate():
         if thread.name == "child-process-observer" and hasattr(thread, "_child_processes"):
             thread._child_processes = []  # an empty list reads as "all ended well": the thread stops

@@ -19,7 +19,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from hpctrain.runtime.distributed import failures, positions, watchdog
+from hpctrain.runtime.distributed import failures, launch, positions, watchdog
 from hpctrain.runtime.distributed.stragglers import StepClock, StragglerReport
 from hpctrain.runtime.distributed.streams import shares_itself_out
 from hpctrain.runtime.errors import UserError
@@ -297,6 +297,8 @@ class RankWatchdog(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         watchdog.start()
+        if failures.STATE.children:  # rank 0 of the local launcher: its children are the watchdog's now
+            launch.leave_children_to_the_watchdog()
         self._several = trainer.world_size > 1
         failures.set_timeout_min(self.init_timeout_min)
         if self._several and self.init_timeout_min != self.timeout_min:
