@@ -8,6 +8,8 @@
 - Loading: `TensorDataset`, `make_loader` and `ResumableDataLoader` (exact mid-epoch resume),
   `pin_memory_default`, `tensors_to_device`, `split`.
 - Streams: `ShardedIterable` and `stream_share` (an IterableDataset shared out across ranks and workers).
+- k-fold cross-validation: `folds` (the training and validation indices of one fold, stratified by class)
+  and `check_folds` (`data.num_folds` and `data.fold` checked, one sentence if wrong); numpy, no torch.
 - Errors: `DataUnavailable` (missing data, said in one sentence with the fix).
 
 The names are imported on first use: `import hpctrain.data` alone imports no torch.
@@ -34,6 +36,8 @@ _PUBLIC = {
     "tensors_to_device": "loading",
     "ShardedIterable": "iterable",
     "stream_share": "iterable",
+    "folds": "kfold",
+    "check_folds": "kfold",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -56,11 +56,34 @@ class EncodedImages(Dataset):
     def name(self, index: int) -> str:
         return os.fsdecode(self.names[index])
 
-    def with_labels(self, labels: Tensor) -> EncodedImages:
-        """The same files with other labels (`data.label_map`)."""
+    per_sample: tuple[str, ...] = ("names",)  # numpy arrays of one entry per sample, besides the labels
+
+    def _copy(self) -> EncodedImages:
         copy = object.__new__(type(self))
         copy.__dict__.update(self.__dict__)
+        return copy
+
+    def with_labels(self, labels: Tensor) -> EncodedImages:
+        """The same files with other labels (`data.label_map`)."""
+        copy = self._copy()
         copy.labels = labels
+        return copy
+
+    def subset(self, indices: Any) -> EncodedImages:
+        """The files at `indices` (a sequence, numpy array or tensor of indices), in that order."""
+        chosen = np.asarray(indices, dtype=np.int64)
+        copy = self._copy()
+        for name in self.per_sample:
+            setattr(copy, name, getattr(self, name)[chosen])
+        copy.labels = self.labels[torch.from_numpy(chosen)]
+        return copy
+
+    def joined(self, other: EncodedImages) -> EncodedImages:
+        """This dataset's files followed by `other`'s (another split of the same source)."""
+        copy = self._copy()
+        for name in self.per_sample:
+            setattr(copy, name, np.concatenate([getattr(self, name), getattr(other, name)]))
+        copy.labels = torch.cat([self.labels, other.labels])
         return copy
 
     def __len__(self) -> int:
@@ -90,6 +113,11 @@ class FolderImages(EncodedImages):
     def read(self, index: int) -> bytes:
         with open(os.path.join(self.root, self.names[index]), "rb") as file:
             return file.read()
+
+    def joined(self, other: EncodedImages) -> EncodedImages:
+        if not isinstance(other, FolderImages) or other.root != self.root:
+            raise ValueError("only splits of the same image folder can be joined")
+        return super().joined(other)
 
 
 class FileImageDataModule(ImageDataModule):

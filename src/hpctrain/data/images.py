@@ -3,6 +3,7 @@ batch on the device."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from pytorch_lightning import LightningDataModule
 from torch import Tensor, nn
 
+from hpctrain.data.kfold import check_folds, folds
 from hpctrain.data.loading import (
     ResumableDataLoader,
     TensorDataset,
@@ -18,6 +20,8 @@ from hpctrain.data.loading import (
     tensors_to_device,
 )
 from hpctrain.runtime.errors import UserError
+
+log = logging.getLogger("hpctrain")
 
 
 class DataUnavailable(UserError):
@@ -42,6 +46,12 @@ class ImageDataModule(LightningDataModule):
     `label_map` (optional) gives each class a new label: `[0, 1, 0, 1, ...]` with `num_classes: 2` turns
     digits into odd-or-even, a changed task on the same images (experiment=finetune_digits).
 
+    `num_folds` and `fold` (optional): k-fold cross-validation. What `load` returns as train and val, taken
+    together, is the training data; it is dealt into `num_folds` folds, stratified by class
+    (`hpctrain.data.folds`, deterministic given `fold_seed`, which is not the run's seed: runs with other
+    seeds share the folds); fold `fold` is the validation set, the others the training set. The test
+    split stays as it is. Without `num_folds` (null or 0), `load`'s own split, unchanged.
+
     `num_classes` and `image_shape` are what models read from the config (`${data.num_classes}`); they
     are checked against the loaded data, so a model can never be built for the wrong sizes. `mean` and
     `std` (per channel, of pixels in [0, 1]) default to the dataset's own (`default_mean`, `default_std`).
@@ -61,8 +71,14 @@ class ImageDataModule(LightningDataModule):
         pin_memory: bool | None = None,
         seed: int = 0,
         label_map: Sequence[int] | None = None,
+        num_folds: int | None = None,
+        fold: int | None = None,
+        fold_seed: int = 0,
     ) -> None:
         super().__init__()
+        self.num_folds = check_folds(num_folds, fold)
+        self.fold = fold
+        self.fold_seed = fold_seed
         self.num_classes = int(num_classes)
         self.image_shape = tuple(int(d) for d in image_shape)
         self.mean = tuple(float(m) for m in (self.default_mean if mean is None else mean))
@@ -95,10 +111,31 @@ class ImageDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
             splits = self.load()
+            if self.num_folds is not None:
+                splits = self._folded(splits)
             if self.label_map is not None:
                 splits = tuple(self._relabelled(part) for part in splits)
             self._check_sizes(splits)
             self.splits = splits
+
+    def _folded(self, splits: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+        """(training folds, validation fold, test): `load`'s train and val, dealt into folds."""
+        train, val, test = splits
+        everything = train.joined(val)
+        keep, held = folds(everything.labels, self.num_folds, self.fold, self.fold_seed)  # type: ignore[arg-type]
+        if self.trainer is None or self.trainer.is_global_zero:
+            log.info(
+                "k-fold: fold %d of %d (data.fold_seed=%d) validates on %d of the %d training samples and "
+                "trains on the other %d, stratified by class; the test split (%d) is unchanged",
+                self.fold,
+                self.num_folds,
+                self.fold_seed,
+                len(held),
+                len(everything),
+                len(keep),
+                len(test),
+            )
+        return everything.subset(keep), everything.subset(held), test
 
     def _relabelled(self, part: TensorDataset) -> TensorDataset:
         """`label_map[c]` in place of every label c: a new task on the same images (classes merged)."""

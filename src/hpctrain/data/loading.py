@@ -45,6 +45,14 @@ class TensorDataset(Dataset):
         """The same images with other labels (`data.label_map`)."""
         return TensorDataset(self.images, labels)
 
+    def subset(self, indices: Any) -> TensorDataset:
+        """The samples at `indices` (a sequence, numpy array or tensor of indices), in that order."""
+        return TensorDataset(*self[torch.as_tensor(indices, dtype=torch.int64)])
+
+    def joined(self, other: TensorDataset) -> TensorDataset:
+        """This dataset's samples followed by `other`'s."""
+        return TensorDataset(torch.cat([self.images, other.images]), torch.cat([self.labels, other.labels]))
+
     def __len__(self) -> int:
         return len(self.labels)
 

@@ -221,6 +221,22 @@ class ShardImages(EncodedImages):
             fd = self._fds[shard] = os.open(self.files[shard], os.O_RDONLY)
         return os.pread(fd, int(self.lengths[index]), int(self.offsets[index]))
 
+    per_sample = ("names", "shard", "offsets", "lengths")
+
+    def _copy(self) -> ShardImages:
+        copy = super()._copy()
+        copy._fds = {}  # type: ignore[attr-defined]  # its own, opened on first use
+        return copy  # type: ignore[return-value]
+
+    def joined(self, other: EncodedImages) -> EncodedImages:
+        if not isinstance(other, ShardImages):
+            raise ValueError("only splits of shard sets can be joined")
+        renumbered = other._copy()
+        renumbered.shard = other.shard + len(self.files)  # other's shards come after this one's
+        copy = super().joined(renumbered)
+        copy.files = [*self.files, *other.files]  # type: ignore[attr-defined]
+        return copy
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fds": {}}  # a spawned worker opens its own
 

@@ -12,6 +12,11 @@ contiguous train/val/test ranges; a sample is a window of `block_size` bytes and
 shifted by one. Training windows start every `train_stride` bytes and are shuffled by the template's
 sharded, resumable sampler (exact mid-epoch resume, every rank its share); evaluation windows do not
 overlap and are read in order.
+
+k-fold (`num_folds`, `fold`): the train and val ranges together are cut into `num_folds` contiguous
+blocks of text; block `fold` is validated on, the others are trained on, and no window crosses into
+the validation block. Contiguous, not shuffled: windows overlap, so a shuffled fold would hand the
+validation text to training one byte shifted (hence no `fold_seed` here). The test range stays as it is.
 """
 
 from __future__ import annotations
@@ -26,9 +31,15 @@ import torch
 from pytorch_lightning import LightningDataModule
 from torch import Tensor
 
-from hpctrain.data import DataUnavailable
-from hpctrain.data import ResumableDataLoader, make_loader, pin_memory_default, tensors_to_device
 from hpctrain import UserError
+from hpctrain.data import (
+    DataUnavailable,
+    ResumableDataLoader,
+    check_folds,
+    make_loader,
+    pin_memory_default,
+    tensors_to_device,
+)
 
 log = logging.getLogger(__package__.split(".")[0])
 
@@ -117,8 +128,11 @@ class StdlibTextDataModule(LightningDataModule):
         pin_memory: bool | None = None,
         seed: int = 0,
         stdlib: str | None = None,
+        num_folds: int | None = None,
+        fold: int | None = None,
     ) -> None:
         super().__init__()
+        self.num_folds, self.fold = check_folds(num_folds, fold), fold
         if vocab_size != 256:
             raise UserError(
                 f"data.vocab_size={vocab_size} but the symbols are bytes; pass data.vocab_size=256."
@@ -159,18 +173,40 @@ class StdlibTextDataModule(LightningDataModule):
         text = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         n = len(text)
         val, test = (int(n * f) for f in self.fractions)
-        ranges = ((0, n - val - test), (n - val - test, n - test), (n - test, n))
+        ranges = [[(0, n - val - test)], [(n - val - test, n - test)], [(n - test, n)]]
+        if self.num_folds is not None:
+            bounds = [round(i * (n - test) / self.num_folds) for i in range(self.num_folds + 1)]
+            held = (bounds[self.fold], bounds[self.fold + 1])
+            ranges[:2] = [[r for r in ((0, held[0]), (held[1], n - test)) if r[1] > r[0]], [held]]
         parts = []
-        for index, (start, end) in enumerate(ranges):
+        for index, pieces in enumerate(ranges):
             stride = self.train_stride if index == 0 else self.block_size
-            last = end - self.block_size - 1
-            if last < start:
-                raise UserError(
-                    f"data.block_size={self.block_size} is longer than the text's {('train', 'val', 'test')[index]} "
-                    f"split ({end - start} bytes); pass a smaller block_size or larger fractions."
-                )
-            parts.append(Windows(text, torch.arange(start, last + 1, stride), self.block_size))
+            name = ("train", "val", "test")[index]
+            starts = [self._starts(start, end, stride, name) for start, end in pieces]
+            parts.append(Windows(text, torch.cat(starts), self.block_size))
         self.splits = (parts[0], parts[1], parts[2])
+        if self.num_folds is not None and (self.trainer is None or self.trainer.is_global_zero):
+            log.info(
+                "k-fold: fold %d of %d validates on bytes %d-%d of the %d training bytes (%d windows) and "
+                "trains on the rest (%d windows); the test range is unchanged",
+                self.fold,
+                self.num_folds,
+                *held,
+                n - test,
+                len(parts[1]),
+                len(parts[0]),
+            )
+
+    def _starts(self, start: int, end: int, stride: int, name: str) -> Tensor:
+        """Where the windows of the text's range [start, end) begin."""
+        last = end - self.block_size - 1
+        if last < start:
+            fix = "smaller data.num_folds" if self.num_folds else "larger fractions"
+            raise UserError(
+                f"data.block_size={self.block_size} is longer than the text's {name} split ({end - start} "
+                f"bytes); pass a smaller block_size or {fix}."
+            )
+        return torch.arange(start, last + 1, stride)
 
     def _loader(self, index: int) -> ResumableDataLoader:
         if self.splits is None:

@@ -6,6 +6,7 @@ inside Lightning ten seconds later:
 - a value of the wrong type or out of range (the table in `hpctrain.runtime.config.schema`);
 - a required value left out (`???`) or an interpolation that points nowhere;
 - a precision this accelerator cannot run, a logger whose package is missing, a secret in the config;
+- k-fold settings that do not go together (`data.num_folds`, `data.fold`; `check_folds`);
 - an output file that exists already (it is not overwritten).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +108,51 @@ def check_config(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "trainer.precision") is not None:
         _check_precision(cfg)
     _check_loggers(cfg)
+    _check_folds(cfg)
     _check_outputs(cfg)
     _check_init_from(cfg)
     _check_signals(cfg)
+
+
+def check_folds(num_folds: Any, fold: Any) -> int | None:
+    """The k-fold settings of a datamodule checked: None when k-fold is off (`num_folds` null or 0, no
+    `fold`), else the number of folds. Used by the preflight and by the datamodules themselves
+    (`hpctrain.data.check_folds`), so a bad pair is the same sentence wherever it is found."""
+    if num_folds is not None and (not isinstance(num_folds, Integral) or isinstance(num_folds, bool)):
+        raise UserError(f"data.num_folds={num_folds!r} is not an integer; pass e.g. data.num_folds=5.")
+    if fold is not None and (not isinstance(fold, Integral) or isinstance(fold, bool)):
+        raise UserError(
+            f"data.fold={fold!r} is not an integer; pass the fold to validate on, e.g. data.fold=0."
+        )
+    if not num_folds:
+        if fold is not None:
+            raise UserError(
+                f"data.fold={fold} but data.num_folds is not set, so there are no folds; pass the number of "
+                "folds with it (e.g. data.num_folds=5), or leave data.fold out."
+            )
+        return None
+    if num_folds < 2:
+        raise UserError(
+            f"data.num_folds={num_folds} cannot split the training data into folds; pass 2 or more (e.g. "
+            "data.num_folds=5), or null for the datamodule's own train/val split."
+        )
+    if fold is None:
+        raise UserError(
+            f"data.num_folds={num_folds} needs data.fold, the fold to validate on; pass data.fold=0 (folds 0 to "
+            f"{num_folds - 1}), or sweep them all: -m 'data.fold=range({num_folds})'."
+        )
+    if not 0 <= fold < num_folds:
+        raise UserError(
+            f"data.fold={fold} is not a fold of data.num_folds={num_folds}; pass data.fold between 0 and "
+            f"{num_folds - 1}."
+        )
+    return int(num_folds)
+
+
+def _check_folds(cfg: DictConfig) -> None:
+    data = cfg.get("data")
+    if OmegaConf.is_dict(data) and ("num_folds" in data or "fold" in data):
+        check_folds(data.get("num_folds"), data.get("fold"))
 
 
 def _check_signals(cfg: DictConfig) -> None:

@@ -145,6 +145,21 @@ KEYS: tuple[Key, ...] = (
         "torch's intra-op threads per process; auto: the process's CPUs less its loader workers",
     ),
     Key("data.pin_memory", {"type": ["boolean", "null"]}, "true, false or null", "true", "null: on for GPUs"),
+    Key(
+        "data.num_folds",
+        {"anyOf": [_int(2), {"const": 0}, {"type": "null"}]},
+        "an integer, 2 or more, or null (0: off, as null)",
+        "5",
+        "k-fold cross-validation: the training data dealt into this many folds",
+    ),
+    Key(
+        "data.fold",
+        {"type": ["integer", "null"], "minimum": 0},
+        "a non-negative integer or null",
+        "0",
+        "k-fold: the fold validated on (0 to data.num_folds-1)",
+    ),
+    Key("data.fold_seed", _int(0), "a non-negative integer", "0", "k-fold: which samples fall in which fold"),
     Key("model.optimizer.lr", POSITIVE_NUMBER, "a positive number", "0.001", "learning rate"),
     Key("requeue.enabled", {"type": "boolean"}, "true or false", "true"),
     Key(
