@@ -1,4 +1,5 @@
-"""Plot a run's curves (everything its csv logger wrote) to <run dir>/curves.png.
+"""Plot a run's curves (everything its csv logger wrote) to <run dir>/curves.png, and, for a run of
+several ranks, the per-rank view (which rank was slow, and when) to <run dir>/ranks.png.
 
 python scripts/plot.py logs/train/runs/<run id>
 """
@@ -10,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hpctrain.runtime.report.plots import plot_run
+from hpctrain.runtime.report.plots import plot_ranks, plot_run
 
 
 def main(argv: list[str]) -> int:
@@ -18,6 +19,9 @@ def main(argv: list[str]) -> int:
         print("usage: python scripts/plot.py <run dir>  (a run dir holding metrics.csv)", file=sys.stderr)
         return 2
     print(plot_run(argv[0]))
+    ranks = plot_ranks(argv[0])
+    if ranks is not None:
+        print(ranks)
     return 0
 
 

@@ -115,14 +115,19 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(file))
 
 
+TIMING_PREFIXES = ("ranks/", "nodes/", "perf/", "gpus/")  # straggler report, callbacks.performance
+
+
 def metrics_without_timing(run_dir: Path) -> list[dict[str, str]]:
-    """metrics.csv without what wall-clock time decides: the speed column, and the per-rank step times
-    the straggler report logs every `diagnostics.straggler_every_s` seconds (at whichever step that falls
-    on). Rows left with nothing but their step and epoch are dropped. Everything else must be equal
+    """metrics.csv without what wall-clock time decides: the speed column, the per-rank step times the
+    straggler report logs every `diagnostics.straggler_every_s` seconds (at whichever step that falls
+    on), and callbacks.performance's figures. Rows left with nothing but their step and epoch are dropped. Everything else must be equal
     between two runs of the same command, interrupted or not."""
     rows = []
     for row in read_metrics(run_dir):
-        kept = {k: v for k, v in row.items() if k != "train/samples_per_s" and not k.startswith("ranks/")}
+        kept = {
+            k: v for k, v in row.items() if k != "train/samples_per_s" and not k.startswith(TIMING_PREFIXES)
+        }
         if any(v for k, v in kept.items() if k not in ("step", "epoch")):
             rows.append(kept)
     return rows

@@ -25,8 +25,11 @@ def test_the_benchmark_reports_every_row(tmp_path: Path):
     startup = ("help", "cfg_job", "help_composed", "cfg_job_composed", "import_hydra", "import_lightning")
     for key in (*(f"{name}_s" for name in startup), "first_step_s", "help_peak_rss_mb"):
         assert report[key] > 0, key
-    costs = report["diagnostics_us_per_step"]  # the straggler clock and the NaN watch, per step
-    assert set(costs) == {"stragglers_us", "nan_us"} and all(v > 0 for v in costs.values())
+    costs = report["diagnostics_us_per_step"]  # the straggler clock, the NaN watch, the performance figures
+    assert set(costs) == {"stragglers_us", "nan_us", "performance_us"} and all(v > 0 for v in costs.values())
+    assert report["quickstart_step_ms"] > 0
+    ratio = report["performance_share_of_quickstart_step"]
+    assert ratio == pytest.approx(costs["performance_us"] / 1000 / report["quickstart_step_ms"], rel=0.01)
     pipeline = report["data_pipeline"] or {}
     assert not EXAMPLES or pipeline  # the row needs the CIFAR-10 datamodule of the examples
     if pipeline:

@@ -292,6 +292,14 @@ DEFAULT_CALLBACKS = {
         "log_every_n_s": 30,
     },
     "throughput": {"_target_": "hpctrain.runtime.report.progress.ThroughputLog"},
+    "performance": {
+        "_target_": "hpctrain.runtime.report.performance.PerformanceLog",
+        "data_wait_warn": 0.2,
+        "every_n_steps": None,
+        "flops": True,
+        "peak_flops": None,
+        "gpu_every_s": 5,
+    },
 }
 
 

@@ -42,7 +42,8 @@ def test_two_node_gloo_ddp_job_completes_with_every_logger_and_no_key_in_any_fil
     slurm_cluster, tmp_path: Path
 ):
     """The quickstart (8 of its 25 epochs) on two nodes, logging to every logger; the API keys the job was given are written
-    to no file (the run dir's, the loggers', the job's output)."""
+    to no file (the run dir's, the loggers', the job's output). Each rank's performance figures reach rank 0's
+    loggers, summarised per node."""
     fake_key = "fake0123456789abcdef0123456789abcdef012345"
     # From the submitting shell's environment, as a user exports it (not on sbatch's command line:
     # --export=KEY=value is recorded in SLURM_EXPORT_ENV, which W&B saves with its SLURM metadata).
@@ -53,6 +54,7 @@ def test_two_node_gloo_ddp_job_completes_with_every_logger_and_no_key_in_any_fil
         "trainer=ddp_cpu",
         "experiment=quickstart",
         "trainer.max_epochs=8",  # past 0.9 test accuracy by then; the rest of the 25 proves nothing more here
+        "trainer.log_every_n_steps=5",
         "logger=[many,mlflow,wandb]",  # csv + tensorboard, MLflow (a fresh SQLite store), W&B offline
         f"paths.log_dir={tmp_path}",
         cwd=ROOT,
@@ -67,6 +69,11 @@ def test_two_node_gloo_ddp_job_completes_with_every_logger_and_no_key_in_any_fil
     run = runs[0]
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert last_value(read_metrics(run), "test/acc") >= 0.9
+    columns = set(read_metrics(run)[0])
+    for rank, node in ((0, "node1"), (1, "node2")):  # rank 1 runs on the second node
+        assert {f"ranks/step_ms/{rank}", f"ranks/data_wait/{rank}", f"nodes/{node}/step_ms_max"} <= columns
+    ranks = yaml.safe_load((run / "outcome.yaml").read_text())["performance"]["ranks"]
+    assert {r: v["host"] for r, v in ranks.items()} == {0: "node1", 1: "node2"}
     attempt = yaml.safe_load((run / "run.yaml").read_text())["attempts"][0]
     assert (attempt["launcher"], attempt["world_size"], attempt["slurm_job_id"]) == ("slurm", 2, job)
 

@@ -348,6 +348,7 @@ def diagnostics_cost(steps: int) -> dict[str, float]:
 
     import torch
 
+    from hpctrain.runtime.report.performance import PerformanceLog
     from hpctrain.runtime.run.callbacks import RankWatchdog
     from hpctrain.runtime.run.nonfinite import NonFiniteLoss
 
@@ -357,6 +358,14 @@ def diagnostics_cost(steps: int) -> dict[str, float]:
     trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
     nan = NonFiniteLoss("unused", check_every_n_steps=1000)
     loss = {"loss": torch.tensor(0.5)}
+    # callbacks.performance as configured, its log interval (every 10 steps, as the quickstart's) included;
+    # the loggers' own writing is not its cost
+    performance = PerformanceLog(data_wait_warn=1.0)  # hooks called back to back "wait" for nothing real
+    performance._every, performance._flops_done = 10, True
+    performance_trainer = SimpleNamespace(
+        global_rank=0, is_global_zero=True, world_size=1, loggers=[], global_step=0
+    )
+    batch = (torch.zeros(32, 1, 8, 8), torch.zeros(32, dtype=torch.long))
 
     def per_step(step: Callable[[], None]) -> float:
         start = time.perf_counter()
@@ -374,7 +383,35 @@ def diagnostics_cost(steps: int) -> dict[str, float]:
         if len(nan._losses) > 500:
             nan._losses.clear()
 
-    return {"stragglers_us": per_step(straggler_step), "nan_us": per_step(nan_step)}
+    def performance_step() -> None:
+        performance.on_train_batch_start(performance_trainer, None, batch, 0)
+        performance.on_train_batch_end(performance_trainer, None, None, batch, 0)
+
+    return {
+        "stragglers_us": per_step(straggler_step),
+        "nan_us": per_step(nan_step),
+        "performance_us": per_step(performance_step),
+    }
+
+
+def quickstart_step_ms(epochs: int) -> float:
+    """The quickstart's median CPU training step, as its own performance figures report it."""
+    import tempfile
+
+    import yaml
+
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable,
+            "src/train.py",
+            "experiment=quickstart",
+            f"trainer.max_epochs={epochs}",
+            f"paths.log_dir={tmp}",
+            "extras.print_config=false",
+        ]
+        subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+        (run,) = (Path(tmp) / "train" / "runs").iterdir()
+        return float(yaml.safe_load((run / "outcome.yaml").read_text())["performance"]["step_ms"])
 
 
 def data_pipeline(batch_size: int, batches: int) -> dict:
@@ -575,9 +612,13 @@ def main() -> None:
     )
     results = throughput(args)
     diagnostics = diagnostics_cost(2_000 if args.tiny else 100_000)
+    quickstart_ms = quickstart_step_ms(2 if args.tiny else 5)
+    share = diagnostics["performance_us"] / (10 * quickstart_ms)  # us over ms, in percent
     print(
         f"per-step diagnostics: stragglers and collective position {diagnostics['stragglers_us']:.2f} us, "
-        f"NaN watch {diagnostics['nan_us']:.2f} us (looked at every nan.check_every_n_steps, one host sync then)",
+        f"NaN watch {diagnostics['nan_us']:.2f} us (looked at every nan.check_every_n_steps, one host sync then), "
+        f"performance figures {diagnostics['performance_us']:.2f} us = {share:.3f}% of the quickstart's CPU step "
+        f"({quickstart_ms:.2f} ms)",
         flush=True,
     )
     pipeline = None
@@ -605,6 +646,8 @@ def main() -> None:
         "import_lightning_s": round(import_lightning, 2),
         "data_pipeline": pipeline,
         "diagnostics_us_per_step": {k: round(v, 3) for k, v in diagnostics.items()},
+        "quickstart_step_ms": round(quickstart_ms, 3),
+        "performance_share_of_quickstart_step": round(share / 100, 6),
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

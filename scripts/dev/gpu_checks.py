@@ -8,6 +8,8 @@
 3. DDP over nccl with every GPU of the machine (when there are 2+): a real `python src/train.py` run.
 4. NCCL's flight recorder (2+ GPUs): a run whose rank 1 sleeps past a 12-second collective timeout must
    end naming rank 1 and leave <run dir>/flight_recorder/rank<N> files that `torchfrtrace` reads.
+5. Performance figures: a short run with `debug=trace` must log the FLOP/s and MFU (on a GPU in Lightning's
+   table), NVML's utilisation, memory and power of every GPU, and write a trace and a CUDA memory snapshot.
 Then run `python scripts/dev/benchmark.py` there for the GPU benchmark table.
 """
 
@@ -128,6 +130,41 @@ def flight_recorder(out: Path) -> dict[str, object]:
     }
 
 
+def performance_figures(out: Path) -> dict[str, object]:
+    """The figures callbacks.performance logs on a GPU, and what debug=trace wrote."""
+    import csv
+
+    import yaml
+
+    logs = out / "perf"
+    command = [
+        sys.executable,
+        "src/train.py",
+        "experiment=quickstart",
+        "trainer=gpu",
+        "trainer.max_epochs=2",
+        "trainer.log_every_n_steps=5",
+        "callbacks.performance.gpu_every_s=1",
+        "debug=trace",
+        f"paths.log_dir={logs}",
+    ]
+    result = subprocess.run(command, cwd=ROOT)
+    runs = sorted((logs / "debug" / "runs").iterdir()) if result.returncode == 0 else []
+    if not runs:
+        return {"ran": False}
+    run = runs[-1]
+    with open(run / "metrics.csv", newline="") as file:
+        columns = set(next(csv.reader(file)))
+    performance = yaml.safe_load((run / "outcome.yaml").read_text()).get("performance", {})
+    return {
+        "ran": True,
+        "tflops_per_device": performance.get("tflops_per_device"),
+        "mfu": performance.get("mfu"),
+        "nvml columns": sorted(c for c in columns if c.startswith("gpus/")),
+        "trace files": sorted(p.name for p in (run / "traces").iterdir()),
+    }
+
+
 def main() -> int:
     import torch
 
@@ -148,6 +185,7 @@ def main() -> int:
         for precision in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
             result = subprocess.run([*train, "trainer=gpu", f"trainer.precision={precision}"], cwd=ROOT)
             report[f"precision {precision}"] = result.returncode == 0
+        report["performance figures"] = performance_figures(Path(tmp))
         if torch.cuda.device_count() > 1:
             result = subprocess.run(
                 [*train, "trainer=ddp", f"trainer.devices={torch.cuda.device_count()}"], cwd=ROOT

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from pytorch_lightning.callbacks import Callback
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, default_collate
 
 COUNTS: Counter[str] = Counter()
 NOTES: dict[str, object] = {}
@@ -159,6 +159,21 @@ class ResumableData(DigitsData):
         return make_loader(IndexableTensors(x, y), self.batch_size, shuffle=True, seed=0)
 
 
+class SlowLoaderData(DigitsData):
+    """Its training loader takes `sleep_s` per batch, as a slow disk or a decoder without workers does."""
+
+    def __init__(self, batch_size: int = 32, sleep_s: float = 0.0):
+        super().__init__(batch_size)
+        self.sleep_s = sleep_s
+
+    def train_dataloader(self):
+        def collate(samples):
+            time.sleep(self.sleep_s)
+            return default_collate(samples)
+
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=collate)
+
+
 # ----------------------------------------------------------------------------------------- modules
 
 
@@ -191,6 +206,16 @@ class LitClassifier(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class WideClassifier(LitClassifier):
+    """LitClassifier with two hidden layers of `hidden` units (a larger model, for memory figures)."""
+
+    def __init__(self, lr: float = 0.05, hidden: int = 32):
+        super().__init__(lr)
+        self.net = nn.Sequential(
+            nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+        )
 
 
 class PredictingClassifier(LitClassifier):

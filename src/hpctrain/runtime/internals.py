@@ -69,6 +69,18 @@ INTERNALS = (
         "tests/test_faults.py::test_an_exception_in_one_rank_ends_the_job_naming_that_rank",
     ),
     Internal(
+        "torch.cuda.memory:_record_memory_history",
+        "runtime/report/trace.py",
+        "debug=trace's CUDA memory snapshot: torch's documented way to record one (no public name yet)",
+        "tests/test_performance.py::test_a_trace_per_rank_under_ddp",
+    ),
+    Internal(
+        "torch.cuda.memory:_dump_snapshot",
+        "runtime/report/trace.py",
+        "as _record_memory_history: writes the snapshot that pytorch.org/memory_viz reads",
+        "tests/test_performance.py::test_a_trace_per_rank_under_ddp",
+    ),
+    Internal(
         "pytorch_lightning.strategies.launchers.subprocess_script:_SubprocessScriptLauncher._call_children_scripts",
         "runtime/distributed/launch.py",
         "local ranks are started per Hydra job (the same run dir, the composed config, no replayed sweep)",

@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 CURVES_FILE = "curves.png"
+RANKS_FILE = "ranks.png"
+# per-rank figures that curves.png shows (one line per rank); the rest are in ranks.png (scripts/plot.py)
+CURVES_PER_RANK = ("samples_per_s", "data_wait")
 
 
 def _pyplot() -> Any:
@@ -35,7 +38,15 @@ def read_series(metrics_csv: Path) -> dict[str, list[tuple[float, float]]]:
     return dict(series)
 
 
-def _panel(name: str) -> str:
+def _panel(name: str) -> str | None:
+    """The panel of curves.png a metric goes in; None for the per-rank and per-node detail."""
+    if name.startswith(("ranks/", "perf/")):
+        figure = name.split("/")[1]
+        return figure if figure in CURVES_PER_RANK else None  # the job's and each rank's in one panel
+    if name.startswith(("nodes/", "gpus/")):
+        return None
+    if name.endswith("samples_per_s"):
+        return "samples_per_s"
     lowered = name.lower()
     for word in ("loss", "acc", "bpc", "lr"):
         if word in lowered:
@@ -48,8 +59,10 @@ def plot_run(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     series = read_series(run_dir / "metrics.csv")
     panels: dict[str, list[str]] = defaultdict(list)
-    for name in sorted(series):
-        panels[_panel(name)].append(name)
+    for name in sorted(series, key=_natural):
+        panel = _panel(name)
+        if panel is not None:
+            panels[panel].append(name)
     plt = _pyplot()
     figure, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * max(len(panels), 1)), squeeze=False)
     for axis, (panel, names) in zip(axes[:, 0], panels.items(), strict=True):
@@ -66,6 +79,63 @@ def plot_run(run_dir: str | Path) -> Path:
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def _natural(name: str) -> tuple[str, int]:
+    """ranks/x/2 before ranks/x/10."""
+    head, _, tail = name.rpartition("/")
+    return (head, int(tail)) if tail.isdigit() else (name, -1)
+
+
+def plot_ranks(run_dir: str | Path) -> Path | None:
+    """The per-rank view of a run: each figure the ranks logged (step time, data wait, samples/s, peak
+    memory, the straggler report's own time), one line per rank against the step, and each GPU's
+    utilisation and power; the title names the slowest rank. None when the run logged no per-rank figures."""
+    run_dir = Path(run_dir)
+    series = read_series(run_dir / "metrics.csv")
+    panels: dict[str, list[str]] = defaultdict(list)
+    for name in sorted(series, key=_natural):
+        parts = name.split("/")
+        if parts[0] == "ranks" and len(parts) == 3:
+            panels[parts[1]].append(name)
+        elif parts[0] == "gpus" and len(parts) == 4:
+            panels[f"gpu {parts[3]}"].append(name)
+    if not panels:
+        return None
+    plt = _pyplot()
+    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels)), sharex=True, squeeze=False)
+    for axis, (panel, names) in zip(axes[:, 0], panels.items(), strict=True):
+        for name in names:
+            steps, values = zip(*series[name], strict=True)
+            label = name.split("/", 2)[2] if panel.startswith("gpu") else f"rank {name.rsplit('/', 1)[1]}"
+            axis.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
+        axis.set_ylabel(panel, fontsize=8)
+        axis.grid(alpha=0.3)
+        if len(names) <= 16:
+            axis.legend(fontsize=7, ncol=min(len(names), 8))
+    axes[-1, 0].set_xlabel("step")
+    figure.suptitle(f"{run_dir.name}: {slowest_rank(series)}", fontsize=9)
+    figure.tight_layout()
+    path = run_dir / RANKS_FILE
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def slowest_rank(series: dict[str, list[tuple[float, float]]]) -> str:
+    """Which rank was slowest over the run, by its median step time."""
+    import statistics
+
+    steps = {
+        name.rsplit("/", 1)[1]: statistics.median(v for _, v in points)
+        for name, points in series.items()
+        if name.startswith("ranks/step_ms/") and points
+    }
+    if len(steps) < 2:
+        return "one rank"
+    rank = max(steps, key=lambda r: steps[r])
+    others = statistics.median(v for r, v in steps.items() if r != rank)
+    return f"rank {rank} slowest, median step {steps[rank]:.1f} ms vs the others' {others:.1f} ms"
 
 
 def plot_sweep(rows: list[dict[str, Any]], varying: list[str], path: Path) -> Path:

@@ -38,6 +38,7 @@ from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy, HydraFSDPStrategy
 from hpctrain.runtime.distributed.requeue import RequeueOnSignal
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.report.performance import PerformanceLog
 from hpctrain.runtime.run.callbacks import (
     MonitoredMetric,
     RankWatchdog,
@@ -303,6 +304,8 @@ def callbacks(
     chosen = _instantiate_group(cfg.get("callbacks"), "callbacks")
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
+    for performance in (c for c in chosen if isinstance(c, PerformanceLog)):
+        performance.model_config = cfg.get("model")  # its FLOPs are counted on a meta copy built from it
     diagnostics = cfg.get("diagnostics") or {}
     chosen.append(
         RankWatchdog(

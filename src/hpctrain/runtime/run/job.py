@@ -156,10 +156,16 @@ class Job:
 
     def finish(self, run: Any, best: str | None = None) -> Any:
         """Report where everything went; the value sweepers get is the best of `monitor.metric`."""
+        from hpctrain.runtime.report.performance import PerformanceLog  # torch is imported by now
+
         results = console.report(self.run_dir, run.trainer, best)
         if self.outcome is not None:
             self.outcome.ranks = positions.rank_summary()  # each rank's time per step, under DDP
+            self.outcome.performance = next(
+                (c.summary for c in run.trainer.callbacks if isinstance(c, PerformanceLog)), None
+            )
             self.outcome.skipped_files = getattr(run.datamodule, "skipped_files", None)  # data.skip_bad=true
+            self.outcome.test = {k: v for k, v in results.items() if k.startswith("test")} or None
         return results
 
 

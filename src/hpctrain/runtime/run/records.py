@@ -157,8 +157,10 @@ class Outcome:
     status: str = "running"
     error: str | None = None
     ranks: dict[int, dict[str, Any]] | None = None  # per rank: its time per step, and where it went
+    performance: dict[str, Any] | None = None  # data wait, step time, memory, FLOP/s: the job's, per rank, per node
     signature: str | None = None  # of the composed config, without paths: a re-run sweep skips what matches
     skipped_files: int | None = None  # data.skip_bad=true: files left out as unreadable (rank 0's share)
+    test: dict[str, float] | None = None  # the test metrics of a run that tested (sweep summaries group them)
 
 
 @contextmanager
@@ -202,8 +204,12 @@ def outcome_recorded(
                 record["signature"] = outcome.signature
             if outcome.ranks:
                 record["ranks"] = outcome.ranks
+            if outcome.performance:
+                record["performance"] = outcome.performance
             if outcome.skipped_files:
                 record["skipped_files"] = outcome.skipped_files
+            if outcome.test:
+                record["test"] = outcome.test
             with suppress(OSError):  # an unwritable run dir has already been reported
                 write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
 

@@ -1,0 +1,156 @@
+"""Where a step's time goes (callbacks.performance): data wait, step time, samples/s, peak memory and FLOPs
+per rank, NVML where there is one, traces on demand (debug=trace), and the per-rank pictures."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hpctrain.runtime.report import flops, gpus, performance, plots, trace
+from tests.differential.cases import user_overrides
+from tests.differential.user_code import LitClassifier
+from tests.helpers import ROOT, assert_ok, read_metrics, run_dirs, train
+
+# LitClassifier: Linear(64, 32) -> ReLU -> Dropout -> Linear(32, 10). Per sample, forward 2*(64*32 + 32*10);
+# backward: both gradients of the second layer, the weight gradient alone of the first (its input needs none).
+LIT_CLASSIFIER_FLOPS_PER_SAMPLE = 2 * 64 * 32 * 2 + 2 * 32 * 10 * 3
+
+
+def _sums(steps, wait, step, samples, peak, host):
+    return {"steps": steps, "wait_s": wait, "step_s": step, "wall_s": wait + step, "samples": samples,
+            "peak_mem_mib": peak, "host": host}  # fmt: skip
+
+
+def test_each_rank_s_window_and_each_node_s_summary():
+    before = {r: _sums(10, 1.0, 1.0, 320, 100.0, "n1") for r in range(3)}
+    now = {
+        0: _sums(20, 1.5, 2.5, 640, 110.0, "n1"),  # 10 steps: 0.5 s waiting, 1.5 s stepping
+        1: _sums(20, 3.0, 2.0, 640, 120.0, "n1"),  # 2.0 s waiting, 1.0 s stepping
+        2: _sums(20, 1.0, 3.0, 640, 90.0, "n2"),  # no wait, 2.0 s stepping
+    }
+    per_rank = {r: performance.figures(now[r], before[r]) for r in now}
+    assert per_rank[0] == {"data_wait": 0.25, "step_ms": 150.0, "samples_per_s": 160.0, "peak_mem_mib": 110.0}
+    assert per_rank[1]["data_wait"] == pytest.approx(2 / 3) and per_rank[2]["data_wait"] == 0.0
+    found = performance.metrics(per_rank, {0: "n1", 1: "n1", 2: "n2"}, flops_per_sample=1e9, peak=1e12)
+    assert found["perf/samples_per_s"] == pytest.approx(160 + 320 / 3 + 160)
+    assert found["perf/step_ms"] == 150.0 and found["perf/peak_mem_mib"] == 120.0
+    assert found["ranks/data_wait/1"] == pytest.approx(2 / 3)
+    assert (found["nodes/n1/step_ms_min"], found["nodes/n1/step_ms_max"]) == (100.0, 150.0)
+    assert found["nodes/n2/samples_per_s_median"] == 160.0
+    assert found["perf/mfu"] == pytest.approx(found["perf/tflops_per_device"] * 1e12 / 1e12)
+    assert performance.slowest_input(per_rank, 0.2) == (1, pytest.approx(2 / 3))
+    assert performance.slowest_input(per_rank, 0.7) is None
+    one = performance.metrics({0: per_rank[0]}, {0: "n1"}, None, None)
+    assert not [k for k in one if not k.startswith("perf/")]  # one process: the job's figures only
+
+
+def test_the_flops_of_a_step_are_counted_on_a_meta_copy_and_on_the_real_step_alike():
+    batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+    expected = 32 * LIT_CLASSIFIER_FLOPS_PER_SAMPLE
+    meta = flops.meta_step_flops({"_target_": "tests.differential.user_code.LitClassifier"}, batch)
+    assert meta == expected
+    module = LitClassifier()
+    weights = [p.detach().clone() for p in module.parameters()]
+    counter = flops.RealStepCounter()
+    with pytest.warns(UserWarning):  # self.log without a trainer
+        module.training_step(batch, 0).backward()
+    assert counter.stop() == expected
+    assert all(torch.equal(a, b) for a, b in zip(weights, module.parameters(), strict=True))
+    assert flops.meta_step_flops({"_target_": "no.such.Module"}, batch) is None  # then the real step counts
+
+
+def test_without_nvml_nothing_is_sampled_and_nothing_fails():
+    nvml = gpus._nvml()
+    if nvml is None:  # this machine: no driver
+        assert gpus.NodeSampler.start(0.1) is None
+        assert gpus.read(None, None) == {}
+        return
+    devices = gpus.sample(nvml)  # a GPU machine: every GPU of the node, with its utilisation
+    assert devices and all(0 <= d["util"] <= 100 and d["mem_used_mib"] > 0 for d in devices)
+
+
+def test_the_per_rank_view_names_the_slowest_rank(tmp_path: Path):
+    with open(tmp_path / "metrics.csv", "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["step", "ranks/step_ms/0", "ranks/step_ms/1", "ranks/step_ms/2", "train/loss"])
+        for step in range(1, 6):
+            writer.writerow([step, 10.0, 10.5, 30.0 if step > 2 else 11.0, 1.0 / step])
+    assert plots.slowest_rank(plots.read_series(tmp_path / "metrics.csv")).startswith("rank 2 slowest")
+    assert plots.plot_ranks(tmp_path) == tmp_path / "ranks.png" and (tmp_path / "ranks.png").stat().st_size
+    assert plots._panel("ranks/step_ms/0") is None and plots._panel("ranks/data_wait/3") == "data_wait"
+
+
+def test_trace_ranks_are_all_one_or_a_list():
+    assert trace.chosen("all", 7) and trace.chosen(3, 3) and not trace.chosen(3, 0)
+    assert trace.chosen([0, 8], 8) and not trace.chosen([0, 8], 1)
+
+
+def _outcome(run: Path) -> dict:
+    return yaml.safe_load((run / "outcome.yaml").read_text())
+
+
+@pytest.mark.slow
+def test_a_slow_loader_is_reported_input_bound_and_a_fast_one_is_not(tmp_path: Path):
+    """20 steps, a window every 4: the loader that sleeps 30 ms per batch warns after the first window;
+    a larger model with a fast loader does not, and its peak memory is larger."""
+    common = ("trainer=cpu", "trainer.max_epochs=1", "trainer.log_every_n_steps=4")
+    slow = train(
+        tmp_path / "slow",
+        *user_overrides("LitClassifier", data="SlowLoaderData"),
+        "+data.sleep_s=0.03",
+        *common,
+    )
+    assert_ok(slow)
+    assert "input-bound: this run spent" in slow.stdout and "data.num_workers" in slow.stdout
+    slow_perf = _outcome(run_dirs(tmp_path / "slow")[0])["performance"]
+    assert slow_perf["data_wait"] > 0.5
+    assert slow_perf["flops_per_sample"] == LIT_CLASSIFIER_FLOPS_PER_SAMPLE
+    assert "MFU not reported on CPUs" in slow.stdout
+
+    wide = train(tmp_path / "wide", *user_overrides("WideClassifier"), "+model.hidden=4096", *common)
+    assert_ok(wide)
+    assert "input-bound" not in wide.stdout
+    wide_run = run_dirs(tmp_path / "wide")[0]
+    wide_perf = _outcome(wide_run)["performance"]
+    assert wide_perf["data_wait"] < 0.2
+    # 17 M parameters and their gradients: 130 MiB more, at least
+    assert wide_perf["peak_mem_mib"] > slow_perf["peak_mem_mib"] + 100, (wide_perf, slow_perf)
+    logged = [r for r in read_metrics(wide_run) if r.get("perf/step_ms")]
+    assert len(logged) == 5 and all(float(r["perf/samples_per_s"]) > 0 for r in logged)
+
+
+@pytest.mark.slow
+def test_a_trace_per_rank_under_ddp(tmp_path: Path):
+    """trainer=ddp_cpu debug=trace: each rank's figures logged by rank 0 and summarised per node, and a
+    trace per rank that opens as JSON with that rank's events."""
+    result = train(
+        tmp_path,
+        *user_overrides("LitClassifier"),
+        "trainer=ddp_cpu",
+        "debug=trace",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=2",
+        env={"PYTHONPATH": str(ROOT)},  # the ranks Lightning starts import the user code too
+    )
+    assert_ok(result)
+    run = run_dirs(tmp_path, task="debug")[0]
+    columns = set(read_metrics(run)[0])
+    for rank in (0, 1):
+        assert {f"ranks/{name}/{rank}" for name in performance.FIGURES} <= columns
+    assert any(c.startswith("nodes/") and c.endswith("/step_ms_max") for c in columns)
+    ranks = _outcome(run)["performance"]["ranks"]
+    assert sorted(ranks) == [0, 1] and all(r["steps"] == 10 for r in ranks.values())
+
+    traces = run / "traces"
+    for rank in (0, 1):
+        recorded = json.loads((traces / f"rank{rank}.json").read_text())
+        assert recorded["distributedInfo"]["rank"] == rank
+        names = {e.get("name", "") for e in recorded["traceEvents"]}
+        assert any(n.startswith("ProfilerStep#") for n in names) and "aten::addmm" in names
+        assert "aten::addmm" in (traces / f"rank{rank}_top_ops.txt").read_text()
+    assert "rank 0's top operations" in result.stdout
