@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from hpctrain import UserError
 from hpctrain.data import check_folds, folds
@@ -228,3 +229,5 @@ def test_a_run_validates_on_its_fold_and_tests_on_the_test_split(tmp_path: Path)
     (run_dir,) = run_dirs(tmp_path)
     rows = read_metrics(run_dir)
     assert 0 <= last_value(rows, "val/acc") <= 1 and 0 <= last_value(rows, "test/acc") <= 1
+    outcome = yaml.safe_load((run_dir / "outcome.yaml").read_text())  # what sweep summaries group
+    assert outcome["test"]["test/acc"] == pytest.approx(last_value(rows, "test/acc"))

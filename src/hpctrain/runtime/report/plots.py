@@ -138,12 +138,19 @@ def slowest_rank(series: dict[str, list[tuple[float, float]]]) -> str:
     return f"rank {rank} slowest, median step {steps[rank]:.1f} ms vs the others' {others:.1f} ms"
 
 
-def plot_sweep(rows: list[dict[str, Any]], varying: list[str], path: Path) -> Path:
-    """The monitored metric per job (bars), or against the one swept number when only one was swept."""
+def plot_sweep(
+    rows: list[dict[str, Any]], varying: list[str], path: Path, groups: list[dict[str, Any]] | None = None
+) -> Path:
+    """The monitored metric per job (bars), or against the one swept number when only one was swept.
+
+    With `groups` (summary_groups.csv's rows) of which one has more than one value: each group's mean
+    with its 95 % confidence interval as the error bar, and its points' values beside it."""
+    metric = next((r["metric"] for r in rows if r["metric"]), "value")
+    if groups and any(int(g.get(f"{metric}_n") or 0) > 1 for g in groups):
+        return _plot_groups(rows, groups, metric, path)
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
     done = [r for r in rows if r["value"] not in (None, "")]
-    metric = next((r["metric"] for r in rows if r["metric"]), "value")
     numbers = _numbers([r["overrides"] for r in done], varying)
     if numbers is not None and len(done) > 1:
         pairs = sorted(zip(numbers, (float(r["value"]) for r in done), strict=True))
@@ -158,6 +165,58 @@ def plot_sweep(rows: list[dict[str, Any]], varying: list[str], path: Path) -> Pa
         axis.bar(range(len(rows)), values, color=colours)
         axis.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=7)
     axis.set_ylabel(metric)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _plot_groups(rows: list[dict[str, Any]], groups: list[dict[str, Any]], metric: str, path: Path) -> Path:
+    """Group means with 95 % intervals, against the one number that names the groups, else as bars."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(groups)), 4))
+    names = [g["group"] for g in groups]
+    keys = {name.split("=", 1)[0] for name in names}
+    numbers = _numbers(names, list(keys)) if len(keys) == 1 and all(" " not in n for n in names) else None
+    if numbers is not None and len(groups) > 1:
+        where = dict(zip(names, numbers, strict=True))
+        axis.set_xlabel(keys.pop())
+        if min(numbers) > 0 and max(numbers) / min(numbers) >= 100:
+            axis.set_xscale("log")
+    else:
+        where = {name: float(i) for i, name in enumerate(names)}
+        axis.set_xticks(
+            range(len(names)),
+            [f"{n} (n={g[f'{metric}_n']})" for n, g in zip(names, groups, strict=True)],
+            rotation=30,
+            ha="right",
+            fontsize=7,
+        )
+    done = [g for g in groups if g.get(f"{metric}_mean") not in (None, "")]
+    done.sort(key=lambda g: where[g["group"]])
+    x = [where[g["group"]] for g in done]
+    means = [float(g[f"{metric}_mean"]) for g in done]
+    low = [
+        m - float(g[f"{metric}_ci95_low"]) if g[f"{metric}_ci95_low"] != "" else 0.0
+        for m, g in zip(means, done, strict=True)
+    ]
+    high = [
+        float(g[f"{metric}_ci95_high"]) - m if g[f"{metric}_ci95_high"] != "" else 0.0
+        for m, g in zip(means, done, strict=True)
+    ]
+    axis.errorbar(
+        x, means, yerr=[low, high], fmt="o-" if numbers is not None else "o", capsize=4, label="mean, 95 % CI"
+    )
+    points = [
+        (where[r["group"]], float(r["value"]))
+        for r in rows
+        if r["value"] not in (None, "") and r.get("group") in where
+    ]
+    if points:
+        axis.scatter(*zip(*points, strict=True), s=12, color="grey", alpha=0.6, zorder=3, label="points")
+    axis.set_ylabel(metric)
+    axis.legend(fontsize=8)
     axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

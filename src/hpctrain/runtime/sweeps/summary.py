@@ -1,9 +1,20 @@
-"""summary.csv and summary.png of a sweep: one row per job, from what each job left in its run dir."""
+"""A sweep's summary, from what each job left in its run dir (`run.yaml`, `outcome.yaml`):
+
+- summary.csv: one row per job (status, overrides, the monitored metric's best value, run dir, SLURM
+  log, error), and the statistics of its group (`group`, `group_n`, `group_mean`, ... of that metric);
+- summary_groups.csv: one row per group of points that differ only in the keys averaged over (`seed`
+  and `data.fold` by default; `hpctrain.runtime.sweeps.groups`): its failed and missing points, named,
+  and per metric (the monitored one, each test metric) n, mean, std, sem and the 95 % interval;
+- summary.png: the metric per job, or each group's mean with its 95 % interval when a group has more
+  than one value.
+"""
 
 from __future__ import annotations
 
 import csv
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +24,21 @@ from omegaconf import DictConfig
 
 from hpctrain.runtime.report import plots
 from hpctrain.runtime.run import records
+from hpctrain.runtime.sweeps.groups import OVER, Group, group_points, point_of
 
 log = logging.getLogger(__package__.split(".")[0])
 
-COLUMNS = ("job", "status", "overrides", "metric", "value", "run_dir", "slurm_log", "error")
+GROUP_COLUMNS = (
+    "group",
+    "group_n",
+    "group_mean",
+    "group_std",
+    "group_sem",
+    "group_ci95_low",
+    "group_ci95_high",
+)
+COLUMNS = ("job", "status", "overrides", "metric", "value", "run_dir", "slurm_log", "error", *GROUP_COLUMNS)
+GROUPS_FILE = "summary_groups.csv"
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
@@ -37,27 +59,30 @@ def _overrides(run_dir: Path, *records: dict[str, Any]) -> list[str]:
 
 
 def rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """One row per job, and the keys whose values differ between jobs (what was swept)."""
+    """One row per job, and the keys whose values differ between jobs (what was swept). Besides its
+    csv cells a row holds its `point` (key -> value of all its overrides) and its `test` metrics."""
     found = []
     for run_dir in job_dirs(sweep_dir):
         outcome, record = records.read_outcome(run_dir), records.read_run_record(run_dir)
         attempts = record.get("attempts") or [{}]
+        overrides = _overrides(run_dir, record, outcome)
         found.append(
             {
                 "job": int(run_dir.name),
                 "status": outcome.get("status") or ("running" if attempts != [{}] else "not started"),
-                "overrides": _overrides(run_dir, record, outcome),
+                "overrides": overrides,
                 "metric": outcome.get("metric") or "",
                 "value": outcome.get("value") if outcome.get("value") is not None else "",
                 "run_dir": str(run_dir),
                 "slurm_log": attempts[-1].get("slurm_log") or "",
                 "error": outcome.get("error") or "",
+                "point": point_of(overrides),
+                "test": outcome.get("test") or {},
             }
         )
     values: dict[str, set[str]] = {}
     for row in found:
-        for override in row["overrides"]:
-            key, _, value = override.lstrip("+~").partition("=")
+        for key, value in row["point"].items():
             values.setdefault(key, set()).add(value)
     varying = sorted(key for key, seen in values.items() if len(seen) > 1 or len(found) == 1)
     for row in found:
@@ -67,35 +92,102 @@ def rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return found, varying
 
 
-def write_summary(
-    sweep_dir: Path, table: list[dict[str, Any]], varying: list[str]
-) -> tuple[Path, Path | None]:
-    """Write <sweep dir>/summary.csv (and summary.png when some job has a value); return their paths."""
-    csv_path = sweep_dir / "summary.csv"
-    with open(csv_path, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=COLUMNS)
+def metrics(table: list[dict[str, Any]]) -> list[str]:
+    """The metrics a sweep's groups summarise: the monitored one, then every test metric recorded."""
+    monitored = next((row["metric"] for row in table if row["metric"]), None)
+    tests = sorted({name for row in table for name in row["test"]} - {monitored})
+    return ([monitored] if monitored else []) + tests
+
+
+def group_rows(groups: list[Group], names: list[str]) -> list[dict[str, Any]]:
+    """summary_groups.csv's rows: per group its points, failed and missing ones named, and per metric
+    n, mean, std, sem and the 95 % interval."""
+    found = []
+    for group in groups:
+        failed, missing = group.failed, group.missing
+        row: dict[str, Any] = {
+            "group": group.name,
+            "points": len(group.points) + len(group.missing_points),
+            "completed": sum(r["status"] == "completed" for r in group.points),
+            "failed": len(failed),
+            "missing": len(missing),
+            "failed_points": "; ".join(failed),
+            "missing_points": "; ".join(missing),
+        }
+        for name in names:
+            row.update(group.stats(name).columns(f"{name}_"))
+        found.append(row)
+    return found
+
+
+def _csv(path: Path, fieldnames: list[str] | tuple[str, ...], table: list[dict[str, Any]]) -> Path:
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=fieldnames, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(table)
-    png = None
+    return path
+
+
+@dataclass
+class Summary:
+    table: list[dict[str, Any]]  # summary.csv's rows, one per job
+    groups: list[dict[str, Any]]  # summary_groups.csv's rows, one per group
+    metric: str  # the monitored metric ("" when no job recorded one)
+    files: list[Path]  # what was written: summary.csv, summary_groups.csv[, summary.png]
+
+
+def summarise(
+    sweep_dir: str | Path, over: Sequence[str] = OVER, group_by: Sequence[str] | None = None
+) -> Summary:
+    """Write <sweep dir>/summary.csv, summary_groups.csv and (when some job has a value) summary.png.
+    Groups: the points that differ only in the keys of `over`; with `group_by`, the points that have the
+    same values of those keys."""
+    sweep_dir = Path(sweep_dir)
+    table, varying = rows(sweep_dir)
+    groups = group_points(table, varying, over, group_by)
+    names = metrics(table)
+    metric = next((row["metric"] for row in table if row["metric"]), "")
+    for group in groups:
+        stats = group.stats(metric).columns("group_")
+        for row in group.points:
+            row.update(stats, group=group.name)
+    summary = group_rows(groups, names)
+    fields = list(summary[0]) if summary else ["group", "points", "completed", "failed", "missing"]
+    files = [_csv(sweep_dir / "summary.csv", COLUMNS, table), _csv(sweep_dir / GROUPS_FILE, fields, summary)]
     if any(row["value"] != "" for row in table):
-        png = plots.plot_sweep(table, varying, sweep_dir / "summary.png")
-    return csv_path, png
+        files.append(plots.plot_sweep(table, varying, sweep_dir / "summary.png", groups=summary))
+    return Summary(table, summary, metric, files)
 
 
-def report(sweep_dir: str | Path) -> None:
-    """Write the summary and log one line per job: status, value, where its run dir and log are."""
-    table, varying = rows(Path(sweep_dir))
-    csv_path, png = write_summary(Path(sweep_dir), table, varying)
-    for row in table:
+def report(sweep_dir: str | Path, over: Sequence[str] = OVER, group_by: Sequence[str] | None = None) -> None:
+    """Write the summary and log one line per job (status, value, where its run dir and log are) and one
+    per group of more than one point (its mean and 95 % interval, what failed or is missing)."""
+    summary = summarise(sweep_dir, over, group_by)
+    for row in summary.table:
         value = f"{row['metric']}={row['value']:.4g}" if isinstance(row["value"], float) else "no value"
         where = row["run_dir"] + (f", log {row['slurm_log']}" if row["slurm_log"] else "")
         why = f": {row['error']}" if row["error"] else ""
         log.info("job %d %s (%s) %s  %s%s", row["job"], row["status"], row["overrides"], value, where, why)
-    log.info("sweep summary: %s%s", csv_path, f" and {png}" if png else "")
+    metric = summary.metric
+    for group in summary.groups:
+        if group["points"] < 2:
+            continue
+        mean = group.get(f"{metric}_mean", "")
+        shown = f"{metric} {mean:.4g}" if mean != "" else "no value"
+        low, high = group.get(f"{metric}_ci95_low", ""), group.get(f"{metric}_ci95_high", "")
+        if low != "":
+            shown += f" (95 % CI {low:.4g} to {high:.4g})"
+        lost = "".join(
+            f"; {kind}: {group[f'{kind}_points']}"
+            for kind in ("failed", "missing")
+            if group[f"{kind}_points"]
+        )
+        log.info("group %s: n=%s, %s%s", group["group"], group.get(f"{metric}_n", 0), shown, lost)
+    log.info("sweep summary: %s", ", ".join(map(str, summary.files)))
 
 
 class SweepSummary(HydraCallback):
-    """Hydra callback: when a sweep (-m) ends, write its summary.csv and summary.png."""
+    """Hydra callback: when a sweep (-m) ends, write its summary (summary.csv, summary_groups.csv, summary.png)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from hpctrain.runtime.run.job import SKIPPED
