@@ -157,7 +157,9 @@ class Outcome:
     status: str = "running"
     error: str | None = None
     ranks: dict[int, dict[str, Any]] | None = None  # per rank: its time per step, and where it went
-    performance: dict[str, Any] | None = None  # data wait, step time, memory, FLOP/s: the job's, per rank, per node
+    performance: dict[str, Any] | None = (
+        None  # data wait, step time, memory, FLOP/s: the job's, per rank, per node
+    )
     signature: str | None = None  # of the composed config, without paths: a re-run sweep skips what matches
     skipped_files: int | None = None  # data.skip_bad=true: files left out as unreadable (rank 0's share)
     test: dict[str, float] | None = None  # the test metrics of a run that tested (sweep summaries group them)
