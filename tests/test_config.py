@@ -150,11 +150,8 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
             for package in LOGGER_PACKAGES:
                 if package in target and importlib.util.find_spec(package) is None:
                     pytest.skip(f"logger={option} needs {package}, an optional extra that is not installed")
-    if (group, option) == ("trainer", "fsdp"):  # Lightning's FSDP needs GPUs: on CPU, one sentence
-        with pytest.raises(UserError, match="Lightning's FSDP runs on GPUs only"):
-            check_config(cfg)
-        assert type(build.strategy(cfg.trainer, cfg.dist)).__name__ == "HydraFSDPStrategy"
-        return
+    if group == "trainer" and option.startswith("fsdp"):  # FSDP2, on GPUs and on CPU alike
+        assert type(build.strategy(cfg.trainer, cfg.dist)).__name__ == "HydraModelParallelStrategy"
     check_config(cfg)
     if group in ("trainer", "callbacks", "debug", "extras"):
         trainer = build.trainer(cfg, tmp_path, logger=False)

@@ -69,6 +69,12 @@ INTERNALS = (
         "tests/test_faults.py::test_an_exception_in_one_rank_ends_the_job_naming_that_rank",
     ),
     Internal(
+        "pytorch_lightning.strategies.model_parallel:ModelParallelStrategy._setup_distributed",
+        "runtime/distributed/fsdp.py",
+        "FSDP2's data-parallel size defaults to all processes over dist.tensor_parallel (Lightning's to the node count)",
+        "tests/test_fsdp.py::test_a_sharded_run_resumed_mid_epoch_ends_as_the_uninterrupted_run",
+    ),
+    Internal(
         "torch.cuda.memory:_record_memory_history",
         "runtime/report/trace.py",
         "debug=trace's CUDA memory snapshot: torch's documented way to record one (no public name yet)",

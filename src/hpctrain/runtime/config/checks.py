@@ -58,15 +58,43 @@ def _resolve_everything(cfg: DictConfig) -> None:
         ) from err
 
 
+def _check_tensor_parallel(cfg: DictConfig, fsdp: bool) -> None:
+    """dist.tensor_parallel needs FSDP2 and a number of processes it divides (when the config fixes it)."""
+    tensor = _value(cfg, "dist.tensor_parallel")
+    if tensor is _ABSENT or tensor in (None, 1):
+        return
+    if not fsdp:
+        raise UserError(
+            f"dist.tensor_parallel={tensor} needs trainer=fsdp or trainer=fsdp_cpu (FSDP2's 2-D mesh); with "
+            f"trainer.strategy={_value(cfg, 'trainer.strategy')} pass dist.tensor_parallel=1."
+        )
+    try:
+        processes = int(_value(cfg, "trainer.num_nodes")) * int(_value(cfg, "trainer.devices"))
+    except (TypeError, ValueError):
+        return  # devices=auto: checked once the processes exist
+    if processes % int(tensor):
+        raise UserError(
+            f"dist.tensor_parallel={tensor} does not divide the {processes} processes "
+            "(trainer.num_nodes x trainer.devices); pass a divisor of it."
+        )
+    raise UserError(
+        f"dist.tensor_parallel={tensor}: the model's config ships no tensor-parallel plan, which hpctrain "
+        "needs to split its layers; train with dist.tensor_parallel=1 (FSDP2 shards the model across all "
+        "processes), or shard it yourself in the LightningModule's configure_model."
+    )
+
+
 def _check_precision(cfg: DictConfig) -> None:
     precision = str(_value(cfg, "trainer.precision"))
     accelerator = str(_value(cfg, "trainer.accelerator") or "auto")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and cluster.visible_gpus() == 0)
-    if str(_value(cfg, "trainer.strategy")) == "fsdp" and (on_cpu or accelerator == "mps"):
+    fsdp = str(_value(cfg, "trainer.strategy")) == "fsdp"
+    if fsdp and accelerator == "mps":
         raise UserError(
-            f"trainer.strategy=fsdp with trainer.accelerator={accelerator}: Lightning's FSDP runs on GPUs only; "
-            "train on GPUs (trainer=fsdp), or use DDP on CPU (trainer=ddp_cpu)."
+            "trainer.strategy=fsdp with trainer.accelerator=mps: FSDP2 runs on CUDA GPUs and CPUs; train on GPUs "
+            "(trainer=fsdp) or on CPU (trainer=fsdp_cpu)."
         )
+    _check_tensor_parallel(cfg, fsdp)
     if on_cpu and precision in ("16", "16-mixed"):
         raise UserError(
             f"trainer.precision={precision} needs a GPU: on CPU, Lightning would silently train in bf16-mixed "

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Mapping
 
 from lightning_fabric.plugins.environments import SLURMEnvironment
-from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
+from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from hpctrain.runtime import cluster
@@ -124,10 +124,6 @@ class _HydraLaunched:
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         # the world size, not devices x nodes: with one GPU per task the trainer has devices=1 per process
         return {"num_replicas": self.world_size, "rank": self.global_rank}  # type: ignore[attr-defined]
-
-
-class HydraFSDPStrategy(_HydraLaunched, FSDPStrategy):
-    """Lightning's FSDP (sharded parameters, gradients and optimizer states) with the Hydra-aware launcher."""
 
 
 class HydraDDPStrategy(_HydraLaunched, DDPStrategy):

@@ -53,8 +53,10 @@ def load(ckpt_path: str | Path) -> Predictor:
     from hpctrain.runtime.run.build import datamodule, model
 
     path = Path(ckpt_path).expanduser()
-    if not path.is_file():
-        raise UserError(f"{path} does not exist; pass a checkpoint file (see <run dir>/checkpoints/).")
+    if not path.exists():
+        raise UserError(
+            f"{path} does not exist; pass a checkpoint file or folder (see <run dir>/checkpoints/)."
+        )
     content = reading.read(path)
     stored = content.get(reading.CONFIG_KEY) or {}
     if "model" not in stored:

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +36,7 @@ from torchmetrics import Metric
 
 from hpctrain.runtime import cluster
 from hpctrain.runtime.distributed import launch, signals
-from hpctrain.runtime.distributed.launch import HydraDDPStrategy, HydraFSDPStrategy
+from hpctrain.runtime.distributed.launch import HydraDDPStrategy
 from hpctrain.runtime.distributed.requeue import RequeueOnSignal
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.report.performance import PerformanceLog
@@ -47,6 +48,7 @@ from hpctrain.runtime.run.callbacks import (
 )
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.runtime.run.checkpoints.extras import CheckpointExtras
+from hpctrain.runtime.run.checkpoints.sharded import consolidate
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 from hpctrain.runtime.run.nonfinite import NonFiniteLoss
 
@@ -65,11 +67,22 @@ class Run:
     requeue: RequeueOnSignal | None  # checkpoints and stops where every rank agrees, on a signal
 
     def fit(self, checkpoint: str | Path | None) -> None:
+        if checkpoint is not None and Path(checkpoint).is_dir() and not _sharded_strategy(self.trainer):
+            raise UserError(
+                f"ckpt_path={checkpoint} is a sharded checkpoint (FSDP2), which continues under trainer=fsdp or "
+                "trainer=fsdp_cpu only; to train it with another strategy, start a new run from its weights: "
+                f"init_from.path={checkpoint}."
+            )
         self.trainer.fit(self.model, self.datamodule, ckpt_path=checkpoint, weights_only=True)
         if self.requeue is not None:
             self.requeue.after_fit(self.trainer)  # a signal during the last validation
 
     def test(self, checkpoint: str | Path | None) -> None:
+        if checkpoint is not None and Path(checkpoint).is_dir() and not _sharded_strategy(self.trainer):
+            with tempfile.TemporaryDirectory() as tmp:  # a sharded checkpoint tested on one process, whole
+                single = consolidate(checkpoint, Path(tmp) / "model.ckpt", safetensors=False)[0]
+                self.trainer.test(self.model, self.datamodule, ckpt_path=single, weights_only=True)
+            return
         self.trainer.test(self.model, self.datamodule, ckpt_path=checkpoint, weights_only=True)
 
     def best_checkpoint(self) -> str | None:
@@ -81,6 +94,12 @@ class Run:
     @property
     def best_value(self) -> float | None:
         return self.monitor.best if self.monitor is not None else None
+
+
+def _sharded_strategy(trainer: Trainer) -> bool:
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    return isinstance(trainer.strategy, ModelParallelStrategy)
 
 
 def configure_process(cfg: DictConfig) -> None:
@@ -360,14 +379,19 @@ def _processes(trainer_cfg: DictConfig) -> int | None:
 
 
 def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None) -> Any:
-    """DDP and FSDP with the Hydra-aware launcher and the configured collective timeout; else as given."""
+    """DDP and FSDP2 with the Hydra-aware launcher and the configured collective timeout; else as given."""
     chosen = trainer_cfg.get("strategy", "auto")
     dist_cfg = dist_cfg or OmegaConf.create({})
     # Created with the startup timeout; RankWatchdog sets dist.timeout_min once the first step is done.
     startup = dist_cfg.get("init_timeout_min") or dist_cfg.get("timeout_min", 30)
     common = {"process_group_backend": dist_cfg.get("backend"), "timeout": timedelta(minutes=float(startup))}
-    if chosen == "fsdp":
-        return HydraFSDPStrategy(**common)
+    if chosen == "fsdp":  # FSDP2 (distributed/fsdp.py: why FSDP1 is gone)
+        from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
+
+        fsdp = OmegaConf.to_container(dist_cfg.get("fsdp") or OmegaConf.create({}), resolve=True)
+        return HydraModelParallelStrategy(
+            fsdp=fsdp, tensor_parallel_size=int(dist_cfg.get("tensor_parallel") or 1), **common
+        )
     if chosen == "ddp" or (chosen == "auto" and _processes(trainer_cfg) not in (None, 1)):
         # passed on to torch's DistributedDataParallel
         ddp_options = {k: True for k in ("find_unused_parameters", "static_graph") if dist_cfg.get(k)}

@@ -37,7 +37,7 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 def newest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newer of requeue.ckpt and last.ckpt in this run dir, if any."""
-    found = [p for name in RESUMABLE if (p := checkpoint_dir(run_dir) / name).is_file()]
+    found = [p for name in RESUMABLE if (p := checkpoint_dir(run_dir) / name).exists()]  # a file, or a folder
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
@@ -79,7 +79,9 @@ class StartPoint:
         from hpctrain.runtime.run.checkpoints import reading
 
         assert self.checkpoint is not None
-        content = reading.read(self.checkpoint)  # once, for both checks
+        content = reading.read(
+            self.checkpoint, weights=False
+        )  # once, for both checks (a folder: shapes only)
         reading.check_matches_model(self.checkpoint, run.model, content=content)
         model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
         return reading.resume_overrides(self.checkpoint, model_cfg, content=content)
@@ -203,14 +205,19 @@ def existing_checkpoint(ckpt_path: str | None) -> Path:
     if ckpt_path in (None, "", "null"):
         raise UserError("ckpt_path is required: pass ckpt_path=<path/to/file.ckpt>.")
     path = Path(str(ckpt_path)).expanduser()
-    if not path.is_file():
+    if not path.exists():
         raise UserError(
-            f"ckpt_path={ckpt_path} does not exist; pass the path of a .ckpt file (see <run dir>/checkpoints/)."
+            f"ckpt_path={ckpt_path} does not exist; pass the path of a .ckpt file or folder (see <run dir>/checkpoints/)."
         )
     return path
 
 
 def remove_partial_saves(run_dir: str | Path) -> None:
-    """Delete what checkpoint saves killed mid-write left behind (never a complete checkpoint)."""
+    """Delete what checkpoint saves killed mid-write left behind (never a complete checkpoint), and put
+    back a checkpoint folder that a kill left set aside."""
+    from hpctrain.runtime.distributed.checkpoint_folders import recover
+
+    recover(checkpoint_dir(run_dir))
     for leftover in checkpoint_dir(run_dir).glob(".*.ckpt.tmp-*"):
-        leftover.unlink(missing_ok=True)
+        if leftover.is_file():
+            leftover.unlink(missing_ok=True)

@@ -97,6 +97,7 @@ class CheckpointExtras(Callback):
         self._trainer: Trainer | None = None
         self._pending: dict[str, Any] | None = None  # the checkpoint's states, until fit starts
         self._state: dict[str, Any] | None = None  # this rank's share, until training starts
+        self._fit_started = False
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -111,9 +112,8 @@ class CheckpointExtras(Callback):
         # Lightning has read the checkpoint's callback states (load_state_dict) but not yet restored its
         # loops, and creates the first train iterator (which draws a plain DataLoader's shuffle seed
         # from the global RNG) before any later hook: every rank's random state comes back here.
-        self._state = self._own_share(trainer)
-        if self._state is not None:
-            restore_rng_state(self._state["rng"])
+        self._fit_started = True
+        self._restore_own_share(trainer)
         # A per-step schedule reads `trainer.estimated_stepping_batches` in configure_optimizers, which
         # builds the train loader (and starts iterating it) before Lightning restores the checkpoint;
         # Lightning then keeps that loader and never gives it its saved position (Lightning #20550), so
@@ -126,13 +126,26 @@ class CheckpointExtras(Callback):
                 loop._data_fetcher = None
             loop._combined_loader = None
 
+    def _restore_own_share(self, trainer: Trainer) -> None:
+        self._state = self._own_share(trainer)
+        if self._state is not None:
+            restore_rng_state(self._state["rng"])
+
     def _own_share(self, trainer: Trainer) -> dict[str, Any] | None:
         """This rank's saved states, once (None when not resuming, or resumed with another world size)."""
         if self._pending is None:
             return None
         per_rank, self._pending = self._pending.get("per_rank", []), None
-        if len(per_rank) != trainer.world_size:
-            return None  # resumed with another number of processes: nothing per rank to restore
+        if len(per_rank) != trainer.world_size:  # resumed with another number of processes
+            if per_rank and trainer.is_global_zero:
+                log.warning(
+                    "resumed on %d process(es) from a checkpoint saved by %d: weights and optimizer states are "
+                    "restored whole, random states start from the seed, and a mid-epoch position goes on at the "
+                    "same batch count per rank (the rest of that epoch may repeat or skip some samples)",
+                    trainer.world_size,
+                    len(per_rank),
+                )
+            return None
         return per_rank[trainer.global_rank]
 
     def state_dict(self) -> dict[str, Any]:
@@ -148,8 +161,13 @@ class CheckpointExtras(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = state_dict
+        if self._fit_started and self._trainer is not None:
+            # a strategy that restores after its setup (FSDP2: ModelParallelStrategy) reads the callback
+            # states after on_fit_start, still before the first train iterator exists
+            self._restore_own_share(self._trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._fit_started = False
         # After Lightning restored the checkpoint, before the first resumed batch is transferred (and
         # augmented: the transfer hooks run before on_train_batch_start).
         state, self._state = self._state, None

@@ -40,6 +40,8 @@ log = logging.getLogger("hpctrain")
 def read_weights(path: str | Path) -> dict[str, Tensor]:
     """The tensors in `path`, whatever kind of weights file it is (see the module docstring)."""
     path = Path(path).expanduser()
+    if path.is_dir():  # a sharded checkpoint folder (FSDP2): checked, then its whole model read
+        return read(path, "init_from.path")["state_dict"]
     if not path.is_file():
         raise UserError(
             f"init_from.path={path} does not exist; pass a checkpoint, a .pt/.pth state dict or a .safetensors file."

@@ -26,9 +26,14 @@ class UnreadableCheckpoint(UserError):
     pass
 
 
-def read(path: str | Path, what: str = "ckpt_path") -> dict[str, Any]:
-    """The checkpoint's contents (tensors memory-mapped, so reading only the config is cheap)."""
+def read(path: str | Path, what: str = "ckpt_path", weights: bool = True) -> dict[str, Any]:
+    """The checkpoint's contents (tensors memory-mapped, so reading only the config is cheap). A sharded
+    checkpoint folder is checked and read whole (`weights=False`: its tensors' shapes only)."""
     path = Path(path)
+    if path.is_dir():
+        from hpctrain.runtime.run.checkpoints import sharded
+
+        return sharded.read_folder(path, what, weights=weights)
     try:
         content = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:

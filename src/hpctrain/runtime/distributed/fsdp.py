@@ -1,0 +1,259 @@
+"""FSDP2 (`fully_shard`), applied from this one place: models know nothing of it.
+
+`trainer=fsdp` (GPUs, nccl) and `trainer=fsdp_cpu` (CPU, gloo) train through Lightning's
+`ModelParallelStrategy`, which expects the LightningModule to shard itself in `configure_model`. A
+module that has no `configure_model` is sharded here instead, from the config (`dist.fsdp`):
+
+- `shard`: the module classes whose instances are sharded one by one (each gathers its parameters
+  only while it runs), then every child of the LightningModule that holds parameters as a root (the
+  network: `fully_shard` on the LightningModule itself would never gather, since `training_step` need
+  not call `forward`). `auto`: the outermost classes the network repeats (a Transformer's blocks, a
+  ResNet's BasicBlocks; for a plain CNN, its layers).
+- `param_dtype` / `reduce_dtype`: FSDP's mixed precision (the compute and the gradient reduction dtype).
+- `activation_checkpointing`: each sharded block recomputes its activations in the backward pass.
+- `cpu_offload`: parameters, gradients and optimizer states live in host memory between uses.
+
+A module with its own `configure_model` is left alone (with `dist.fsdp.shard` set explicitly, the two
+would disagree: refused). Checkpoints are folders, one shard file per rank, committed atomically
+(see `save_checkpoint`); nothing gathers the whole model on one rank.
+
+Why FSDP1 (Lightning's `FSDPStrategy`) is gone: PyTorch keeps it in maintenance in favour of
+`fully_shard`, it ran on GPUs only, and its full-state checkpoints gathered every shard on rank 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from pytorch_lightning.strategies import ModelParallelStrategy
+from pytorch_lightning.utilities.model_helpers import is_overridden
+from torch import nn
+
+from hpctrain.runtime.distributed.checkpoint_folders import commit_folder, record_shards
+from hpctrain.runtime.distributed.launch import _HydraLaunched
+from hpctrain.runtime.errors import UserError
+
+log = logging.getLogger(__package__)
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+SHARD_FILE_SUFFIX = ".distcp"
+
+
+class FSDPOptionsError(UserError):
+    pass
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name in (None, "null", "none"):
+        return None
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise FSDPOptionsError(
+            f"dist.fsdp dtype {name!r} is not a torch dtype; pass bfloat16, float16 or float32."
+        )
+    return dtype
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def roots(module: nn.Module) -> list[nn.Module]:
+    """The children of the LightningModule that hold parameters: the networks, each an FSDP root."""
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise FSDPOptionsError(
+            f"{type(module).__name__} holds parameters of its own ({', '.join(own[:3])}), outside any submodule: "
+            "FSDP shards submodules; move them into a module (e.g. self.net) or use trainer=ddp."
+        )
+    return [child for child in module.children() if _has_parameters(child)]
+
+
+def blocks(networks: Iterable[nn.Module], shard: Any) -> list[nn.Module]:
+    """The instances sharded one by one: of the classes named in `shard`, or under `auto` the outermost
+    classes the networks repeat (containers and parameterless modules aside): blocks made of layers
+    where there are such (a Transformer's, a ResNet's), else the repeated layers (a plain CNN's)."""
+    networks = list(networks)
+    modules = [m for net in networks for m in net.modules() if m not in networks]
+    if shard in (None, "auto"):
+        counts: dict[type, int] = {}
+        for m in modules:
+            if not isinstance(m, CONTAINERS) and _has_parameters(m):
+                counts[type(m)] = counts.get(type(m), 0) + 1
+        repeated = {cls for cls, n in counts.items() if n >= 2}
+        composite = {
+            cls
+            for cls in repeated
+            if any(True for m in modules if type(m) is cls and next(m.children(), None))
+        }
+        chosen = composite or repeated  # blocks of layers where the network has them, else its layers
+    else:
+        names = [shard] if isinstance(shard, str) else list(shard)
+        present = {type(m).__name__ for m in modules}
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise FSDPOptionsError(
+                f"dist.fsdp.shard names {', '.join(missing)}, which the model does not contain; its classes "
+                f"include {', '.join(sorted(present - {'Sequential', 'ModuleList', 'ModuleDict'})[:12])}."
+            )
+        chosen = {type(m) for m in modules if type(m).__name__ in names}
+    found: list[nn.Module] = []
+    for net in networks:
+        _outermost(net, chosen, found)
+    return found
+
+
+def _outermost(module: nn.Module, chosen: set[type], found: list[nn.Module]) -> None:
+    for child in module.children():
+        if type(child) in chosen and _has_parameters(child):
+            found.append(child)
+        else:
+            _outermost(child, chosen, found)
+
+
+def _checkpointed(module: nn.Module) -> None:
+    """Recompute the block's activations in the backward pass (torch.utils.checkpoint, non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = recomputed  # type: ignore[method-assign]
+
+
+def apply_fsdp(module: nn.Module, mesh: Any, options: dict[str, Any]) -> list[nn.Module]:
+    """Shard `module`'s networks as the module docstring says; the blocks sharded one by one."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    param_dtype, reduce_dtype = _dtype(options.get("param_dtype")), _dtype(options.get("reduce_dtype"))
+    if param_dtype or reduce_dtype:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if options.get("cpu_offload"):
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    networks = roots(module)
+    sharded = blocks(networks, options.get("shard", "auto"))
+    for block in sharded:
+        if options.get("activation_checkpointing"):
+            _checkpointed(block)
+        fully_shard(block, **kwargs)
+    for net in networks:
+        fully_shard(net, **kwargs)
+    return sharded
+
+
+class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (FSDP2, DTensor) with the Hydra-aware launcher, the template's
+    sharding for modules without `configure_model`, and checkpoints committed atomically."""
+
+    def __init__(self, fsdp: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=True, **kwargs)
+        self.fsdp_options = dict(fsdp or {})
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return ModelParallelStrategy.distributed_sampler_kwargs.fget(self)  # type: ignore[attr-defined]
+
+    def _setup_distributed(self) -> None:
+        super()._setup_distributed()
+        tensor = self._tensor_parallel_size
+        tensor = 1 if tensor == "auto" else int(tensor)
+        if self.world_size % tensor:
+            raise FSDPOptionsError(
+                f"dist.tensor_parallel={tensor} does not divide the {self.world_size} processes; pass a divisor of "
+                f"{self.world_size}."
+            )
+        self._tensor_parallel_size = tensor
+        if self._data_parallel_size == "auto":  # Lightning's default is the number of nodes
+            self._data_parallel_size = self.world_size // tensor
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        shard = self.fsdp_options.get("shard", "auto")
+        if is_overridden("configure_model", module):
+            if shard not in (None, "auto"):
+                raise FSDPOptionsError(
+                    f"{type(module).__name__} shards itself in configure_model, and dist.fsdp.shard={shard} would "
+                    "shard it again; drop dist.fsdp.shard, or remove configure_model and let hpctrain shard."
+                )
+            return
+        options, mesh = self.fsdp_options, self.device_mesh
+        done: list[bool] = []
+
+        def configure_model() -> None:  # what Lightning calls on every rank, for fit and again for test
+            if done:
+                return
+            done.append(True)
+            names = [type(r).__name__ for r in roots(module)]  # fully_shard renames the classes (FSDP<name>)
+            sharded = apply_fsdp(module, mesh["data_parallel"], options)
+            if self.global_rank == 0:
+                log.info(
+                    "FSDP2: %d block(s) sharded over %d process(es) (%s), then %s as root(s)",
+                    len(sharded),
+                    mesh["data_parallel"].size(),
+                    ", ".join(sorted({type(b).__name__.removeprefix("FSDP") for b in sharded})) or "none",
+                    ", ".join(names),
+                )
+
+        module.configure_model = configure_model  # type: ignore[method-assign]
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        return _agreed_buffers(state, self.lightning_module)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Every rank writes its shard into a new folder beside the target; once all have, rank 0 moves
+        the folder into place (the previous one aside first, then removed). A save cut short leaves the
+        previous checkpoint where it was and the unfinished folder under a hidden name."""
+        path = Path(self.broadcast(str(filepath)))
+        token = self.broadcast(uuid.uuid4().hex[:8])
+        staging = path.with_name(f".{path.name}.tmp-{token}")
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier("hpctrain-sharded-save")
+        if self.global_rank == 0:
+            record_shards(staging)
+            commit_folder(staging, path, token)
+        self.barrier("hpctrain-sharded-commit")
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.global_rank == 0:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _agreed_buffers(state: dict[str, Any], module: Any) -> dict[str, Any]:
+    """Buffers are not sharded: each rank keeps its own, and a distributed checkpoint stores one rank's.
+    Those that differ between ranks (BatchNorm statistics without sync_batchnorm) are averaged over the
+    ranks in what is saved; those that agree are saved as they are, bit for bit."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return state
+    buffers = {name for name, _ in module.named_buffers()}
+    device = module.device
+    for key, value in list(state.items()):
+        if key not in buffers or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        on = value.to(device)  # nccl reduces on the GPU
+        high, low = on.clone(), on.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        if not torch.equal(high, low):
+            mean = on.clone()
+            dist.all_reduce(mean, op=dist.ReduceOp.SUM)
+            state[key] = (mean / dist.get_world_size()).to(value.device)
+    return state

@@ -1,0 +1,155 @@
+"""FSDP2 on CPU (trainer=fsdp_cpu, gloo): the template shards a model that has no configure_model, its
+checkpoints are folders of shards committed atomically, and a run resumed from one ends as the
+uninterrupted run did; the folder is read back, checked and consolidated on one process."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hpctrain.runtime.distributed import checkpoint_folders, fsdp
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.checkpoints import sharded
+from tests.helpers import ROOT, assert_ok, metrics_without_timing, run_dirs, run_entry, run_script, train
+
+QUICK = ("experiment=quickstart", "trainer=fsdp_cpu", "trainer.max_epochs=3", "trainer.log_every_n_steps=5")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.Sequential(Block(), Block(), Block())
+        self.head = nn.Linear(4, 2)
+
+
+class Module(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+        self.metric = nn.Identity()  # no parameters: not a root
+
+
+def test_auto_shards_the_outermost_blocks_the_network_repeats():
+    module = Module()
+    networks = fsdp.roots(module)
+    assert networks == [module.net]
+    assert fsdp.blocks(networks, "auto") == list(module.net.blocks)  # not the Linear layers inside them
+    assert fsdp.blocks(networks, ["LayerNorm"]) == [b.norm for b in module.net.blocks]
+    with pytest.raises(UserError, match=r"dist.fsdp.shard names Attention, which the model does not contain"):
+        fsdp.blocks(networks, ["Attention"])
+    module.scale = nn.Parameter(torch.ones(1))
+    with pytest.raises(UserError, match="holds parameters of its own"):
+        fsdp.roots(module)
+
+
+def test_a_folder_is_committed_whole_and_a_kill_between_the_renames_is_put_right(tmp_path: Path):
+    def folder(name: str, content: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "__0_0.distcp").write_text(content)
+        return path
+
+    target = tmp_path / "last.ckpt"
+    checkpoint_folders.commit_folder(folder(".last.ckpt.tmp-a", "first"), target, "a")
+    assert (target / "__0_0.distcp").read_text() == "first"
+    checkpoint_folders.commit_folder(folder(".last.ckpt.tmp-b", "second"), target, "b")
+    assert (target / "__0_0.distcp").read_text() == "second" and sorted(
+        p.name for p in tmp_path.iterdir()
+    ) == ["last.ckpt"]
+    # killed after the old folder was set aside, before the new one arrived; and an unfinished save
+    target.rename(tmp_path / ".last.ckpt.old-c")
+    folder(".last.ckpt.tmp-c", "half")
+    checkpoint_folders.recover(tmp_path)
+    assert (target / "__0_0.distcp").read_text() == "second" and sorted(
+        p.name for p in tmp_path.iterdir()
+    ) == ["last.ckpt"]
+
+
+def _state(folder: Path) -> dict[str, torch.Tensor]:
+    return sharded.read_folder(folder)["state_dict"]
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumed_mid_epoch_ends_as_the_uninterrupted_run(tmp_path: Path):
+    """Saved at step 15 (mid second epoch, 10 steps per epoch on 2 ranks), resumed from that folder: the
+    final weights are bit-equal and the metrics after the save equal; then the folder is read on one
+    process, continued on one process (2 -> 1), consolidated, tested and refused when broken."""
+    saved = tmp_path / "mid.ckpt"
+    save_at = [
+        "+callbacks.save_at._target_=tests.differential.user_code.SaveAtStep",
+        "+callbacks.save_at.step=15",
+        f"+callbacks.save_at.path={saved}",
+    ]
+    env = {"PYTHONPATH": str(ROOT)}
+    first = train(tmp_path / "a", *QUICK, *save_at, env=env)
+    assert_ok(first)
+    assert (
+        "FSDP2: 4 block(s) sharded over 2 process(es) (Conv2d, Linear), then MNISTCNN as root(s)"
+        in first.stdout
+    )
+    assert sorted(p.name for p in saved.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "meta.pt",
+        "shards.json",
+    ]
+    assert_ok(train(tmp_path / "b", *QUICK, f"ckpt_path={saved}"))
+    (uninterrupted,), (resumed,) = run_dirs(tmp_path / "a"), run_dirs(tmp_path / "b")
+    final = [_state(r / "checkpoints" / "last.ckpt") for r in (uninterrupted, resumed)]
+    assert final[0].keys() == final[1].keys() and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+    tail = [
+        [{k: v for k, v in r.items() if v} for r in metrics_without_timing(run) if int(r["step"]) > 15]
+        for run in (uninterrupted, resumed)
+    ]
+    assert tail[0] and tail[0] == tail[1]
+    assert not list((uninterrupted / "checkpoints").glob(".*"))  # no staging folder left behind
+
+    # 2 -> 1: the saved shards load losslessly into one process and training goes on
+    one = train(tmp_path / "c", "experiment=quickstart", "trainer=fsdp_cpu", "trainer.devices=1",
+                "trainer.max_epochs=3", f"ckpt_path={saved}")  # fmt: skip
+    assert_ok(one)
+
+    # one model out: a single weights-only file and a .safetensors file, equal to the shards
+    out = tmp_path / "model.ckpt"
+    result = run_script("scripts/consolidate.py", str(saved), str(out))
+    assert_ok(result)
+    single = torch.load(out, weights_only=True)
+    assert all(torch.equal(single["state_dict"][k], v) for k, v in _state(saved).items())
+    assert "optimizer_states" not in single and out.with_suffix(".safetensors").is_file()
+    again = run_script("scripts/consolidate.py", str(saved), str(out))
+    assert again.returncode != 0 and "exists; pass another output path" in again.stdout
+
+    # eval of the folder on one process (trainer=cpu), as of the file
+    evaluated = run_entry("eval.py", f"ckpt_path={saved}", "trainer=cpu", f"paths.log_dir={tmp_path / 'e'}")
+    assert_ok(evaluated)
+    assert "test/acc" in evaluated.stdout
+
+    # broken folders: one sentence each
+    missing = tmp_path / "missing.ckpt"
+    shutil.copytree(saved, missing)
+    (missing / "__1_0.distcp").unlink()
+    swapped = tmp_path / "swapped.ckpt"
+    shutil.copytree(saved, swapped)
+    shutil.copy(uninterrupted / "checkpoints" / "last.ckpt" / "__1_0.distcp", swapped / "__1_0.distcp")
+    for folder, sentence in (
+        (missing, "is missing its shard __1_0.distcp"),
+        (swapped, "is not the one this checkpoint was saved with"),
+        (tmp_path / "e", "is a folder but not a checkpoint"),
+    ):
+        refused = run_entry(
+            "eval.py", f"ckpt_path={folder}", "trainer=cpu", f"paths.log_dir={tmp_path / 'r'}"
+        )
+        assert refused.returncode != 0 and sentence in refused.stdout, refused.stdout[-2000:]
