@@ -153,3 +153,28 @@ def test_a_sharded_run_resumed_mid_epoch_ends_as_the_uninterrupted_run(tmp_path:
             "eval.py", f"ckpt_path={folder}", "trainer=cpu", f"paths.log_dir={tmp_path / 'r'}"
         )
         assert refused.returncode != 0 and sentence in refused.stdout, refused.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_whole(tmp_path: Path):
+    """Rank 1 dies while the second epoch's checkpoints are saved: the job ends, and last.ckpt is still
+    the first epoch's, complete and loadable; the next run in that dir clears the unfinished folder."""
+    killed = train(
+        tmp_path,
+        "experiment=quickstart",
+        "trainer=fsdp_cpu",
+        "trainer.max_epochs=2",
+        "+callbacks.kill._target_=tests.differential.user_code.KillRankAtSave",
+        "+callbacks.kill.rank=1",
+        "+callbacks.kill.step=20",
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    assert killed.returncode != 0
+    (run,) = run_dirs(tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+    content = sharded.read_folder(last)
+    assert content["global_step"] == 10 and content["epoch"] == 0  # the first epoch's, whole
+    resumed = train(tmp_path, "experiment=quickstart", "trainer=fsdp_cpu", "trainer.max_epochs=2", f"ckpt_path={last}",
+                    f"hydra.run.dir={run}")  # fmt: skip
+    assert_ok(resumed)
+    assert not list((run / "checkpoints").glob(".*"))

@@ -424,3 +424,48 @@ def _project_copy(target: Path) -> Path:
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the code as submitted"]):
         subprocess.run([*git, *args], check=True, capture_output=True)
     return target
+
+
+def test_a_sharded_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupted_one(
+    slurm_cluster, tmp_path: Path
+):
+    """FSDP2 over two nodes (trainer=fsdp_cpu, one rank per node): USR1 mid-epoch -> a sharded requeue.ckpt
+    folder -> requeue -> the restarted job ends with the uninterrupted job's weights and metrics."""
+    from hpctrain.runtime.run.checkpoints.sharded import read_folder
+
+    overrides = (
+        "experiment=quickstart",
+        "trainer=fsdp_cpu",
+        "trainer.max_epochs=2",
+        "trainer.log_every_n_steps=1",
+        "callbacks.progress.log_every_n_s=0",
+        "+callbacks.slow._target_=tests.differential.user_code.SlowRankCallback",
+        f"paths.log_dir={tmp_path}",
+        "extras.print_config=false",
+    )
+    slow = {"PYTHONPATH": str(ROOT), "SLOW_RANK": "0", "SLOW_S": "0.3"}
+    submit = (f"--output={tmp_path}/%x-%j.out", *CPU_JOB, SBATCH_FILE, *overrides)
+    interrupted = slurm_cluster.sbatch(*submit, cwd=ROOT, env=slow)
+    reference = slurm_cluster.sbatch(*submit, cwd=ROOT, env=slow)
+    deadline = time.monotonic() + 240
+    while "epoch 1/2  step 3/" not in _output(tmp_path, interrupted):
+        assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
+        time.sleep(0.2)
+    assert slurm_cluster.run("scancel", "--signal=USR1", interrupted).returncode == 0
+    for job in (interrupted, reference):
+        info = slurm_cluster.wait(job, timeout_s=400)
+        assert info["JobState"] == "COMPLETED", _output(tmp_path, job)[-4000:]
+    runs = tmp_path / "train" / "runs"
+    resumed, uninterrupted = runs / f"slurm-{interrupted}", runs / f"slurm-{reference}"
+    requeue_ckpt = resumed / "checkpoints" / "requeue.ckpt"
+    log = _output(tmp_path, interrupted)
+    assert f"starting from {requeue_ckpt} (restart 1 of this job)" in log
+    assert (requeue_ckpt / ".metadata").is_file() and len(list(requeue_ckpt.glob("*.distcp"))) == 2
+    final, expected = (
+        read_folder(r / "checkpoints" / "last.ckpt")["state_dict"] for r in (resumed, uninterrupted)
+    )
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in final), [
+        k for k in final if not torch.equal(final[k], expected[k])
+    ]
+    assert metrics_without_timing(resumed) == metrics_without_timing(uninterrupted)

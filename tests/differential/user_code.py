@@ -260,6 +260,17 @@ class SlowRankCallback(Callback):
             time.sleep(float(os.environ["SLOW_S"]))
 
 
+class KillRankAtSave(Callback):
+    """Rank `rank` dies (SIGKILL) as the checkpoint of step `step` is being saved, as a node lost mid-save."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), 9)
+
+
 class ValLossOnly(LitClassifier):
     """Logs nothing during training: only val_loss."""
 
