@@ -6,6 +6,7 @@ scontrol, and their outputs read back.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import time
@@ -55,6 +56,8 @@ def test_two_node_gloo_ddp_job_completes_with_every_logger_and_no_key_in_any_fil
         "experiment=quickstart",
         "trainer.max_epochs=8",  # past 0.9 test accuracy by then; the rest of the 25 proves nothing more here
         "trainer.log_every_n_steps=5",
+        "debug=trace",  # a profiler trace per rank, each on its node
+        "task_name=train",
         "logger=[many,mlflow,wandb]",  # csv + tensorboard, MLflow (a fresh SQLite store), W&B offline
         f"paths.log_dir={tmp_path}",
         cwd=ROOT,
@@ -74,6 +77,8 @@ def test_two_node_gloo_ddp_job_completes_with_every_logger_and_no_key_in_any_fil
         assert {f"ranks/step_ms/{rank}", f"ranks/data_wait/{rank}", f"nodes/{node}/step_ms_max"} <= columns
     ranks = yaml.safe_load((run / "outcome.yaml").read_text())["performance"]["ranks"]
     assert {r: v["host"] for r, v in ranks.items()} == {0: "node1", 1: "node2"}
+    for rank in (0, 1):
+        assert json.loads((run / "traces" / f"rank{rank}.json").read_text())["distributedInfo"]["rank"] == rank
     attempt = yaml.safe_load((run / "run.yaml").read_text())["attempts"][0]
     assert (attempt["launcher"], attempt["world_size"], attempt["slurm_job_id"]) == ("slurm", 2, job)
 
