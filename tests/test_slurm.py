@@ -259,6 +259,11 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
     assert 0 < done_in_epoch < 40, done_in_epoch  # 629 digits / 16 per batch per rank = 40 batches
     record = yaml.safe_load((resumed / "run.yaml").read_text())
     assert [a["slurm_restart_count"] for a in record["attempts"]] == [0, 1]
+    # Its cost counts both attempts; the first saved requeue.ckpt as it ended, so nothing was redone.
+    cost = yaml.safe_load((resumed / "outcome.yaml").read_text())["cost"]
+    assert [(a["ended"], a["processes"]) for a in cost["attempts"]] == [("requeued", 2), ("completed", 2)]
+    assert cost["attempts"][0]["redone_hours"] == 0 and cost["total"]["attempts"] == 2
+    assert cost["total"]["device_hours"] == pytest.approx(sum(a["device_hours"] for a in cost["attempts"]))
     # Both attempts ran the code as submitted, not the project's code edited since.
     assert record["git"]["snapshot"] == str(snapshot) and "edited after submission" not in log
 

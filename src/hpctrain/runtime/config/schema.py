@@ -177,6 +177,20 @@ KEYS: tuple[Key, ...] = (
         "how often ranks agree on signals; auto: about once a second",
     ),
     Key(
+        "requeue.max_attempts",
+        {"type": ["integer", "null"], "minimum": 1},
+        "a positive integer or null (no cap)",
+        "10",
+        "attempt N of a SLURM job stops instead of requeueing again",
+    ),
+    Key(
+        "requeue.signal_lead_s",
+        POSITIVE_NUMBER,
+        "a positive number of seconds",
+        "90",
+        "how long before the time limit the signal comes: the N of #SBATCH --signal=SIGUSR1@N",
+    ),
+    Key(
         "nan.action", {"enum": ["stop", "off"]}, "stop or off", "off", "what a non-finite training loss does"
     ),
     Key("nan.check_every_n_steps", _int(1), "a positive integer", "100", "steps between looks at the loss"),

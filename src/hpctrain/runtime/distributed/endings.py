@@ -3,7 +3,8 @@
     completed  it returned (or exited with status 0)
     refused    a mistake the template recognised (UserError): one sentence, exit status 2
     requeued   a signal under SLURM: checkpoint, `scontrol requeue`, the job comes back
-    stopped    a signal (SIGTERM) elsewhere, or Ctrl-C: checkpoint if training, exit 143
+    stopped    a signal (SIGTERM) elsewhere, or Ctrl-C: checkpoint if training, exit 143; or a requeue
+               budget spent (`Stopped`: its sentence, exit status 2)
     exited     sys.exit with a non-zero status (its own message was printed already)
     failed     anything else: a crash, reported with the rank that failed first (watchdog)
 
@@ -27,6 +28,11 @@ COMPLETED, REFUSED, REQUEUED, STOPPED, EXITED, FAILED = (
 )
 
 
+class Stopped(UserError):
+    """The job ends on purpose before it completed, said in one sentence like a mistake (`error: ...`,
+    exit status 2) and recorded as stopped: a requeue budget was spent (hpctrain.runtime.run.attempts)."""
+
+
 @dataclass(frozen=True)
 class Ending:
     status: str
@@ -40,6 +46,8 @@ class Ending:
 def ending(err: BaseException | None) -> Ending:
     if err is None:
         return Ending(COMPLETED)
+    if isinstance(err, Stopped):
+        return Ending(STOPPED, str(err))
     if isinstance(err, UserError):
         return Ending(REFUSED, str(err))
     if isinstance(err, Interrupted):

@@ -125,10 +125,15 @@ class RequeueOnSignal(Callback):
 
     def _save(self, trainer: Trainer, code: int, where: str) -> signals.Interrupted:
         # Every rank takes part, rank 0 writes (atomically, see AtomicCheckpointIO), then all wait for it.
+        started = time.perf_counter()
         trainer.save_checkpoint(self.checkpoint_path)
         if trainer.is_global_zero:
             log.info(
-                "signal received %s: saved %s at step %d", where, self.checkpoint_path, trainer.global_step
+                "signal received %s: saved %s at step %d in %.1f s",
+                where,
+                self.checkpoint_path,
+                trainer.global_step,
+                time.perf_counter() - started,
             )
         trainer.strategy.barrier("checkpoint_on_signal")
         return signals.Interrupted(code, self.checkpoint_path, where)

@@ -7,7 +7,8 @@ the trainer always gets:
   collective timeout from `dist.timeout_min`;
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
 - `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
-  `NonFiniteLoss` (`nan.*`) and, when `requeue.enabled`, `RequeueOnSignal`.
+  `NonFiniteLoss` (`nan.*`), `AttemptProgress` (run.yaml; a save too slow for `requeue.signal_lead_s`)
+  and, when `requeue.enabled`, `RequeueOnSignal`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hpctrain.runtime.distributed.requeue import RequeueOnSignal
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.report.performance import PerformanceLog
 from hpctrain.runtime.run.callbacks import (
+    AttemptProgress,
     MonitoredMetric,
     RankWatchdog,
     SharedRunDirCheck,
@@ -306,6 +308,14 @@ def own_callbacks(
     return monitored, on_signal
 
 
+def _attempt_progress(cfg: DictConfig) -> AttemptProgress:
+    """This attempt's progress in run.yaml; with requeue on, the check of a save against the signal's lead."""
+    requeue = cfg.get("requeue") or {}
+    if not requeue.get("enabled"):
+        return AttemptProgress()
+    return AttemptProgress(requeue.get("signal_lead_s", 90), str(requeue.get("signal", "SIGUSR1")))
+
+
 def _timeout_min(cfg: DictConfig) -> float:
     return (cfg.get("dist") or {}).get("timeout_min", 30)
 
@@ -337,7 +347,7 @@ def callbacks(
     if training:
         # what eval, predict, export and hpctrain.load rebuild the run from
         stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in STORED_GROUPS if k in cfg}
-        chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir))]
+        chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir)), _attempt_progress(cfg)]
         nan = cfg.get("nan") or {}
         if nan.get("action", "stop") == "stop":
             chosen.append(NonFiniteLoss(run_dir, nan.get("check_every_n_steps", 50)))

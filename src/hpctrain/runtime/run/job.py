@@ -34,7 +34,7 @@ from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
 from hpctrain.runtime.distributed import failures, positions, signals, stacks, watchdog
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
-from hpctrain.runtime.run import records
+from hpctrain.runtime.run import attempts, records
 
 log = logging.getLogger("hpctrain")
 
@@ -59,6 +59,7 @@ class Job:
             records.outcome_recorded(self.run_dir, metric, self.overrides, in_sweep=in_multirun())
         )
         self.outcome.signature = records.config_signature(self.cfg)
+        self._stack.enter_context(attempts.attempt_recorded(self.run_dir, self.outcome))  # run.yaml, cost
         try:
             self._preflight()
         except BaseException:
@@ -118,7 +119,9 @@ class Job:
 
             reading.check_matches_model(self.checkpoint, run.model)
         if cluster.is_rank_zero():
-            self._write_record(cfg, run.trainer.world_size)
+            cpus = cluster.cpus_per_process(cfg.trainer.get("devices"))[0]
+            devices = attempts.devices_of(type(run.trainer.accelerator).__name__, cpus)
+            self._write_record(cfg, run.trainer.world_size, devices)
             if training:
                 build.log_hyperparameters(run.trainer, cfg)
             console.warn_if_bf16_is_emulated(run.trainer, cfg.trainer.precision)
@@ -130,25 +133,35 @@ class Job:
         """What `build` does for a job without a trainer (one process): the config printed if `extras`
         asks, and the run's record (config.yaml, run.yaml, .hydra/) written."""
         console.apply_extras(self.cfg)
-        self._write_record(self.cfg, world_size=1)
+        self._write_record(self.cfg, 1, attempts.devices_of("cpu", cluster.cpus_per_process(1)[0]))
 
-    def _write_record(self, cfg: DictConfig, world_size: int) -> None:
+    def _write_record(self, cfg: DictConfig, world_size: int, devices: dict[str, Any]) -> None:
         records.write_run_record(cfg, self.run_dir, self.overrides, CODE_ROOT, world_size, self.hydra_cfg)
+        attempts.begin(self.run_dir, devices)
 
     @contextmanager
     def running(self, run: Any) -> Iterator[None]:
-        """Around fit and test: on a recorded signal, requeue (SLURM) or stop (exit 143); then end the
-        process group and the local ranks, in order, however the block ended."""
+        """Around fit and test: on a recorded signal, requeue (SLURM) or stop (exit 143), or, when the
+        requeue budget is spent, stop with its sentence (`attempts`); then end the process group and the
+        local ranks, in order, however the block ended."""
         from hpctrain.runtime.distributed import launch
         from hpctrain.runtime.distributed.requeue import requeue_and_wait
+        from hpctrain.runtime.run.checkpoints import newest_checkpoint
 
         completed = False
         try:
             yield
             completed = True
         except signals.Interrupted as interrupted:
+            step, saved = run.trainer.global_step, interrupted.checkpoint
+            attempts.note_end(step, saved)
+            if interrupted.requeue:
+                last = saved or newest_checkpoint(self.run_dir)
+                attempts.stop_if_budget_spent(self.cfg.get("requeue"), self.run_dir, step, last)
+                attempts.record_requeue(step, saved)
             requeue_and_wait(interrupted)  # SLURM requeues the job and ends every rank; SIGTERM: exit 143
         finally:
+            attempts.note_end(run.trainer.global_step, None)
             if self.outcome is not None and run.monitor is not None:
                 # the best value so far, however the block ended (a test that failed after fit, too)
                 self.outcome.metric, self.outcome.value = run.monitor.metric, run.best_value

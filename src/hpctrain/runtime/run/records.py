@@ -163,6 +163,7 @@ class Outcome:
     signature: str | None = None  # of the composed config, without paths: a re-run sweep skips what matches
     skipped_files: int | None = None  # data.skip_bad=true: files left out as unreadable (rank 0's share)
     test: dict[str, float] | None = None  # the test metrics of a run that tested (sweep summaries group them)
+    cost: dict[str, Any] | None = None  # device-hours per attempt and in total, work redone (run.attempts)
 
 
 @contextmanager
@@ -212,6 +213,8 @@ def outcome_recorded(
                 record["skipped_files"] = outcome.skipped_files
             if outcome.test:
                 record["test"] = outcome.test
+            if outcome.cost:
+                record["cost"] = outcome.cost
             with suppress(OSError):  # an unwritable run dir has already been reported
                 write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
 

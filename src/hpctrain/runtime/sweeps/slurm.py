@@ -8,8 +8,8 @@ What this adds to hydra-submitit-launcher 1.2:
 - the allocation comes from the trainer: nodes = trainer.num_nodes, tasks per node = trainer.devices
   (one task per device), GPUs per node = trainer.devices on GPU trainers; the launcher submits one
   allocation for the whole sweep, so sweeping those values is refused with a sentence;
-- one owner for the time limit: the template. Jobs get `--signal=<requeue.signal>@90 --requeue`
-  instead of submitit's USR2, which therefore never arrives, and the template's handlers (installed
+- one owner for the time limit: the template. Jobs get `--signal=<requeue.signal>@<requeue.signal_lead_s>
+  --requeue` instead of submitit's USR2, which therefore never arrives, and the template's handlers (installed
   when each job starts) checkpoint, `scontrol requeue` the array task and resume it in the same run
   dir. submitit's own resubmission is never used: it would start the job over with another job id
   (another run dir) and, with Lightning, the checkpoint would be taken inside a signal handler;
@@ -26,6 +26,7 @@ What this adds to hydra-submitit-launcher 1.2:
 from __future__ import annotations
 
 import logging
+import math
 import shlex
 import sys
 from collections.abc import Sequence
@@ -100,8 +101,9 @@ class SlurmLauncher(SubmititSlurmLauncher):
             if params.get(key) is None:
                 params.pop(key, None)
         requeue_signal = str(OmegaConf.select(self.config, "requeue.signal", default="SIGUSR1"))
+        lead_s = math.ceil(float(OmegaConf.select(self.config, "requeue.signal_lead_s", default=90)))
         extra = dict(params.pop("additional_parameters", None) or {})
-        extra.setdefault("signal", f"{requeue_signal}@90")  # the template's, replacing submitit's USR2
+        extra.setdefault("signal", f"{requeue_signal}@{lead_s}")  # the template's, replacing submitit's USR2
         extra.setdefault("requeue", True)
         params["additional_parameters"] = extra
         root_dir = OmegaConf.select(self.config, "paths.root_dir")

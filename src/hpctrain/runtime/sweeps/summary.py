@@ -1,10 +1,12 @@
 """A sweep's summary, from what each job left in its run dir (`run.yaml`, `outcome.yaml`):
 
 - summary.csv: one row per job (status, overrides, the monitored metric's best value, run dir, SLURM
-  log, error), and the statistics of its group (`group`, `group_n`, `group_mean`, ... of that metric);
+  log, error), the statistics of its group (`group`, `group_n`, `group_mean`, ... of that metric) and
+  its cost (`attempts`, `wall_hours`, `device_hours`, `redone_device_hours`, `cost_unit`);
 - summary_groups.csv: one row per group of points that differ only in the keys averaged over (`seed`
   and `data.fold` by default; `hpctrain.runtime.sweeps.groups`): its failed and missing points, named,
-  and per metric (the monitored one, each test metric) n, mean, std, sem and the 95 % interval;
+  per metric (the monitored one, each test metric) n, mean, std, sem and the 95 % interval, and the
+  sum of its points' cost;
 - summary.png: the metric per job, or each group's mean with its 95 % interval when a group has more
   than one value.
 """
@@ -24,6 +26,7 @@ from omegaconf import DictConfig
 
 from hpctrain.runtime.report import plots
 from hpctrain.runtime.run import records
+from hpctrain.runtime.run.attempts import COST_COLUMNS, cost_cells, summed_cost
 from hpctrain.runtime.sweeps.groups import OVER, Group, group_points, point_of
 
 log = logging.getLogger(__package__.split(".")[0])
@@ -37,7 +40,11 @@ GROUP_COLUMNS = (
     "group_ci95_low",
     "group_ci95_high",
 )
-COLUMNS = ("job", "status", "overrides", "metric", "value", "run_dir", "slurm_log", "error", *GROUP_COLUMNS)
+COLUMNS = (
+    *("job", "status", "overrides", "metric", "value", "run_dir", "slurm_log", "error"),
+    *GROUP_COLUMNS,
+    *COST_COLUMNS,  # the run's cost in total (outcome.yaml `cost`); per group: their sums
+)
 GROUPS_FILE = "summary_groups.csv"
 
 
@@ -78,6 +85,7 @@ def rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
                 "error": outcome.get("error") or "",
                 "point": point_of(overrides),
                 "test": outcome.get("test") or {},
+                **cost_cells(outcome.get("cost")),
             }
         )
     values: dict[str, set[str]] = {}
@@ -116,6 +124,7 @@ def group_rows(groups: list[Group], names: list[str]) -> list[dict[str, Any]]:
         }
         for name in names:
             row.update(group.stats(name).columns(f"{name}_"))
+        row.update(summed_cost(group.points))
         found.append(row)
     return found
 
@@ -183,6 +192,15 @@ def report(sweep_dir: str | Path, over: Sequence[str] = OVER, group_by: Sequence
             if group[f"{kind}_points"]
         )
         log.info("group %s: n=%s, %s%s", group["group"], group.get(f"{metric}_n", 0), shown, lost)
+    spent = summed_cost(summary.table)
+    if spent["cost_unit"]:
+        log.info(
+            "sweep cost: %.4g %s in %d attempt(s), %.4g of them redone",
+            spent["device_hours"],
+            spent["cost_unit"],
+            spent["attempts"],
+            spent["redone_device_hours"],
+        )
     log.info("sweep summary: %s", ", ".join(map(str, summary.files)))
 
 

@@ -6,7 +6,9 @@ own writer stages the file in /tmp and moves it, which on another filesystem is 
 cut short). It keeps only the plain values of what `save_hyperparameters()` recorded
 (`plain_hyperparameters`): a network or a partial optimizer kept there would make the file unreadable
 with `weights_only=True`, and hpctrain rebuilds every model from its config, never from those. The
-first checkpoint of a process is checked whole (`check_readable`) before it is written.
+first checkpoint of a process is checked whole (`check_readable`) before it is written. Each save is
+timed (`last_save`): the run warns when a save does not fit in the requeue signal's lead
+(hpctrain.runtime.run.callbacks.AttemptProgress).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import logging
 import os
 import pickle
 import re
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -32,14 +36,28 @@ from hpctrain.runtime.run.checkpoints.reading import UnreadableCheckpoint
 log = logging.getLogger(__package__)
 
 
+@dataclass(frozen=True)
+class Save:
+    """One checkpoint written: where, at which step, when it was done (seconds since the epoch) and how
+    long it took."""
+
+    path: str
+    step: int | None
+    at: float
+    seconds: float
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """torch.save into `.<name>.tmp-<pid>` beside the target, fsync, then an atomic rename."""
+
+    last_save: Save | None = None  # the newest save of this process
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
+        started = time.perf_counter()
         checkpoint = self._plain(checkpoint)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +70,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+        seconds = time.perf_counter() - started
+        self.last_save = Save(str(path), checkpoint.get("global_step"), time.time(), seconds)
 
     _checked = False  # the first checkpoint of the process is checked for objects, then said once
 
