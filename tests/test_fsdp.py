@@ -178,3 +178,18 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_whole(tmp_path: P
                     f"hydra.run.dir={run}")  # fmt: skip
     assert_ok(resumed)
     assert not list((run / "checkpoints").glob(".*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp_cpu", "ddp_cpu"])
+def test_an_asynchronous_save_writes_what_a_synchronous_one_does(tmp_path: Path, strategy: str):
+    """checkpoints.async_save=true: the state copied at the save is what lands on disk, committed whole,
+    under FSDP2's folders and under DDP's single files alike."""
+    common = ("experiment=quickstart", f"trainer={strategy}", "trainer.max_epochs=1", "test=false")
+    assert_ok(train(tmp_path / "sync", *common))
+    assert_ok(train(tmp_path / "async", *common, "checkpoints.async_save=true"))
+    (sync,), (asynchronous,) = run_dirs(tmp_path / "sync"), run_dirs(tmp_path / "async")
+    read = _state if strategy == "fsdp_cpu" else lambda p: torch.load(p, weights_only=True)["state_dict"]
+    expected, written = (read(r / "checkpoints" / "last.ckpt") for r in (sync, asynchronous))
+    assert expected.keys() == written.keys() and all(torch.equal(expected[k], written[k]) for k in expected)
+    assert not list((asynchronous / "checkpoints").glob(".*"))  # nothing left half-written

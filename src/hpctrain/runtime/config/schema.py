@@ -232,6 +232,13 @@ KEYS: tuple[Key, ...] = (
         "DDP: the graph is the same every step",
     ),
     Key(
+        "checkpoints.async_save",
+        {"type": "boolean"},
+        "true or false",
+        "true",
+        "write checkpoints while training goes on",
+    ),
+    Key(
         "dist.tensor_parallel",
         {"type": "integer", "minimum": 1},
         "a whole number, 1 or more",

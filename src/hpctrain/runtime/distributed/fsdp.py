@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
+import threading
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,6 +40,8 @@ from torch import nn
 from hpctrain.runtime.distributed.checkpoint_folders import commit_folder, record_shards
 from hpctrain.runtime.distributed.launch import _HydraLaunched
 from hpctrain.runtime.errors import UserError
+
+META_FILE = "meta.pt"  # Lightning's name for its part of a sharded checkpoint
 
 log = logging.getLogger(__package__)
 
@@ -156,9 +159,12 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy (FSDP2, DTensor) with the Hydra-aware launcher, the template's
     sharding for modules without `configure_model`, and checkpoints committed atomically."""
 
-    def __init__(self, fsdp: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, fsdp: dict[str, Any] | None = None, async_save: bool = False, **kwargs: Any) -> None:
         super().__init__(save_distributed_checkpoint=True, **kwargs)
         self.fsdp_options = dict(fsdp or {})
+        self.async_save = bool(async_save)
+        self._in_flight: Any = None  # the asynchronous save being written
+        self._save_group: Any = None  # its own gloo process group (on the default one, DCP's save hangs)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
@@ -214,17 +220,50 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Every rank writes its shard into a new folder beside the target; once all have, rank 0 moves
-        the folder into place (the previous one aside first, then removed). A save cut short leaves the
-        previous checkpoint where it was and the unfinished folder under a hidden name."""
+        the folder into place (checkpoint_folders). With `checkpoints.async_save`, the state is copied
+        to host memory, training goes on while a thread writes it, and the folder is moved into place
+        when the write completed; one save is in flight at a time."""
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(uuid.uuid4().hex[:8])
         staging = path.with_name(f".{path.name}.tmp-{token}")
-        super().save_checkpoint(checkpoint, staging, storage_options)
-        self.barrier("hpctrain-sharded-save")
+        if not self.async_save:
+            super().save_checkpoint(checkpoint, staging, storage_options)
+            self.barrier("hpctrain-sharded-save")
+            if self.global_rank == 0:
+                record_shards(staging)
+                commit_folder(staging, path, token)
+            self.barrier("hpctrain-sharded-commit")
+            return
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        self.wait_for_saves()
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")
+        staging.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self.global_rank == 0:
-            record_shards(staging)
-            commit_folder(staging, path, token)
-        self.barrier("hpctrain-sharded-commit")
+            torch.save(checkpoint, staging / META_FILE)
+        future = dcp.async_save(state, checkpoint_id=staging, process_group=self._save_group)
+        committed = threading.Event()
+        if self.global_rank == 0:  # DCP's future ends after every rank's shard and the index are written
+            future.add_done_callback(functools.partial(_commit_when_written, staging, path, token, committed))
+        else:
+            committed.set()
+        self._in_flight = (future, committed)
+
+    def wait_for_saves(self) -> None:
+        """Until the asynchronous save in flight (if any) is written and, on rank 0, moved into place."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            future, committed = in_flight
+            future.result()
+            committed.wait()  # the callback may still run after result() returned
+
+    def teardown(self) -> None:
+        self.wait_for_saves()  # the best checkpoint is tested next, and a process must not end mid-write
+        super().teardown()
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.global_rank == 0:
@@ -233,6 +272,20 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
+
+
+def _commit_when_written(staging: Path, path: Path, token: str, committed: Any, future: Any) -> None:
+    """Rank 0, in DCP's writer thread once the save completed: the folder into place."""
+    try:
+        future.result()
+        record_shards(staging)
+        commit_folder(staging, path, token)
+    except (
+        Exception
+    ) as err:  # the previous checkpoint stays; the unfinished folder is cleared at the next start
+        log.warning("the asynchronous save of %s failed (%s); the previous checkpoint is kept", path, err)
+    finally:
+        committed.set()
 
 
 def _agreed_buffers(state: dict[str, Any], module: Any) -> dict[str, Any]:

@@ -127,6 +127,7 @@ class RequeueOnSignal(Callback):
         # Every rank takes part, rank 0 writes (atomically, see AtomicCheckpointIO), then all wait for it.
         started = time.perf_counter()
         trainer.save_checkpoint(self.checkpoint_path)
+        wait_for_saves(trainer)  # checkpoints.async_save: written and in place before the job requeues
         if trainer.is_global_zero:
             log.info(
                 "signal received %s: saved %s at step %d in %.1f s",
@@ -184,6 +185,14 @@ class RequeueOnSignal(Callback):
         (code,) = self._agree()
         if code != signals.NO_SIGNAL:
             raise signals.Interrupted(int(code), None, where)
+
+
+def wait_for_saves(trainer: Trainer) -> None:
+    """Until every asynchronous checkpoint write (checkpoints.async_save) is complete and in place."""
+    for owner in (trainer.strategy, getattr(trainer.strategy, "checkpoint_io", None)):
+        wait = getattr(owner, "wait_for_saves", None)
+        if callable(wait):
+            wait()
 
 
 def requeue_and_wait(interrupted: signals.Interrupted, wait_s: float = REQUEUE_WAIT_S) -> None:

@@ -49,6 +49,7 @@ from hpctrain.runtime.run.callbacks import (
     no_monitor_note,
 )
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
+from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpointIO
 from hpctrain.runtime.run.checkpoints.extras import CheckpointExtras
 from hpctrain.runtime.run.checkpoints.sharded import consolidate
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
@@ -388,7 +389,7 @@ def _processes(trainer_cfg: DictConfig) -> int | None:
         return None
 
 
-def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None) -> Any:
+def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None, async_save: bool = False) -> Any:
     """DDP and FSDP2 with the Hydra-aware launcher and the configured collective timeout; else as given."""
     chosen = trainer_cfg.get("strategy", "auto")
     dist_cfg = dist_cfg or OmegaConf.create({})
@@ -400,7 +401,10 @@ def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None) -> Any:
 
         fsdp = OmegaConf.to_container(dist_cfg.get("fsdp") or OmegaConf.create({}), resolve=True)
         return HydraModelParallelStrategy(
-            fsdp=fsdp, tensor_parallel_size=int(dist_cfg.get("tensor_parallel") or 1), **common
+            fsdp=fsdp,
+            async_save=async_save,
+            tensor_parallel_size=int(dist_cfg.get("tensor_parallel") or 1),
+            **common,
         )
     if chosen == "ddp" or (chosen == "auto" and _processes(trainer_cfg) not in (None, 1)):
         # passed on to torch's DistributedDataParallel
@@ -444,14 +448,18 @@ def trainer(
     **overrides: Any,
 ) -> Trainer:
     """The Trainer for `cfg.trainer`; keyword arguments replace config entries (e.g. logger=False)."""
+    asynchronous = bool((cfg.get("checkpoints") or {}).get("async_save", False))
     chosen_loggers = overrides.pop("logger", None)
     if chosen_loggers is None:
         chosen_loggers = loggers(cfg)
     kwargs: dict[str, Any] = {
         "logger": chosen_loggers or False,
         "callbacks": callbacks(cfg, run_dir, has_logger=bool(chosen_loggers), training=training, sweep=sweep),
-        "strategy": strategy(cfg.trainer, cfg.get("dist")),
-        "plugins": [launch.lightning_cluster_environment(), AtomicCheckpointIO()],
+        "strategy": strategy(cfg.trainer, cfg.get("dist"), asynchronous),
+        "plugins": [
+            launch.lightning_cluster_environment(),
+            AsyncAtomicCheckpointIO() if asynchronous else AtomicCheckpointIO(),
+        ],
     }
     if cluster.one_gpu_per_task() and str(cfg.trainer.get("accelerator")) in cluster.GPU_ACCELERATORS:
         kwargs["devices"] = 1  # each task drives the one GPU SLURM bound to it (cluster.one_gpu_per_task)

@@ -1,0 +1,48 @@
+"""`checkpoints.async_save=true` for single-file checkpoints (DDP, one process; FSDP2's folders are
+written asynchronously by its strategy, hpctrain.runtime.distributed.fsdp).
+
+The checkpoint is copied to host memory in the training thread (the only part training waits for), then
+one writer thread saves it as `AtomicCheckpointIO` does: into a temporary file, renamed into place once
+written, so a checkpoint appears whole or not at all. One save is in flight at a time; a requeue, the
+end of fit and the process's end wait for it (`wait_for_saves`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+
+
+class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-checkpoint-writer")
+        self._in_flight: Future[None] | None = None
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        self.wait_for_saves()
+        checkpoint = self._plain(checkpoint)  # its first check refuses here, in the training thread
+        on_host = apply_to_collection(checkpoint, Tensor, lambda t: t.detach().to("cpu", copy=True))
+        self._in_flight = self._writer.submit(
+            AtomicCheckpointIO.save_checkpoint, self, on_host, path, storage_options
+        )
+
+    def wait_for_saves(self) -> None:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.wait_for_saves()  # never remove a file the writer is about to put in place
+        super().remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.wait_for_saves()
+        super().teardown()
