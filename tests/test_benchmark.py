@@ -48,3 +48,17 @@ def test_the_data_benchmark_reports_every_loader_at_every_size(tmp_path: Path):
         assert all(row[kind]["images_per_s"] > 0 for kind in ("plain", "folder", "shards")), row
         assert row["train_images"] > 0 and row["staging"]["stage_s_per_gb"] > 0
     assert "data at scale, 2 MB" in result.stdout
+
+
+def test_the_fsdp_benchmark_reports_memory_throughput_and_saves(tmp_path: Path):
+    out = tmp_path / "fsdp.json"
+    result = run_script("scripts/dev/fsdp_benchmark.py", "--tiny", "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["step_s"]) == {"ddp", "fsdp", "bare"} and all(v > 0 for v in report["step_s"].values())
+    # FSDP2 holds a share of the model per rank, never the whole: below DDP's, whatever the machine's speed
+    assert 0 < report["state_bytes_per_rank"]["fsdp"] < report["state_bytes_per_rank"]["ddp"]
+    for variant in ("ddp", "fsdp"):
+        saves = report["saves"][variant]
+        assert saves["sync_done_s"] > 0 and saves["async_done_s"] >= saves["async_stall_s"] > 0
+    assert all(size > 0 for size in report["saves"]["fsdp"]["bytes_per_rank"])  # every rank wrote its shard
