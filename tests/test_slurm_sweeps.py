@@ -1,10 +1,11 @@
 """Sweeps as SLURM jobs on the real two-node cluster: a job-array grid (4 concurrent jobs logging to csv,
 TensorBoard and MLflow), the SLURM launcher (results collected, a preempted job resuming), and an
-Optuna study whose trials are SLURM jobs."""
+Optuna study whose trials are SLURM jobs (and whose trials' repeats over seeds are one job array)."""
 
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -206,6 +207,39 @@ def test_an_optuna_study_through_the_slurm_launcher(slurm_cluster, tmp_path: Pat
     (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
     assert [r["status"] for r in _rows(sweep)] == ["completed", "completed"]
     assert yaml.safe_load((sweep / "optuna_best.yaml").read_text())["completed"] == 2
+
+
+def test_an_optuna_trials_repeats_are_slurm_jobs_of_one_array(slurm_cluster, tmp_path: Path):
+    """hydra.sweeper.repeats=2 with n_jobs=2: both trials' 4 jobs are submitted at once, as one array."""
+    result = slurm_cluster.run(
+        PYTHON,
+        "src/train.py",
+        "-m",
+        "hparams_search=quickstart_optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.repeats=2",
+        *LAUNCHER,
+        "trainer=ddp_cpu",
+        "trainer.num_nodes=1",
+        "trainer.devices=1",
+        *QUICK,
+        "test=false",
+        f"paths.log_dir={tmp_path}",
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
+    rows = _rows(sweep)
+    assert [r["status"] for r in rows] == ["completed"] * 4
+    submitted = re.findall(r"job (\d): SLURM job (\d+)_(\d)", result.stdout + result.stderr)
+    assert (
+        sorted(n for n, _, _ in submitted) == ["0", "1", "2", "3"] and len({a for _, a, _ in submitted}) == 1
+    )
+    best = yaml.safe_load((sweep / "optuna_best.yaml").read_text())
+    assert best["completed"] == 2 and best["repeats"] == 2
+    values = {int(r["job"]): float(r["value"]) for r in rows}
+    assert best["value"] == pytest.approx(sum(values[j] for j in best["jobs"]) / 2)
 
 
 def test_a_job_array_re_run_submits_only_the_points_that_did_not_complete(slurm_cluster, tmp_path: Path):

@@ -62,6 +62,60 @@ def test_an_optuna_search_tells_its_trials_and_keeps_its_study(tmp_path: Path):
     assert best["value"] == pytest.approx(max(float(r["value"]) for r in rows))
     assert set(best["params"]) == {"model.optimizer.lr", "data.batch_size", "model.net.dropout"}
     assert (tmp_path / "train" / "optuna.db").is_file()  # the study outlives the process (SQLite)
+    # hydra.sweeper.repeats=1 (the default): trial i is job i, told its own value, with nothing added
+    trials = _study(tmp_path).trials
+    assert [t.value for t in trials] == [_outcome(sweep, job)["value"] for job in range(3)]
+    assert all(t.user_attrs == {} for t in trials) and not any("seed" in r["overrides"] for r in rows)
+    assert {"repeats", "values"}.isdisjoint(best)
+
+
+def _study(log_dir: Path):
+    import optuna
+
+    return optuna.load_study(study_name="train", storage=f"sqlite:///{log_dir / 'train' / 'optuna.db'}")
+
+
+def _outcome(sweep: Path, job: int) -> dict:
+    return yaml.safe_load((sweep / str(job) / "outcome.yaml").read_text())
+
+
+@pytest.mark.slow
+def test_an_optuna_trial_repeated_over_seeds_is_told_their_mean(tmp_path: Path):
+    result = train(
+        tmp_path,
+        "-m",
+        "hparams_search=quickstart_optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.repeats=2",
+        *QUICK,
+        "test=false",
+    )
+    assert_ok(result)
+    sweep, rows = _summary(tmp_path)
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3"] and all(r["status"] == "completed" for r in rows)
+    trials = _study(tmp_path).trials
+    assert [t.user_attrs["jobs"] for t in trials] == [[0, 1], [2, 3]]  # one run dir per repeat
+    for trial in trials:
+        values = [_outcome(sweep, job)["value"] for job in trial.user_attrs["jobs"]]
+        assert trial.value == pytest.approx(sum(values) / 2) and trial.user_attrs["values"] == values
+        assert trial.user_attrs["mean"] == pytest.approx(trial.value) and trial.user_attrs["std"] >= 0
+        seeds = [
+            yaml.safe_load((sweep / str(j) / "config.yaml").read_text())["seed"]
+            for j in trial.user_attrs["jobs"]
+        ]
+        assert seeds == trial.user_attrs["seed"] == [12345, 12346]
+        given = [
+            [o for o in _outcome(sweep, j)["overrides"] if not o.startswith("seed=")]
+            for j in trial.user_attrs["jobs"]
+        ]
+        assert given[0] == given[1]  # the same sampled values, and only the seed differs
+    # the summary groups each trial's repeats together: its group's mean is the value Optuna was told
+    groups = {r["job"]: (r["group"], float(r["group_mean"])) for r in rows}
+    assert groups["0"] == groups["1"] != groups["2"] == groups["3"]
+    assert [groups[j][1] for j in ("0", "2")] == pytest.approx([t.value for t in trials])
+    best = yaml.safe_load((sweep / "optuna_best.yaml").read_text())
+    assert (best["repeats"], best["repeat_over"]) == (2, "seed")
+    assert best["value"] == pytest.approx(max(t.value for t in trials)) and len(best["values"]) == 2
 
 
 def test_a_failed_trial_is_reported_not_fatal(tmp_path: Path):
