@@ -193,3 +193,66 @@ def test_an_asynchronous_save_writes_what_a_synchronous_one_does(tmp_path: Path,
     expected, written = (read(r / "checkpoints" / "last.ckpt") for r in (sync, asynchronous))
     assert expected.keys() == written.keys() and all(torch.equal(expected[k], written[k]) for k in expected)
     assert not list((asynchronous / "checkpoints").glob(".*"))  # nothing left half-written
+
+
+TINY_TRANSFORMER = (
+    "experiment=char_transformer",
+    "trainer=fsdp_cpu",
+    "model.net.n_layer=2",
+    "model.net.n_embd=64",
+    "model.net.n_head=4",
+    "model.net.dropout=0.0",
+    "data.batch_size=8",
+    "data.block_size=32",
+    "trainer.max_steps=20",
+    "trainer.max_epochs=-1",
+    "trainer.limit_train_batches=null",
+    "trainer.limit_val_batches=0",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.log_every_n_steps=1",
+    "monitor.metric=null",
+    "callbacks.early_stopping=null",
+    "callbacks.text_sample=null",
+    "test=false",
+)
+
+
+def _losses(run: Path) -> list[float]:
+    return [float(r["train/loss"]) for r in metrics_without_timing(run) if r.get("train/loss")]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_trains_as_fsdp_alone_does(tmp_path: Path):
+    """The character Transformer's plan on a 2 x 2 mesh (4 processes: data-parallel 2, tensor-parallel 2)
+    against FSDP alone on 2 processes: the same 20 losses within rtol 1e-4 (dropout 0)."""
+    assert_ok(train(tmp_path / "fsdp", *TINY_TRANSFORMER))
+    split = train(tmp_path / "tp", *TINY_TRANSFORMER, "trainer.devices=4", "dist.tensor_parallel=2")
+    assert_ok(split)
+    assert "tensor parallel: 12 layer(s) split over 2 process(es) each" in split.stdout
+    (alone,), (parallel,) = run_dirs(tmp_path / "fsdp"), run_dirs(tmp_path / "tp")
+    expected, found = _losses(alone), _losses(parallel)
+    assert len(expected) == len(found) == 20
+    assert found == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sentence"),
+    [
+        (
+            ("experiment=quickstart", "trainer.devices=4", "dist.tensor_parallel=2"),
+            "ships no tensor-parallel plan",
+        ),
+        (
+            ("experiment=char_transformer", "trainer.devices=4", "dist.tensor_parallel=3"),
+            "does not divide the 4 processes",
+        ),
+        (
+            ("experiment=quickstart", "trainer=ddp_cpu", "dist.tensor_parallel=2"),
+            "needs trainer=fsdp or trainer=fsdp_cpu",
+        ),
+    ],
+)
+def test_tensor_parallel_settings_that_cannot_work_are_one_sentence(tmp_path: Path, overrides, sentence):
+    refused = train(tmp_path, "trainer=fsdp_cpu", *overrides)
+    assert refused.returncode != 0 and sentence in refused.stdout, refused.stdout[-2000:]
+    assert "Traceback" not in refused.stdout

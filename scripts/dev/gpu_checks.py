@@ -10,7 +10,9 @@
    end naming rank 1 and leave <run dir>/flight_recorder/rank<N> files that `torchfrtrace` reads.
 5. Performance figures: a short run with `debug=trace` must log the FLOP/s and MFU (on a GPU in Lightning's
    table), NVML's utilisation, memory and power of every GPU, and write a trace and a CUDA memory snapshot.
-Then run `python scripts/dev/benchmark.py` there for the GPU benchmark table.
+6. FSDP2 (2+ GPUs): the character Transformer with trainer=fsdp (bf16-mixed, nccl) on every GPU, a sharded
+   checkpoint, and a resume of it on half the GPUs.
+Then run `python scripts/dev/benchmark.py` and `python scripts/dev/fsdp_benchmark.py` there.
 """
 
 from __future__ import annotations
@@ -165,6 +167,25 @@ def performance_figures(out: Path) -> dict[str, object]:
     }
 
 
+def fsdp2(out: Path, gpus: int) -> dict[str, object]:
+    """FSDP2 with bf16 and nccl on every GPU, its sharded checkpoint, and a resume on half the GPUs."""
+    common = [sys.executable, "src/train.py", "experiment=char_transformer", "trainer=fsdp", "trainer.max_epochs=1",
+              "trainer.limit_train_batches=20", "trainer.limit_val_batches=2", "test=false"]  # fmt: skip
+    first = subprocess.run([*common, f"trainer.devices={gpus}", f"paths.log_dir={out}/fsdp"], cwd=ROOT)
+    folders = sorted((out / "fsdp" / "train" / "runs").glob("*/checkpoints/last.ckpt"))
+    report: dict[str, object] = {"trained": first.returncode == 0, "sharded checkpoint": bool(folders)}
+    if folders:
+        shards = sorted(p.name for p in folders[-1].glob("*.distcp"))
+        report["shards"] = len(shards)
+        resumed = subprocess.run(
+            [*common, f"trainer.devices={max(1, gpus // 2)}", "trainer.max_epochs=2", f"ckpt_path={folders[-1]}",
+             f"paths.log_dir={out}/resumed"],
+            cwd=ROOT,
+        )  # fmt: skip
+        report["resumed on fewer GPUs"] = resumed.returncode == 0
+    return report
+
+
 def main() -> int:
     import torch
 
@@ -192,6 +213,7 @@ def main() -> int:
             )
             report["ddp nccl"] = result.returncode == 0
             report["nccl flight recorder"] = flight_recorder(Path(tmp))
+            report["fsdp2"] = fsdp2(Path(tmp), torch.cuda.device_count())
     (ROOT / "gpu_checks.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0

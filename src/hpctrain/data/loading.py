@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from hpctrain.runtime.distributed.job_store import data_parallel
 from hpctrain.runtime.errors import UserError
 
 
@@ -61,6 +62,11 @@ class TensorDataset(Dataset):
 
 
 def _process_group() -> tuple[int, int]:
+    """The data-parallel size and rank: the process group's, or under tensor parallelism its data-parallel
+    group's (the processes of one tensor-parallel group read the same batches)."""
+    found = data_parallel()
+    if found is not None:
+        return found
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0

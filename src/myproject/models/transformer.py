@@ -13,9 +13,11 @@ class Block(nn.Module):
 
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
-        self.n_head, self.dropout = n_head, dropout
+        self.head_dim, self.dropout = n_embd // n_head, dropout
         self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        # q, k and v apart, and heads counted from the width each process holds: a tensor-parallel plan
+        # (conf/model/char_transformer.yaml) splits them by columns, each process keeping whole heads
+        self.q, self.k, self.v = (nn.Linear(n_embd, n_embd) for _ in range(3))
         self.proj = nn.Linear(n_embd, n_embd)
         self.mlp = nn.Sequential(
             nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout)
@@ -23,13 +25,13 @@ class Block(nn.Module):
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (z(h).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v))
         attention = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        x = x + self.resid_drop(self.proj(attention.transpose(1, 2).reshape(b, t, c)))
+        x = x + self.resid_drop(self.proj(attention.transpose(1, 2).reshape(b, t, -1)))
         return x + self.mlp(self.ln2(x))
 
 

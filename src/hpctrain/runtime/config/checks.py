@@ -77,11 +77,14 @@ def _check_tensor_parallel(cfg: DictConfig, fsdp: bool) -> None:
             f"dist.tensor_parallel={tensor} does not divide the {processes} processes "
             "(trainer.num_nodes x trainer.devices); pass a divisor of it."
         )
-    raise UserError(
-        f"dist.tensor_parallel={tensor}: the model's config ships no tensor-parallel plan, which hpctrain "
-        "needs to split its layers; train with dist.tensor_parallel=1 (FSDP2 shards the model across all "
-        "processes), or shard it yourself in the LightningModule's configure_model."
-    )
+    plan = _value(cfg, "dist.tensor_parallel_plan")
+    if plan is _ABSENT or not plan:
+        raise UserError(
+            f"dist.tensor_parallel={tensor}: the model's config ships no tensor-parallel plan "
+            "(dist.tensor_parallel_plan), which hpctrain needs to split its layers; train with "
+            "dist.tensor_parallel=1 (FSDP2 shards the model across all processes), or shard it yourself in "
+            "the LightningModule's configure_model."
+        )
 
 
 def _check_precision(cfg: DictConfig) -> None:

@@ -246,6 +246,25 @@ KEYS: tuple[Key, ...] = (
         "FSDP2: processes per tensor-parallel group",
     ),
     Key(
+        "dist.tensor_parallel_plan",
+        {
+            "anyOf": [
+                {"type": "null"},
+                {
+                    "type": "object",
+                    "properties": {
+                        "colwise": {"type": "array", "items": {"type": "string"}},
+                        "rowwise": {"type": "array", "items": {"type": "string"}},
+                    },
+                    "additionalProperties": False,
+                },
+            ]
+        },
+        "null or {colwise: [module patterns], rowwise: [module patterns]}",
+        "{colwise: [blocks.*.q], rowwise: [blocks.*.proj]}",
+        "FSDP2: how dist.tensor_parallel splits the network's layers",
+    ),
+    Key(
         "dist.fsdp.shard",
         {"anyOf": [{"const": "auto"}, {"type": "array", "items": {"type": "string"}}]},
         "auto or a list of module class names",

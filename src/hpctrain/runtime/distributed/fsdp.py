@@ -38,6 +38,7 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
 
 from hpctrain.runtime.distributed.checkpoint_folders import commit_folder, record_shards
+from hpctrain.runtime.distributed.job_store import set_data_parallel
 from hpctrain.runtime.distributed.launch import _HydraLaunched
 from hpctrain.runtime.errors import UserError
 
@@ -134,6 +135,42 @@ def _checkpointed(module: nn.Module) -> None:
     module.forward = recomputed  # type: ignore[method-assign]
 
 
+def apply_tensor_parallel(networks: list[nn.Module], mesh: Any, plan: dict[str, list[str]]) -> int:
+    """Split the layers the plan names (patterns of module names inside each network, `*` for any one
+    name) by output columns (`colwise`) or input rows (`rowwise`) over `mesh`; how many were split."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    unknown = sorted(set(plan) - set(styles))
+    if unknown:
+        raise FSDPOptionsError(
+            f"dist.tensor_parallel_plan has {', '.join(unknown)}; its keys are colwise and rowwise (lists of "
+            "module name patterns)."
+        )
+    split = 0
+    for net in networks:
+        names = [name for name, _ in net.named_modules() if name]
+        chosen: dict[str, Any] = {}
+        for style, patterns in plan.items():
+            for pattern in patterns or []:
+                chosen.update({n: styles[style]() for n in names if _matches(n, pattern)})
+        if chosen:
+            parallelize_module(net, mesh, chosen)
+            split += len(chosen)
+    if not split:
+        raise FSDPOptionsError(
+            f"dist.tensor_parallel_plan names no layer of the model ({plan}); check its patterns against the "
+            "module names of the network (print(model))."
+        )
+    return split
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """`blocks.*.q` matches `blocks.3.q`: the same number of parts, each equal or `*`."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(w in ("*", p) for p, w in zip(parts, wanted, strict=True))
+
+
 def apply_fsdp(module: nn.Module, mesh: Any, options: dict[str, Any]) -> list[nn.Module]:
     """Shard `module`'s networks as the module docstring says; the blocks sharded one by one."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -159,9 +196,16 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy (FSDP2, DTensor) with the Hydra-aware launcher, the template's
     sharding for modules without `configure_model`, and checkpoints committed atomically."""
 
-    def __init__(self, fsdp: dict[str, Any] | None = None, async_save: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        fsdp: dict[str, Any] | None = None,
+        async_save: bool = False,
+        tensor_parallel_plan: dict[str, list[str]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(save_distributed_checkpoint=True, **kwargs)
         self.fsdp_options = dict(fsdp or {})
+        self.tensor_parallel_plan = dict(tensor_parallel_plan or {})
         self.async_save = bool(async_save)
         self._in_flight: Any = None  # the asynchronous save being written
         self._save_group: Any = None  # its own gloo process group (on the default one, DCP's save hangs)
@@ -185,8 +229,19 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        data = self.device_mesh["data_parallel"]
+        set_data_parallel(data.size(), data.get_local_rank())  # hpctrain's loaders shard over it
         module = self.lightning_module
         shard = self.fsdp_options.get("shard", "auto")
+        if (
+            self._tensor_parallel_size > 1
+            and not self.tensor_parallel_plan
+            and not is_overridden("configure_model", module)
+        ):
+            raise FSDPOptionsError(
+                f"dist.tensor_parallel={self._tensor_parallel_size}: the model's config ships no tensor-parallel plan "
+                "(dist.tensor_parallel_plan); train with dist.tensor_parallel=1, or shard it in configure_model."
+            )
         if is_overridden("configure_model", module):
             if shard not in (None, "auto"):
                 raise FSDPOptionsError(
@@ -202,6 +257,13 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
                 return
             done.append(True)
             names = [type(r).__name__ for r in roots(module)]  # fully_shard renames the classes (FSDP<name>)
+            tensor = mesh["tensor_parallel"].size()
+            if tensor > 1:
+                split = apply_tensor_parallel(
+                    roots(module), mesh["tensor_parallel"], self.tensor_parallel_plan
+                )
+                if self.global_rank == 0:
+                    log.info("tensor parallel: %d layer(s) split over %d process(es) each", split, tensor)
             sharded = apply_fsdp(module, mesh["data_parallel"], options)
             if self.global_rank == 0:
                 log.info(

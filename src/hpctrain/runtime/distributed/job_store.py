@@ -39,3 +39,18 @@ def store() -> Any | None:
         return _get_default_store()
     except Exception:  # a process group without a store (not the case for env:// or TCP init)
         return None
+
+
+_DATA_PARALLEL: list[
+    tuple[int, int]
+] = []  # (size, rank) of the data-parallel group, where it is not the world
+
+
+def set_data_parallel(size: int, rank: int) -> None:
+    """Under tensor parallelism the processes of one tensor-parallel group must read the same batches:
+    hpctrain's loaders shard the data over the data-parallel group's `size` and `rank`, not the world's."""
+    _DATA_PARALLEL[:] = [(int(size), int(rank))]
+
+
+def data_parallel() -> tuple[int, int] | None:
+    return _DATA_PARALLEL[0] if _DATA_PARALLEL else None

@@ -400,10 +400,12 @@ def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None, async_save: b
         from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 
         fsdp = OmegaConf.to_container(dist_cfg.get("fsdp") or OmegaConf.create({}), resolve=True)
+        plan = dist_cfg.get("tensor_parallel_plan")  # shipped with the model's config
         return HydraModelParallelStrategy(
             fsdp=fsdp,
             async_save=async_save,
             tensor_parallel_size=int(dist_cfg.get("tensor_parallel") or 1),
+            tensor_parallel_plan=OmegaConf.to_container(plan, resolve=True) if plan else None,
             **common,
         )
     if chosen == "ddp" or (chosen == "auto" and _processes(trainer_cfg) not in (None, 1)):
