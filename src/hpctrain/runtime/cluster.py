@@ -84,6 +84,17 @@ def array_task(env: Mapping[str, str] | None = None) -> tuple[int, int | None, s
     )
 
 
+def slurm_ids(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The job's ids as SLURM gives them: the job's own, and an array task's array job and task (None
+    outside SLURM, or outside an array)."""
+    env = _env(env)
+    return {
+        "slurm_job_id": env.get("SLURM_JOB_ID"),
+        "slurm_array_job_id": env.get("SLURM_ARRAY_JOB_ID"),
+        "slurm_array_task_id": env.get("SLURM_ARRAY_TASK_ID"),
+    }
+
+
 def restart_count(env: Mapping[str, str] | None = None) -> int:
     """How many times SLURM has requeued and restarted this job (0 on the first attempt)."""
     return int(_env(env).get("SLURM_RESTART_COUNT", "0") or 0)

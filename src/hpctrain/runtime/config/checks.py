@@ -5,7 +5,8 @@ catch what composes but cannot work, and say so in one sentence instead of a sta
 inside Lightning ten seconds later:
 - a value of the wrong type or out of range (the table in `hpctrain.runtime.config.schema`);
 - a required value left out (`???`) or an interpolation that points nowhere;
-- a precision this accelerator cannot run, a logger whose package is missing, a secret in the config;
+- a precision this accelerator cannot run, a logger whose package is missing, a secret in the config
+  (a webhook URL too: `check_command_line` refuses `notify.url=...` before Hydra can print or store it);
 - k-fold settings that do not go together (`data.num_folds`, `data.fold`; `check_folds`);
 - an output file that exists already (it is not overwritten).
 """
@@ -124,8 +125,48 @@ def _check_loggers(cfg: DictConfig) -> None:
                 )
 
 
+def notify_url_refused() -> UserError:
+    """The sentence for a webhook URL put into the config; the URL is not repeated (it is a secret)."""
+    return UserError(
+        "notify.url is set, but a webhook URL is a secret that the config would save with the run (config.yaml, "
+        "run.yaml, checkpoints, tracker params); remove it and set it in the environment instead: export "
+        "HPCTRAIN_NOTIFY_URL=<the webhook URL> (or the variable notify.url_env names)."
+    )
+
+
+def _names_a_notify_url(key: str, value: str) -> bool:
+    """Whether an override (or a config entry) puts a webhook URL into the config: `notify.url=`, a
+    `notify={url: ...}` dict, or a URL given as notify.url_env (which names a variable)."""
+    return (
+        key == "notify.url"
+        or (key == "notify" and re.search(r"\burl\s*:", value) is not None)
+        or (key == "notify.url_env" and "://" in value)
+    )
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Before Hydra sees the command line: a webhook URL in it is refused, since Hydra would print it
+    (`--cfg job`), store it (`.hydra/overrides.yaml`, a sweep's job list) and the answers keep it."""
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, _, value = arg.lstrip("+~").partition("=")
+        if _names_a_notify_url(key.strip(), value):
+            raise notify_url_refused()
+
+
+def _check_notify(cfg: DictConfig) -> None:
+    """A webhook URL written in a config file (an experiment, conf/local/): refused before it is echoed."""
+    notify = cfg.get("notify")
+    if not OmegaConf.is_dict(notify):
+        return
+    if "url" in notify or _names_a_notify_url("notify.url_env", str(_value(cfg, "notify.url_env"))):
+        raise notify_url_refused()
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise UserError for the first problem found (see the module docstring)."""
+    _check_notify(cfg)  # first: the schema's sentence would repeat the value
     for key in KEYS:
         value = _value(cfg, key.path)
         if value is _ABSENT:

@@ -31,6 +31,8 @@ PRECISIONS = (
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 EXPORT_FORMATS = ("torch_export", "onnx", "safetensors")  # src/export.py (hpctrain.runtime.inference.export)
 INTERPOLATION = {"type": "string", "pattern": r"^\$\{.*\}$"}  # ${...}: resolved later, checked then
+# hpctrain.runtime.distributed.notify's events (tests/test_notify.py checks they are the same)
+NOTIFY_EVENTS = ("completed", "failed", "nan", "hung", "budget", "sweep")
 
 
 def _int(minimum: int | None = None) -> dict[str, Any]:
@@ -194,6 +196,27 @@ KEYS: tuple[Key, ...] = (
         "nan.action", {"enum": ["stop", "off"]}, "stop or off", "off", "what a non-finite training loss does"
     ),
     Key("nan.check_every_n_steps", _int(1), "a positive integer", "100", "steps between looks at the loss"),
+    Key(
+        "notify.url_env",
+        {"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_]*$"},
+        "the name of an environment variable (the URL itself stays in the environment)",
+        "HPCTRAIN_NOTIFY_URL",
+        "the variable holding the webhook URL; notifications are on where it is set",
+    ),
+    Key(
+        "notify.timeout_s",
+        POSITIVE_NUMBER,
+        "a positive number of seconds",
+        "5",
+        "the longest a notification may delay the end of a process",
+    ),
+    Key(
+        "notify.events",
+        {"type": "array", "items": {"enum": list(NOTIFY_EVENTS)}},
+        f"a list of {', '.join(NOTIFY_EVENTS)}",
+        "[failed,hung]",
+        "the events posted to the webhook",
+    ),
     Key(
         "diagnostics.stacks_signal",
         {"enum": [None, "SIGURG", "SIGWINCH", "SIGUSR1", "SIGUSR2", "SIGQUIT"]},

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpctrain.runtime.distributed import stacks
+from hpctrain.runtime.distributed import notify, stacks
 from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, POSITION_KEY, rank, store
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # a terminal colour or style code
@@ -75,6 +75,7 @@ def exit_with(line: str, code: int = 1) -> None:
             STATE.verdict = line.removeprefix("error: ")
         _thread.interrupt_main()  # the main thread raises KeyboardInterrupt at its next bytecode
         return
+    notify.wait()  # a message this rank posted (its failure), bounded by notify.timeout_s
     logging.shutdown()
     os._exit(code)
 
@@ -130,15 +131,16 @@ def first_failure(wait_s: float = 0.0) -> str | None:
         time.sleep(0.2)
 
 
-def announce(job: Any | None, line: str) -> None:
-    """Record `line` as the job's failure, unless another rank recorded one first."""
-    if job is None:
-        return
-    try:
-        if not job.check([FAILED_KEY]):
-            job.set(FAILED_KEY, line)
-    except Exception:
-        pass
+def announce(job: Any | None, line: str, event: str = notify.FAILED) -> None:
+    """Record `line` as the job's failure, unless another rank recorded one first; the rank that records it
+    posts it (`notify`: failed, or hung), so a job posts one failure (a single process, its own)."""
+    if job is not None:
+        try:
+            if job.compare_set(FAILED_KEY, "", line) != line.encode():
+                return  # another rank's failure came first
+        except Exception:
+            return
+    notify.post(event, line)
 
 
 def expected(err: BaseException) -> bool:
@@ -166,7 +168,7 @@ def note_failure(err: BaseException) -> None:
     if job is not None and _timed_out(summary):
         line = _who_did_not_arrive(job)
         if line:
-            announce(job, line)
+            announce(job, line, notify.HUNG)
             STATE.verdict, STATE.explained = f"{line}.", True  # no traceback of the timed-out collective
             return
     hint = failure_hint(summary)

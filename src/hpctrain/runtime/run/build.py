@@ -53,6 +53,7 @@ from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpoint
 from hpctrain.runtime.run.checkpoints.extras import CheckpointExtras
 from hpctrain.runtime.run.checkpoints.sharded import consolidate
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+from hpctrain.runtime.run.loggers import job_metadata, tag_runs
 from hpctrain.runtime.run.nonfinite import NonFiniteLoss
 
 log = logging.getLogger(__package__)
@@ -472,14 +473,16 @@ def trainer(
 
 
 def log_hyperparameters(trainer: Trainer, cfg: DictConfig) -> None:
-    """Send the resolved config to every logger (rank 0)."""
+    """Send the resolved config, and what ran it (`job`: `loggers.job_metadata`), to every logger (rank 0)."""
     if not trainer.loggers:
         return
     params = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(params, dict)
     params["num_processes"] = trainer.world_size
+    params["job"] = job_metadata(cfg.paths.output_dir)
     for logger in trainer.loggers:
         logger.log_hyperparams(params)
+    tag_runs(trainer.loggers, params["job"])
 
 
 def can_test(module: LightningModule, data: LightningDataModule) -> bool:

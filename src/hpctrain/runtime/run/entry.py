@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import sys
 
-from hpctrain.runtime.config import answers, command_line
+from hpctrain.runtime.config import answers, checks, command_line
 from hpctrain.runtime.distributed import signals
+from hpctrain.runtime.errors import reported_as_one_sentence
 
 
 def start(task: str) -> None:
     """Record SLURM's signals from the first moment (by default they kill), and have Hydra report
     composition mistakes as one sentence and list `--help`'s groups once (`command_line`). A `--help` or
-    `--cfg job` asked before with the same conf/, code and command line is answered at once (`answers`)."""
+    `--cfg job` asked before with the same conf/, code and command line is answered at once (`answers`).
+    A secret on the command line (a webhook URL) is refused first, before anything can print or store it."""
     signals.install_early()
+    with reported_as_one_sentence():
+        checks.check_command_line(sys.argv[1:])
     answers.replay()
     command_line.install(task)
 

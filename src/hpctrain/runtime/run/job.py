@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config.checks import check_config
 from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
-from hpctrain.runtime.distributed import failures, positions, signals, stacks, watchdog
+from hpctrain.runtime.distributed import failures, notify, positions, signals, stacks, watchdog
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import attempts, records
@@ -60,6 +60,7 @@ class Job:
         )
         self.outcome.signature = records.config_signature(self.cfg)
         self._stack.enter_context(attempts.attempt_recorded(self.run_dir, self.outcome))  # run.yaml, cost
+        self._stack.enter_context(self._ending_posted())
         try:
             self._preflight()
         except BaseException:
@@ -69,6 +70,21 @@ class Job:
 
     def __exit__(self, *exc: Any) -> bool:
         return bool(self._stack.__exit__(*exc))
+
+    @contextmanager
+    def _ending_posted(self) -> Iterator[None]:
+        """Notifications (`notify`) set up on every rank; rank 0 posts how the job ended (a crash: the rank
+        that reports it)."""
+        notify.configure(self.cfg.get("notify"), self.run_dir, self.hydra_cfg.mode == RunMode.MULTIRUN)
+        ended: BaseException | None = None
+        try:
+            yield
+        except BaseException as err:
+            ended = err
+            raise
+        finally:
+            if cluster.is_rank_zero() and self.outcome is not None:
+                notify.job_ended(ended, self.outcome.metric, self.outcome.value, self.outcome.test)
 
     def _preflight(self) -> None:
         """Everything that can be checked before torch is imported: one sentence and exit 2 on a mistake."""

@@ -1,8 +1,13 @@
-"""Experiment loggers that a requeued or resumed run continues instead of replacing.
+"""Experiment loggers that a requeued or resumed run continues instead of replacing, and what they are
+told about the job that ran.
 
 The run dir is the run's identity (under SLURM it is keyed by the job id), so every logger writes
 into it with a fixed name and version: a restarted job appends to the same metrics.csv, the same
 TensorBoard directory, the same MLflow run and the same W&B run.
+
+Besides the config, every logger gets `job_metadata` as the `job` params (csv's hparams.yaml, TensorBoard's
+hparams, MLflow's params, W&B's config): the Slurm job and array ids, the allocation, the code (git
+commit, dirty flag, snapshot digest) and hpctrain's version; MLflow also as tags (`tag_runs`).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +24,50 @@ from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.run.records import read_run_record
+
+
+def job_metadata(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What ran this run: the same for every attempt of a requeued run (an MLflow param cannot change),
+    so the code is the one run.yaml recorded first."""
+    code = read_run_record(run_dir).get("git") or {}
+    snapshot = code.get("snapshot")
+    return {
+        **cluster.slurm_ids(),
+        "allocation": cluster.allocation(),  # nodes, tasks per node, GPUs, ... as SLURM granted them
+        "git_commit": code.get("commit"),
+        "git_dirty": code.get("dirty"),
+        "code_snapshot": Path(snapshot).name if snapshot else None,  # logs/snapshots/<digest>
+        "code_diff_sha256": code.get("diff_sha256"),
+        # hpctrain's package, initialised before any of its modules; importing it here would close a
+        # circle of imports through hpctrain.load
+        "hpctrain_version": sys.modules["hpctrain"].__version__,
+    }
+
+
+def tag_runs(loggers: list[Any], metadata: dict[str, Any]) -> None:
+    """MLflow runs get `metadata` as tags too (searchable, shown in a run's overview; a tag, unlike a param,
+    may change), and the commit where MLflow's UI looks for it."""
+    from pytorch_lightning.loggers import MLFlowLogger
+
+    tags = {key: str(value) for key, value in _flat(metadata).items() if value is not None}
+    if metadata.get("git_commit"):
+        tags["mlflow.source.git.commit"] = str(metadata["git_commit"])
+    for logger in loggers:
+        if isinstance(logger, MLFlowLogger) and tags:
+            from mlflow.entities import RunTag
+
+            logger.experiment.log_batch(logger.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def _flat(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def stable_run_key(run_dir: str | os.PathLike[str]) -> str:

@@ -4,7 +4,7 @@ Looking at the loss on the host every step would make a GPU wait for each step t
 sync per step). Instead, each step keeps a reference to its loss (still on its device, nothing is
 copied or waited for), and the host looks at them all at once every `nan.check_every_n_steps` steps, before every
 validation and when training ends: before any checkpoint of the non-finite weights is written, so
-the newest checkpoint is the last good one.
+the newest checkpoint is the last good one. Rank 0 posts the sentence as a notification (`notify`: nan).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from pytorch_lightning import Callback, LightningModule, Trainer
 from torch import Tensor
 
+from hpctrain.runtime.distributed import notify
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import newest_checkpoint
 
@@ -55,9 +56,12 @@ class NonFiniteLoss(Callback):
         # the step as the module saw it (self.global_step in that training_step; one optimizer step per batch)
         step = trainer.global_step - len(losses) + first
         good = newest_checkpoint(self.run_dir)
-        raise UserError(
+        error = UserError(
             f"the training loss became {float(losses[first])} at step {step} (epoch {trainer.current_epoch}) "
             f"on rank {trainer.global_rank}; the last good checkpoint is {good or 'none: none was written before'}; "
             "lower the learning rate, clip gradients (trainer.gradient_clip_val=1.0) or look at that step's data, "
             "and resume with ckpt_path=<that checkpoint> or start again (nan.action=off keeps training)."
         )
+        if trainer.global_rank == 0:
+            notify.post(notify.NAN, str(error))
+        raise error

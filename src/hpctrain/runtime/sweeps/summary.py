@@ -9,12 +9,14 @@
   sum of its points' cost;
 - summary.png: the metric per job, or each group's mean with its 95 % interval when a group has more
   than one value.
+At a sweep's end its one-line headline is also posted as a notification (`notify`: sweep).
 """
 
 from __future__ import annotations
 
 import csv
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +24,9 @@ from typing import Any
 
 import yaml
 from hydra.experimental.callback import Callback as HydraCallback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from hpctrain.runtime.distributed import notify
 from hpctrain.runtime.report import plots
 from hpctrain.runtime.run import records
 from hpctrain.runtime.run.attempts import COST_COLUMNS, cost_cells, summed_cost
@@ -144,6 +147,17 @@ class Summary:
     metric: str  # the monitored metric ("" when no job recorded one)
     files: list[Path]  # what was written: summary.csv, summary_groups.csv[, summary.png]
 
+    def headline(self, mode: str | None = None) -> str:
+        """One line for a notification: how the jobs ended, and the best value (`mode`: min or max)."""
+        counts = Counter(str(row["status"]) for row in self.table)
+        said = ", ".join(f"{n} {status}" for status, n in counts.most_common())
+        line = f"{len(self.table)} jobs ({said})"
+        valued = [row for row in self.table if isinstance(row["value"], (int, float))]
+        if valued and mode in ("min", "max"):
+            best = (min if mode == "min" else max)(valued, key=lambda row: row["value"])
+            line += f"; best {self.metric}={best['value']:.4g} (job {best['job']}: {best['overrides']})"
+        return f"{line}; summary: {self.files[0]}" if self.files else line
+
 
 def summarise(
     sweep_dir: str | Path, over: Sequence[str] = OVER, group_by: Sequence[str] | None = None
@@ -168,7 +182,9 @@ def summarise(
     return Summary(table, summary, metric, files)
 
 
-def report(sweep_dir: str | Path, over: Sequence[str] = OVER, group_by: Sequence[str] | None = None) -> None:
+def report(
+    sweep_dir: str | Path, over: Sequence[str] = OVER, group_by: Sequence[str] | None = None
+) -> Summary:
     """Write the summary and log one line per job (status, value, where its run dir and log are) and one
     per group of more than one point (its mean and 95 % interval, what failed or is missing)."""
     summary = summarise(sweep_dir, over, group_by)
@@ -202,6 +218,7 @@ def report(sweep_dir: str | Path, over: Sequence[str] = OVER, group_by: Sequence
             spent["redone_device_hours"],
         )
     log.info("sweep summary: %s", ", ".join(map(str, summary.files)))
+    return summary
 
 
 class SweepSummary(HydraCallback):
@@ -219,4 +236,5 @@ class SweepSummary(HydraCallback):
                 ", ".join(map(str, SKIPPED)),
             )
         if sweep_dir.is_dir():
-            report(sweep_dir)
+            mode = OmegaConf.select(config, "monitor.mode")
+            notify.sweep_ended(config.get("notify"), sweep_dir, report(sweep_dir).headline(mode))
