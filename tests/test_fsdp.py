@@ -256,3 +256,51 @@ def test_tensor_parallel_settings_that_cannot_work_are_one_sentence(tmp_path: Pa
     refused = train(tmp_path, "trainer=fsdp_cpu", *overrides)
     assert refused.returncode != 0 and sentence in refused.stdout, refused.stdout[-2000:]
     assert "Traceback" not in refused.stdout
+
+
+def _all_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint (weights and optimizer states), whole, by its key."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    index = sharded.check_folder(folder)
+    tensors = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in index.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load(tensors, checkpoint_id=str(folder), no_dist=True)
+    return tensors
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_4_processes_loads_losslessly_on_2_and_one_of_2_on_1(tmp_path: Path):
+    """Weights and optimizer states as loaded (gathered whole as training starts) equal the saved ones,
+    bit for bit, on fewer processes; the run says where its data position went."""
+    env = {"PYTHONPATH": str(ROOT)}
+    source = ["experiment=quickstart", "trainer=fsdp_cpu", "trainer.max_epochs=1", "test=false"]
+    assert_ok(train(tmp_path / "four", *source, "trainer.devices=4"))
+    saved = run_dirs(tmp_path / "four")[0] / "checkpoints" / "last.ckpt"
+    assert len(list(saved.glob("*.distcp"))) == 4
+    for devices, log_dir, epochs in ((2, "two", 2), (1, "one", 3)):
+        dump = tmp_path / f"loaded-{devices}.pt"
+        resumed = train(
+            tmp_path / log_dir,
+            "experiment=quickstart",
+            "trainer=fsdp_cpu",
+            f"trainer.devices={devices}",
+            f"trainer.max_epochs={epochs}",  # one more epoch than the checkpoint's
+            "test=false",
+            f"ckpt_path={saved}",
+            "+callbacks.dump._target_=tests.differential.user_code.DumpLoadedState",
+            f"+callbacks.dump.path={dump}",
+            env=env,
+        )
+        assert_ok(resumed)
+        assert f"resumed on {devices} process(es) from a checkpoint saved by " in resumed.stdout
+        loaded, expected = torch.load(dump, weights_only=True), _all_tensors(saved)
+        assert loaded.keys() <= expected.keys() and any(k.startswith("optimizer_0.state.") for k in loaded)
+        assert all(torch.equal(loaded[k], expected[k]) for k in loaded), [
+            k for k in loaded if not torch.equal(loaded[k], expected[k])
+        ]
+        saved = run_dirs(tmp_path / log_dir)[0] / "checkpoints" / "last.ckpt"  # 2 -> 1 next

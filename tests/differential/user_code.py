@@ -260,6 +260,30 @@ class SlowRankCallback(Callback):
             time.sleep(float(os.environ["SLOW_S"]))
 
 
+class DumpLoadedState(Callback):
+    """Rank 0 saves, as training starts (after a checkpoint was loaded), the whole model's weights and
+    optimizer states, gathered from every rank's shard (FSDP2), to `path`: what the run resumed with."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(pl_module, options=options)
+        optimizer = get_optimizer_state_dict(pl_module, trainer.optimizers[0], options=options)
+        if trainer.global_rank == 0:
+            flat = {f"state_dict.{k}": v for k, v in weights.items()}
+            for name, states in optimizer["state"].items():
+                flat.update({f"optimizer_0.state.{name}.{k}": v for k, v in states.items()})
+            torch.save(flat, self.path)
+
+
 class KillRankAtSave(Callback):
     """Rank `rank` dies (SIGKILL) as the checkpoint of step `step` is being saved, as a node lost mid-save."""
 
