@@ -78,7 +78,9 @@ def test_two_node_gloo_ddp_job_completes_with_every_logger_and_no_key_in_any_fil
     ranks = yaml.safe_load((run / "outcome.yaml").read_text())["performance"]["ranks"]
     assert {r: v["host"] for r, v in ranks.items()} == {0: "node1", 1: "node2"}
     for rank in (0, 1):
-        assert json.loads((run / "traces" / f"rank{rank}.json").read_text())["distributedInfo"]["rank"] == rank
+        assert (
+            json.loads((run / "traces" / f"rank{rank}.json").read_text())["distributedInfo"]["rank"] == rank
+        )
     attempt = yaml.safe_load((run / "run.yaml").read_text())["attempts"][0]
     assert (attempt["launcher"], attempt["world_size"], attempt["slurm_job_id"]) == ("slurm", 2, job)
 

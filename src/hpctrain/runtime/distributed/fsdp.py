@@ -27,9 +27,11 @@ import functools
 import logging
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -209,6 +211,7 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
         self.async_save = bool(async_save)
         self._in_flight: Any = None  # the asynchronous save being written
         self._save_group: Any = None  # its own gloo process group (on the default one, DCP's save hangs)
+        self.last_save: Any = None  # the newest save: path, step, at, seconds (for the requeue signal's lead)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
@@ -289,12 +292,15 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
         token = self.broadcast(uuid.uuid4().hex[:8])
         staging = path.with_name(f".{path.name}.tmp-{token}")
         if not self.async_save:
+            started, step = time.perf_counter(), checkpoint.get("global_step")
             super().save_checkpoint(checkpoint, staging, storage_options)
             self.barrier("hpctrain-sharded-save")
             if self.global_rank == 0:
                 record_shards(staging)
                 commit_folder(staging, path, token)
             self.barrier("hpctrain-sharded-commit")
+            seconds = time.perf_counter() - started
+            self.last_save = SimpleNamespace(path=str(path), step=step, at=time.time(), seconds=seconds)
             return
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
