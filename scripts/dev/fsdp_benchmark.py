@@ -5,7 +5,7 @@ parameters, side by side in one run (part of `make benchmark`).
     python scripts/dev/fsdp_benchmark.py --tiny --json out.json
 
 Three variants train the same network (n_layer 16, n_embd 512, batch 4 x 128, AdamW) in turn inside
-each of the two processes, for `--rounds` rounds (rotated, so none always runs first):
+two processes of their own per run, for `--rounds` rounds (rotated, so none always runs first):
 
   ddp        the template (build.trainer: config, callbacks, checkpoint IO) with trainer=ddp_cpu/ddp
   fsdp       the template with trainer=fsdp_cpu/fsdp: hpctrain shards the model (dist.fsdp.shard=auto)
@@ -185,9 +185,11 @@ def run_bare(args: argparse.Namespace, variant: str, found: dict) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hpctrain.runtime.config.compose import compose
+    from hpctrain.runtime.run import build
 
     out = Path(tempfile.mkdtemp(prefix="fsdp-benchmark-"))
     cfg = compose("train", _overrides(args, str(out), "fsdp_cpu"))
+    build.configure_process(cfg)  # the same threads per process as the template's runs
     base = instantiate({"_target_": "hydra.utils.get_class", "path": cfg.model._target_})
 
     class Sharded(base):  # the way Lightning's docs write it
@@ -221,21 +223,17 @@ def run_bare(args: argparse.Namespace, variant: str, found: dict) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
+    """One variant, in these processes of their own (so the peak RSS is the variant's)."""
     import torch.distributed as dist
 
-    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for round_ in range(args.rounds):
-        order = VARIANTS[round_ % 3 :] + VARIANTS[: round_ % 3]
-        for variant in order:
-            if variant == "ddp" and round_ > 0:
-                continue  # DDP's memory and save figures do not change between rounds
-            found: dict = {}
-            (run_bare if variant == "bare" else run_template)(args, variant, found)
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, found)
-            results[variant].append(gathered)
+    found: dict = {}
+    (run_bare if args.variant == "bare" else run_template)(args, args.variant, found)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, found)
     if dist.get_rank() == 0:
-        print("RESULTS " + json.dumps(results), flush=True)
+        print("RESULT " + json.dumps(gathered), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()  # every group, the asynchronous saves' included, before the interpreter ends
 
 
 def _summary(results: dict) -> dict:
@@ -276,22 +274,29 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
         args.layers, args.embd, args.steps, args.warmup, args.rounds = 2, 64, 6, 2, 1
     if args.worker:
         worker(args)
         return
-    command = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}",
-               str(Path(__file__).resolve()), "--worker", "--layers", str(args.layers), "--embd", str(args.embd),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds)]  # fmt: skip
+    results: dict[str, list] = {v: [] for v in VARIANTS}
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=7200)
-    found = re.search(r"^RESULTS (.*)$", result.stdout, re.MULTILINE)
-    if result.returncode != 0 or not found:
-        print(result.stdout[-4000:], result.stderr[-4000:], file=sys.stderr)
-        sys.exit(1)
-    summary = _summary(json.loads(found.group(1)))
+    for round_ in range(args.rounds):
+        for variant in VARIANTS[round_ % 3 :] + VARIANTS[: round_ % 3]:  # rotated: none always first
+            if variant == "ddp" and round_ > 0:
+                continue  # DDP is the memory and save reference; its figures do not change between rounds
+            command = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}",
+                       str(Path(__file__).resolve()), "--worker", "--variant", variant, "--layers", str(args.layers),
+                       "--embd", str(args.embd), "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+            result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=3600)
+            found = re.search(r"^RESULT (.*)$", result.stdout, re.MULTILINE)
+            if result.returncode != 0 or not found:
+                print(result.stdout[-4000:], result.stderr[-4000:], file=sys.stderr)
+                sys.exit(1)
+            results[variant].append(json.loads(found.group(1)))
+    summary = _summary(results)
     params = 12 * args.layers * args.embd**2
     print(
         f"character Transformer, ~{params / 1e6:.0f} M parameters in its blocks, {summary['world_size']} processes:"
