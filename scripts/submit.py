@@ -3,10 +3,12 @@
     python scripts/submit.py --nodes 10 --gpus-per-node 8 -- experiment=mnist_cnn model.optimizer.lr=0.01
     python scripts/submit.py --nodes 2 --cpu --dry-run -- experiment=quickstart
     python scripts/submit.py --sweep --parallel 2 --nodes 2 -- model.optimizer.lr=0.1,0.01 data.batch_size=64,128
+    python scripts/submit.py --sweep --pack 4 --gpus-per-node 1 -- model.optimizer.lr=0.1,0.01 seed=1,2,3,4
 
 GPU jobs get --ntasks-per-node = --gres=gpu:N = --gpus-per-node (one task per GPU); CPU jobs get
 --gres=none, --processes-per-node tasks per node and trainer=ddp_cpu. The sbatch command is printed
-before it runs (--dry-run prints only). Everything after `--` is passed to src/train.py as Hydra
+before it runs (--dry-run prints only). --pack N runs N points of a sweep side by side in each job, on
+one node, each with these counts (slurm/pack.sbatch). Everything after `--` is passed to src/train.py as Hydra
 overrides, as separate arguments: nothing goes through a shell.
 
 The job runs from a snapshot of the code taken now (hpctrain.runtime.snapshot: tracked files as they
@@ -35,6 +37,7 @@ from hpctrain.runtime.errors import UserError  # noqa: E402
 PROJECT = cluster.project_root(ROOT)  # where logs/, data/ and .venv are (HPCTRAIN_PROJECT_ROOT in a snapshot)
 SBATCH_FILE = ROOT / "slurm" / "train.sbatch"
 SWEEP_FILE = ROOT / "slurm" / "sweep.sbatch"
+PACK_FILE = ROOT / "slurm" / "pack.sbatch"
 # Counts that the submit flags set; passing them as overrides too could only create a mismatch.
 DERIVED = ("trainer.num_nodes=", "trainer.devices=")
 
@@ -74,6 +77,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="the overrides are a Hydra sweep grid (lr=0.1,0.01 ...): one array task per point (slurm/sweep.sbatch)",
     )
     parser.add_argument("--parallel", type=int, help="with --sweep: array tasks that may run at once")
+    parser.add_argument(
+        "--pack",
+        type=int,
+        metavar="N",
+        help="with --sweep: N points side by side in each job, on one node, each with the counts above "
+        "(its own GPUs, or CPUs with --cpu), requeued together (slurm/pack.sbatch)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch command, do not submit")
     parser.add_argument(
         "--no-snapshot",
@@ -92,7 +102,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     remote.add_argument("--with-checkpoints", action="store_true", help="with --fetch: the checkpoints too")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for src/train.py (after --)")
     args = parser.parse_args(argv)
-    for name in ("nodes", "gpus_per_node", "processes_per_node", "cpus_per_task", "parallel"):
+    for name in ("nodes", "gpus_per_node", "processes_per_node", "cpus_per_task", "parallel", "pack"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}={value} must be at least 1")
@@ -100,6 +110,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if clashing:
         parser.error(
             f"{clashing[0]} is set from --nodes / --gpus-per-node (or --processes-per-node); drop it"
+        )
+    if args.pack is not None and not args.sweep:
+        parser.error(
+            f"--pack {args.pack} runs several points of a sweep in one job, but this is not a sweep; add --sweep "
+            "and a grid (model.optimizer.lr=0.1,0.01 ...), or drop --pack"
+        )
+    if args.pack is not None and args.nodes > 1:
+        parser.error(
+            f"--pack {args.pack} puts the points of a job side by side on one node, but --nodes {args.nodes} asks "
+            f"for {args.nodes} nodes per point; pack points that fit one node (--nodes 1), or drop --pack "
+            "(one array task per point)"
         )
     args.gpu_type, args.setup = None, []
     args.resume_dir = None
@@ -209,7 +230,8 @@ def missing_points(args: argparse.Namespace) -> list[int]:
 
 
 def sbatch_command(args: argparse.Namespace) -> list[str]:
-    per_node = args.processes_per_node if args.cpu else args.gpus_per_node
+    pack = args.pack or 1  # points side by side on one node: every per-node count of a point, that many times
+    per_node = (args.processes_per_node if args.cpu else args.gpus_per_node) * pack
     command = [
         "sbatch",
         f"--nodes={args.nodes}",
@@ -218,14 +240,26 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
         f"--chdir={ROOT}",
         f"--output={PROJECT / 'slurm' / 'logs'}/%x-{'%A_%a' if args.sweep else '%j'}.out",
     ]
+    packed: list[str] = []  # slurm/pack.sbatch's own arguments
     if args.sweep:
         limit = f"%{args.parallel}" if args.parallel else ""
         todo = missing_points(args)
-        command.append(f"--array={','.join(map(str, todo)) if args.resume_dir else f'0-{todo[-1]}'}{limit}")
+        if args.pack:
+            packs = -(-len(todo) // pack)
+            command.append(f"--array={f'0-{packs - 1}' if todo else ''}{limit}")
+            packed = [
+                f"--pack={pack}",
+                *([f"--points={','.join(map(str, todo))}"] if args.resume_dir else []),
+            ]
+        else:
+            command.append(
+                f"--array={','.join(map(str, todo)) if args.resume_dir else f'0-{todo[-1]}'}{limit}"
+            )
+    mem = f"{megabytes(args.mem) * pack}M" if args.mem and pack > 1 and megabytes(args.mem) else args.mem
     optional = {
         "--cpus-per-task": args.cpus_per_task,
         "--time": args.time,
-        "--mem": args.mem,
+        "--mem": mem,
         "--partition": args.partition,
         "--account": args.account,
         "--qos": args.qos,
@@ -233,8 +267,8 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
     }
     command += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
     command += args.sbatch_arg
-    command.append(str(SWEEP_FILE if args.sweep else SBATCH_FILE))
-    return command + job_overrides(args)
+    command.append(str(PACK_FILE if args.pack else SWEEP_FILE if args.sweep else SBATCH_FILE))
+    return command + packed + job_overrides(args)
 
 
 # ------------------------------------------------------------------ requests that can never start
@@ -325,6 +359,29 @@ def never_fits(flags: dict[str, str], partition: str, nodes: list[dict[str, int]
     return None
 
 
+def pack_never_fits(
+    pack: int, flags: dict[str, str], partition: str, nodes: list[dict[str, int]]
+) -> str | None:
+    """With --pack: the sentence saying that the pack's points together fit no node of the partition,
+    though one point would (each point alone is never_fits' question)."""
+    if pack <= 1 or not nodes:
+        return None
+    cores = int(flags.get("ntasks-per-node", "1")) * int(flags.get("cpus-per-task", "1"))
+    wanted = {
+        "gpus": (gpus(flags.get("gres", "")), "GPU(s)"),
+        "cpus": (cores, "cores"),
+        "memory": (megabytes(flags.get("mem", "0")), "MB of memory"),
+    }
+    for key, (total, unit) in wanted.items():
+        most, point = max(n[key] for n in nodes), total // pack
+        if point and point <= most < total:
+            return (
+                f"--pack {pack} puts {pack} points of {point} {unit} each on one node, but partition {partition}'s "
+                f"nodes have at most {most}; pass --pack {most // point} or fewer."
+            )
+    return None
+
+
 def from_snapshot(command: list[str], code: Path) -> list[str]:
     """The same sbatch command, run from the snapshot `code`: its batch script, its directory, and
     HPCTRAIN_PROJECT_ROOT naming the project (whose logs/, data/ and .venv the job uses)."""
@@ -332,7 +389,7 @@ def from_snapshot(command: list[str], code: Path) -> list[str]:
     for arg in command:
         if arg == f"--chdir={ROOT}":
             arg = f"--chdir={code}"
-        elif arg in (str(SBATCH_FILE), str(SWEEP_FILE)):
+        elif arg in (str(SBATCH_FILE), str(SWEEP_FILE), str(PACK_FILE)):
             arg = str(code / Path(arg).relative_to(ROOT))
         moved.append(arg)
     moved.insert(1, f"--export=ALL,HPCTRAIN_PROJECT_ROOT={PROJECT}")
@@ -430,7 +487,7 @@ def main(argv: list[str]) -> int:
         return 2
     flags = requested(command)
     partition, nodes = partition_nodes(flags.get("partition"))
-    problem = never_fits(flags, partition, nodes)
+    problem = pack_never_fits(args.pack or 1, flags, partition, nodes) or never_fits(flags, partition, nodes)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -83,7 +83,7 @@ def test_the_signal_lead_is_the_one_the_sbatch_files_ask_for():
     requeue = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())["requeue"]
     expected = ("SIG" + requeue["signal"].removeprefix("SIG"), requeue["signal_lead_s"])
     files = sorted((ROOT / "slurm").glob("*.sbatch"))
-    assert [f.name for f in files] == ["sweep.sbatch", "train.sbatch"]
+    assert [f.name for f in files] == ["pack.sbatch", "sweep.sbatch", "train.sbatch"]
     for sbatch in files:
         asked = re.findall(
             r"^#SBATCH\s+--signal=(?:B:)?(?:SIG)?(\w+)@(\d+)", sbatch.read_text(), re.MULTILINE

@@ -1,6 +1,7 @@
 """Sweeps as SLURM jobs on the real two-node cluster: a job-array grid (4 concurrent jobs logging to csv,
-TensorBoard and MLflow), the SLURM launcher (results collected, a preempted job resuming), and an
-Optuna study whose trials are SLURM jobs (and whose trials' repeats over seeds are one job array)."""
+TensorBoard and MLflow), packed jobs (points side by side in one allocation, requeued together), the
+SLURM launcher (results collected, a preempted job resuming), and an Optuna study whose trials are SLURM
+jobs (and whose trials' repeats over seeds are one job array)."""
 
 from __future__ import annotations
 
@@ -279,3 +280,99 @@ def test_a_job_array_re_run_submits_only_the_points_that_did_not_complete(slurm_
         *submit, "model.optimizer.lr=0.01,0.003", f"hydra.sweep.dir={sweep}", "skip_completed=true", cwd=ROOT
     )
     assert done.returncode == 0 and "nothing to submit" in done.stdout
+
+
+def test_packed_points_share_a_job_and_its_requeue_and_resume_exactly(slurm_cluster, tmp_path: Path):
+    """--sweep --pack 2: 4 points in 2 jobs of 2, each point its own srun step, run dir and outcome. Job 0 is
+    signalled mid-epoch: both its points save and end, its driver requeues the job once, and both resume
+    exactly: they end as the other job's identical, uninterrupted points (the grid is seed=1,2,1,2)."""
+    import torch
+
+    from tests.helpers import metrics_without_timing
+
+    submitted = slurm_cluster.run(
+        PYTHON,
+        "scripts/submit.py",
+        "--sweep",
+        "--pack",
+        "2",
+        "--cpu",
+        "--cpus-per-task",
+        "1",
+        "--mem",
+        "1G",
+        f"--sbatch-arg=--output={tmp_path}/%x-%A_%a.out",
+        "--",
+        "experiment=quickstart",
+        "trainer=cpu",
+        "trainer.max_epochs=1",
+        "data.batch_size=8",  # 158 steps
+        "extras.print_config=false",
+        "callbacks.progress.log_every_n_s=0",
+        # 0.1 s per step, or on a quiet machine the epoch ends before the signal arrives
+        "+callbacks.slow._target_=tests.differential.user_code.SlowRankCallback",
+        f"paths.log_dir={tmp_path}",
+        "seed=1,2,1,2",
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "SLOW_RANK": "0", "SLOW_S": "0.1"},
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    assert "--array=0-1 " in submitted.stdout and "--ntasks-per-node=2 " in submitted.stdout
+    array = submitted.stdout.strip().split()[-1]
+    job, reference = f"{array}_0", f"{array}_1"
+
+    def output(task: str, point: int | None = None) -> str:
+        path = tmp_path / f"myproject-pack-{task}{'' if point is None else f'.point{point}'}.out"
+        return path.read_text() if path.exists() else ""
+
+    deadline = time.monotonic() + 180
+    while not all("epoch 0/1  step 10/" in output(job, point) for point in (0, 1)):
+        assert time.monotonic() < deadline, output(job)[-2000:] + output(job, 0)[-2000:]
+        assert slurm_cluster.job(job).get("JobState") in ("PENDING", "RUNNING"), output(job)[-2000:]
+        time.sleep(0.2)
+    assert slurm_cluster.run("scancel", "--signal=USR1", job).returncode == 0
+    for task in (job, reference):
+        info = slurm_cluster.wait(task, timeout_s=240)
+        assert info["JobState"] == "COMPLETED", output(task)[-3000:]
+    assert (slurm_cluster.job(job)["Restarts"], slurm_cluster.job(reference)["Restarts"]) == ("1", "0")
+
+    # The driver: both points saved and ended, then one requeue; the second attempt ran both again.
+    driver = output(job)
+    assert "point 0 ended: requeued" in driver and "point 1 ended: requeued" in driver, driver
+    assert driver.count(f"requeued SLURM job {job} once its points had saved or ended") == 1, driver
+    assert "(attempt 2): points 0, 1 of 4" in driver and "2 of 2 point(s) completed" in driver, driver
+
+    sweep = tmp_path / "train" / "multiruns" / f"slurm-{array}"
+    summarized = subprocess.run(
+        [PYTHON, "scripts/summarize.py", str(sweep)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert summarized.returncode == 0, summarized.stdout + summarized.stderr
+    rows = _rows(sweep)
+    assert [(r["job"], r["status"]) for r in rows] == [(str(n), "completed") for n in range(4)], rows
+    for number, row in enumerate(rows):
+        run = Path(row["run_dir"])
+        task = job if number < 2 else reference
+        assert run == sweep / str(number) and row["slurm_log"] == str(
+            tmp_path / f"myproject-pack-{task}.point{number}.out"
+        )
+        attempts = yaml.safe_load((run / "run.yaml").read_text())["attempts"]
+        restarts = [0, 1] if number < 2 else [0]
+        assert [a["slurm_restart_count"] for a in attempts] == restarts
+        assert {a["slurm_job_id"] for a in attempts} == {task} and {a["world_size"] for a in attempts} == {1}
+        cost = yaml.safe_load((run / "outcome.yaml").read_text())["cost"]
+        assert [a["ended"] for a in cost["attempts"]] == (
+            ["requeued", "completed"] if number < 2 else ["completed"]
+        )
+
+    for resumed, uninterrupted in ((0, 2), (1, 3)):
+        run, same = sweep / str(resumed), sweep / str(uninterrupted)
+        requeue_ckpt = run / "checkpoints" / "requeue.ckpt"
+        assert f"starting from {requeue_ckpt} (restart 1 of this job)" in output(job, resumed)
+        loops = torch.load(requeue_ckpt, map_location="cpu", weights_only=True)["loops"]["fit_loop"]
+        assert 0 < loops["epoch_loop.batch_progress"]["current"]["processed"] < 158  # saved mid-epoch
+        final, expected = (
+            torch.load(d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+            for d in (run, same)
+        )
+        assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
+        assert metrics_without_timing(run) == metrics_without_timing(same)

@@ -54,12 +54,17 @@ def test_counts_cannot_be_overridden_twice():
     assert result.returncode == 2 and "trainer.num_nodes=4 is set from --nodes" in result.stderr
 
 
-def _never_fits(**flags: str) -> str | None:
+def _submit():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("submit", ROOT / "scripts" / "submit.py")
     submit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(submit)
+    return submit
+
+
+def _never_fits(**flags: str) -> str | None:
+    submit = _submit()
     nodes = [{"cpus": 16, "memory": 8000, "gpus": 0}, {"cpus": 32, "memory": 64000, "gpus": 4}]
     request = {"nodes": "1", "ntasks-per-node": "1", "cpus-per-task": "1", "mem": "0", "gres": "none"}
     return submit.never_fits({**request, **flags}, "gpu", nodes)
@@ -72,3 +77,44 @@ def test_requests_that_no_node_can_hold_are_named():
     assert "at most 4 GPU(s) per node; pass --gpus-per-node=4" in _never_fits(gres="gpu:8")
     assert "nodes have at most 64000 MB" in _never_fits(mem="100G")
     assert "--nodes=3 but partition gpu has 2 node(s)" in _never_fits(nodes="3")
+
+
+def test_a_pack_puts_points_of_a_sweep_side_by_side_on_one_node():
+    """--pack 2: each job runs 2 points, each with the per-point counts given (--mem is a point's too)."""
+    result = _dry_run(
+        "--sweep", "--pack", "2", "--cpu", "--cpus-per-task", "1", "--mem", "1G", "--", "seed=1,2,3"
+    )
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout.strip())
+    flags = _flags(command)
+    assert (flags["nodes"], flags["ntasks-per-node"], flags["mem"], flags["array"]) == (
+        "1",
+        "2",
+        "2048M",
+        "0-1",
+    )
+    assert command[-4:] == [str(ROOT / "slurm" / "pack.sbatch"), "--pack=2", "trainer=ddp_cpu", "seed=1,2,3"]
+
+
+def test_a_pack_without_a_sweep_or_of_points_that_need_several_nodes_is_refused():
+    alone = _dry_run("--pack", "2", "--", "seed=1,2")
+    assert alone.returncode == 2
+    assert (
+        "error: --pack 2 runs several points of a sweep in one job, but this is not a sweep; add --sweep"
+        in (alone.stderr)
+    )
+    wide = _dry_run("--sweep", "--pack", "2", "--nodes", "2", "--", "seed=1,2")
+    assert wide.returncode == 2
+    assert (
+        "--nodes 2 asks for 2 nodes per point; pack points that fit one node (--nodes 1), or drop --pack"
+        in (wide.stderr)
+    )
+    # Points that fit a node alone, but not all together: fewer to a job.
+    nodes = [{"cpus": 16, "memory": 8000, "gpus": 0}, {"cpus": 32, "memory": 64000, "gpus": 4}]
+    request = {"nodes": "1", "ntasks-per-node": "8", "cpus-per-task": "1", "mem": "0", "gres": "gpu:8"}
+    assert _submit().pack_never_fits(4, request, "gpu", nodes) == (
+        "--pack 4 puts 4 points of 2 GPU(s) each on one node, but partition gpu's nodes have at most 4; "
+        "pass --pack 2 or fewer."
+    )
+    fits = {**request, "ntasks-per-node": "4", "gres": "gpu:4"}
+    assert _submit().pack_never_fits(2, fits, "gpu", nodes) is None

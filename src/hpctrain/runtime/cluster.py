@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.runtime.errors import UserError
@@ -118,8 +119,8 @@ def _torchrun_agent_id(env: Mapping[str, str]) -> str | None:
 def run_id(env: Mapping[str, str] | None = None, now: float | None = None) -> str:
     """A name for the run dir that every rank computes alike and a requeued job computes again.
 
-    Under SLURM it is the job id (plus the step for a second srun in one job), so a requeued job
-    finds its checkpoint; under torchrun the rendezvous id (`--rdzv-id`; with the default id `none` on
+    Under SLURM it is the job id (plus the step for a second srun in one job, or the point of a packed
+    job), so a requeued job finds its checkpoint; under torchrun the rendezvous id (`--rdzv-id`; with the default id `none` on
     one node, the id of the node's torchrun agent); otherwise a timestamp.
     """
     env = _env(env)
@@ -129,6 +130,8 @@ def run_id(env: Mapping[str, str] | None = None, now: float | None = None) -> st
         if rdzv == "none" and (agent := _torchrun_agent_id(env)) and env.get("GROUP_WORLD_SIZE", "1") == "1":
             return f"torchrun-{agent.removeprefix('torchelastic_')}"
         return f"torchrun-{rdzv}"
+    if kind == SLURM and (point := pack_point(env)) is not None:  # its own step number changes per attempt
+        return f"slurm-{slurm_job_id(env)}-point{point}"
     if kind in (SLURM, SLURM_BATCH):
         step = env.get("SLURM_STEP_ID", "0")
         suffix = "" if step in ("0", "batch") or kind == SLURM_BATCH else f".{step}"
@@ -388,7 +391,10 @@ def network_summary(num_nodes: int, env: Mapping[str, str] | None = None, hostna
 
 
 def slurm_output_file(env: Mapping[str, str] | None = None) -> str | None:
-    """The file SLURM writes this job's output to (`scontrol show job`'s StdOut), or None outside SLURM."""
+    """The file SLURM writes this job's output to (`scontrol show job`'s StdOut), or None outside SLURM;
+    a point of a packed job: the file its driver writes the point's output to."""
+    if pack_point(env) is not None and _env(env).get(POINT_LOG):
+        return _env(env)[POINT_LOG]
     job = slurm_job_id(env)
     if job is None or shutil.which("scontrol") is None:
         return None
@@ -463,3 +469,118 @@ def resumed_sweep_dir(env: Mapping[str, str] | None = None) -> Path | None:
     skip_completed=true sets HPCTRAIN_SWEEP_DIR; its task ids are then the grid's job numbers)."""
     named = _env(env).get("HPCTRAIN_SWEEP_DIR")
     return Path(named) if named else None
+
+
+# ------------------------------------------------------------------ packed jobs (hpctrain.runtime.sweeps.pack)
+
+PACK_POINT = "HPCTRAIN_PACK_POINT"  # set by a packed job's driver for each point: its job number in the grid
+POINT_LOG = "HPCTRAIN_POINT_LOG"  # ... and the file its output goes to
+
+
+def pack_point(env: Mapping[str, str] | None = None) -> int | None:
+    """The sweep point this process runs as one of several in a packed job's allocation (None otherwise).
+    Such a point never requeues the job itself: `scontrol requeue` would requeue its neighbours too."""
+    named = _env(env).get(PACK_POINT)
+    return int(named) if named not in (None, "") else None
+
+
+@dataclass(frozen=True)
+class PackShare:
+    """What each of a packed job's points gets of its one node: tasks (one per GPU, or processes on a CPU
+    cluster), CPUs per task, memory (MB, None: the job did not say per node) and GPUs."""
+
+    points: int
+    tasks: int
+    cpus_per_task: int | None
+    memory_mb: int | None
+    gpus: int
+
+    def describe(self) -> str:
+        cpus = f" x {self.cpus_per_task} CPU(s)" if self.cpus_per_task else ""
+        memory = f", {self.memory_mb} MB" if self.memory_mb else ""
+        gpus = f", {self.gpus} GPU(s)" if self.gpus else ""
+        return f"{self.tasks} task(s){cpus}{memory}{gpus}"
+
+
+def pack_share(points: int, env: Mapping[str, str] | None = None) -> PackShare:
+    """Split this job's allocation (one node) evenly between `points` points; one sentence if it cannot be."""
+    env = _env(env)
+    nodes = _int_or_none(env.get("SLURM_JOB_NUM_NODES")) or 1
+    if nodes != 1:
+        raise UserError(
+            f"a packed job runs its points side by side on one node, but this job has {nodes} nodes; submit it "
+            "with --nodes=1 (scripts/submit.py --sweep --pack N does), or run points that need several nodes "
+            "as a job array (scripts/submit.py --sweep without --pack)."
+        )
+    tasks = _int_or_none((env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0]) or 1
+    gpus = _int_or_none(env.get("SLURM_GPUS_ON_NODE")) or 0
+    for what, count, flag in (("task(s)", tasks, "--ntasks-per-node"), ("GPU(s)", gpus, "--gres=gpu")):
+        if count % points:
+            raise UserError(
+                f"--pack={points} shares the node between {points} points, but the job has {count} {what} on it "
+                f"({flag}={count}), which {points} points cannot share evenly; submit with "
+                f"{flag}={points * max(1, count // points)} (scripts/submit.py --sweep --pack {points} computes "
+                "every count)."
+            )
+    memory = _int_or_none(env.get("SLURM_MEM_PER_NODE"))
+    return PackShare(
+        points=points,
+        tasks=tasks // points,
+        cpus_per_task=_int_or_none(env.get("SLURM_CPUS_PER_TASK")),
+        memory_mb=memory // points if memory else None,
+        gpus=gpus // points,
+    )
+
+
+def pack_step_env(
+    share: PackShare, point: int, log: str | Path, env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment under which slurm/train.sbatch runs one point of a packed job: its `srun` reads its
+    flags from these variables (an `--exact` step of the point's share of the node), the trainer counts
+    follow from them, the point is told it is packed, and its rank 0 finds a port of its own."""
+    step = dict(_env(env))
+    for name in ("MASTER_PORT", "SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_GRES"):
+        step.pop(name, None)  # the job's, which would give every point all of them
+    step.update(
+        {
+            "SLURM_EXACT": "1",
+            "SLURM_NNODES": "1",
+            "SLURM_JOB_NUM_NODES": "1",
+            "SLURM_NTASKS": str(share.tasks),
+            "SLURM_NPROCS": str(share.tasks),
+            "SLURM_NTASKS_PER_NODE": str(share.tasks),
+            PACK_POINT: str(point),
+            POINT_LOG: str(log),
+        }
+    )
+    if share.cpus_per_task:
+        step["SRUN_CPUS_PER_TASK"] = str(
+            share.cpus_per_task
+        )  # srun does not take the job's since Slurm 22.05
+    if share.memory_mb:
+        step["SLURM_MEM_PER_NODE"] = str(share.memory_mb)
+    if share.gpus:
+        step["SLURM_STEP_GRES"] = f"gpu:{share.gpus}"
+    return step
+
+
+def signal_steps(signal_name: str, env: Mapping[str, str] | None = None) -> None:
+    """Send `signal_name` to every step of this job (not its batch script): a packed job's points."""
+    job = slurm_job_id(env)
+    if job is not None:
+        subprocess.run(["scancel", f"--signal={signal_name}", job], capture_output=True, check=False)
+
+
+def job_end_time(env: Mapping[str, str] | None = None) -> float | None:
+    """When this job's time limit ends it (seconds since the epoch), or None (no limit, or unknown)."""
+    job = slurm_job_id(env)
+    if job is None or shutil.which("scontrol") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+        fields = dict(field.split("=", 1) for field in out.split() if "=" in field)
+        return time.mktime(time.strptime(fields.get("EndTime", ""), "%Y-%m-%dT%H:%M:%S"))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None

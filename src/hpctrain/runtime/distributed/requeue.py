@@ -12,7 +12,8 @@ points, and if any rank was signalled, all of them act:
   or predicts again; training is complete in its checkpoint, and predictions are written only at the end).
 
 Then `requeue_and_wait`: on the requeue signal under SLURM, rank 0 runs `scontrol requeue` and every
-rank waits for SLURM to end it; on SIGTERM the process exits with status 143.
+rank waits for SLURM to end it (a point of a packed job ends instead, and its driver requeues); on
+SIGTERM the process exits with status 143.
 """
 
 from __future__ import annotations
@@ -204,6 +205,17 @@ def requeue_and_wait(interrupted: signals.Interrupted, wait_s: float = REQUEUE_W
     terminates them all (the wait only runs out if the requeue failed).
     """
     watchdog.stop()  # ranks now end in any order: not a failure
+    if interrupted.requeue and cluster.pack_point() is not None:
+        # A point of a packed job: `scontrol requeue` would requeue the points beside it mid-step, so it
+        # only ends, saved and recorded as requeued (re-raised: Job ends it with status 0), and the pack's
+        # driver requeues the allocation once every point has saved or ended (hpctrain.runtime.sweeps.pack).
+        if cluster.is_rank_zero():
+            log.info(
+                "saved for the requeue of SLURM job %s, left to its pack (%s)",
+                cluster.slurm_job_id(),
+                interrupted,
+            )
+        raise interrupted
     if not interrupted.requeue:
         if cluster.is_rank_zero():
             log.info("stopped on %s", interrupted)

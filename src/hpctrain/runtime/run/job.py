@@ -69,7 +69,14 @@ class Job:
         return self
 
     def __exit__(self, *exc: Any) -> bool:
-        return bool(self._stack.__exit__(*exc))
+        if self._stack.__exit__(*exc):
+            return True
+        # A point of a packed job saved for the requeue, recorded as requeued: it ends here (status 0),
+        # and its pack's driver requeues the allocation (requeue.requeue_and_wait).
+        stopped = exc[1]
+        return (
+            isinstance(stopped, signals.Interrupted) and stopped.requeue and cluster.pack_point() is not None
+        )
 
     @contextmanager
     def _ending_posted(self) -> Iterator[None]:

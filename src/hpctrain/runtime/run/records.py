@@ -219,6 +219,22 @@ def outcome_recorded(
                 write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
 
 
+def record_lost(run_dir: str | Path, error: str) -> None:
+    """outcome.yaml for a run whose processes ended without writing one (killed: out of memory, a signal
+    that cannot be handled): failed, with what the process that started it saw (a packed job's driver)."""
+    run_dir = Path(run_dir)
+    record = {
+        "status": "failed",
+        "metric": None,
+        "value": None,
+        "error": error,
+        "overrides": list(read_run_record(run_dir).get("overrides") or []),
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    with suppress(OSError):
+        write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
+
+
 UNSIGNED = ("paths", "hydra", "skip_completed", "snapshot")  # where a run writes, not what it computes
 
 
