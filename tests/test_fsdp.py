@@ -132,6 +132,12 @@ def test_a_sharded_run_resumed_mid_epoch_ends_as_the_uninterrupted_run(tmp_path:
     again = run_script("scripts/consolidate.py", str(saved), str(out))
     assert again.returncode != 0 and "exists; pass another output path" in again.stdout
 
+    # hpctrain.load of the folder: the model, whole, on this one process
+    import hpctrain
+
+    loaded = hpctrain.load(saved)
+    assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in _state(saved).items())
+
     # eval of the folder on one process (trainer=cpu), as of the file
     evaluated = run_entry("eval.py", f"ckpt_path={saved}", "trainer=cpu", f"paths.log_dir={tmp_path / 'e'}")
     assert_ok(evaluated)
@@ -304,3 +310,69 @@ def test_a_checkpoint_of_4_processes_loads_losslessly_on_2_and_one_of_2_on_1(tmp
             k for k in loaded if not torch.equal(loaded[k], expected[k])
         ]
         saved = run_dirs(tmp_path / log_dir)[0] / "checkpoints" / "last.ckpt"  # 2 -> 1 next
+
+
+def test_cpu_offload_on_cpu_is_one_sentence(tmp_path: Path):
+    refused = train(tmp_path, "experiment=quickstart", "trainer=fsdp_cpu", "dist.fsdp.cpu_offload=true")
+    assert refused.returncode != 0 and "dist.fsdp.cpu_offload=true with FSDP2 on CPU" in refused.stdout
+
+
+@pytest.mark.slow
+def test_a_module_that_shards_itself_is_left_alone_and_told_apart_from_dist_fsdp_shard(tmp_path: Path):
+    from tests.differential.cases import user_overrides
+
+    env = {"PYTHONPATH": str(ROOT)}
+    own = [*user_overrides("SelfShardingClassifier"), "trainer=fsdp_cpu", "trainer.max_epochs=1"]
+    ran = train(tmp_path / "own", *own, env=env)
+    assert_ok(ran)
+    assert "FSDP2:" not in ran.stdout  # hpctrain sharded nothing: the module did
+    refused = train(tmp_path / "both", *own, "dist.fsdp.shard=[Linear]", env=env)
+    assert refused.returncode != 0
+    assert "SelfShardingClassifier shards itself in configure_model, and dist.fsdp.shard=" in refused.stdout
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_and_bf16_compute_train(tmp_path: Path):
+    result = train(
+        tmp_path,
+        "experiment=quickstart",
+        "trainer=fsdp_cpu",
+        "trainer.max_epochs=2",
+        "dist.fsdp.activation_checkpointing=true",
+        "dist.fsdp.param_dtype=bfloat16",
+        "dist.fsdp.reduce_dtype=float32",
+    )
+    assert_ok(result)
+    rows = metrics_without_timing(run_dirs(tmp_path)[0])
+    losses = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
+    assert len(losses) == 2 and losses[1] < losses[0]  # it learns
+
+
+def _buffers_on_two_ranks(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    module = nn.BatchNorm1d(3)
+    module.running_mean.fill_(float(rank + 1))  # differs per rank: 1 and 2
+    module.running_var.fill_(1 / 3)  # the same on both
+    state = fsdp._agreed_buffers(
+        {k: v.clone() for k, v in module.state_dict().items()}, module, torch.device("cpu")
+    )
+    if rank == 0:
+        torch.save(state, out)
+    dist.destroy_process_group()
+
+
+def test_buffers_that_differ_per_rank_are_averaged_in_what_is_saved(tmp_path: Path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "state.pt"
+    mp.start_processes(_buffers_on_two_ranks, args=(port, str(out)), nprocs=2, start_method="fork")
+    state = torch.load(out, weights_only=True)
+    assert torch.equal(state["running_mean"], torch.full((3,), 1.5))
+    assert torch.equal(state["running_var"], torch.full((3,), 1 / 3))  # agreed: bit for bit, not re-averaged

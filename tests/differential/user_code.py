@@ -260,6 +260,16 @@ class SlowRankCallback(Callback):
             time.sleep(float(os.environ["SLOW_S"]))
 
 
+class SelfShardingClassifier(LitClassifier):
+    """Shards itself in configure_model, as Lightning's ModelParallelStrategy docs write it."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if not isinstance(self.net, FSDPModule):  # called for fit and again for test: once is enough
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
 class DumpLoadedState(Callback):
     """Rank 0 saves, as training starts (after a checkpoint was loaded), the whole model's weights and
     optimizer states, gathered from every rank's shard (FSDP2), to `path`: what the run resumed with."""

@@ -98,6 +98,11 @@ def _check_precision(cfg: DictConfig) -> None:
             "trainer.strategy=fsdp with trainer.accelerator=mps: FSDP2 runs on CUDA GPUs and CPUs; train on GPUs "
             "(trainer=fsdp) or on CPU (trainer=fsdp_cpu)."
         )
+    if fsdp and on_cpu and _value(cfg, "dist.fsdp.cpu_offload") is True:
+        raise UserError(
+            "dist.fsdp.cpu_offload=true with FSDP2 on CPU: it moves parameters and optimizer states from GPU "
+            "memory to the host, and on CPU they are there already; drop it (or train on GPUs, trainer=fsdp)."
+        )
     _check_tensor_parallel(cfg, fsdp)
     if on_cpu and precision in ("16", "16-mixed"):
         raise UserError(

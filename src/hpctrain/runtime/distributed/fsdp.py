@@ -281,7 +281,7 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
-        return _agreed_buffers(state, self.lightning_module)
+        return _agreed_buffers(state, self.lightning_module, self.root_device)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Every rank writes its shard into a new folder beside the target; once all have, rank 0 moves
@@ -356,7 +356,7 @@ def _commit_when_written(staging: Path, path: Path, token: str, committed: Any, 
         committed.set()
 
 
-def _agreed_buffers(state: dict[str, Any], module: Any) -> dict[str, Any]:
+def _agreed_buffers(state: dict[str, Any], module: Any, device: Any) -> dict[str, Any]:
     """Buffers are not sharded: each rank keeps its own, and a distributed checkpoint stores one rank's.
     Those that differ between ranks (BatchNorm statistics without sync_batchnorm) are averaged over the
     ranks in what is saved; those that agree are saved as they are, bit for bit."""
@@ -365,7 +365,6 @@ def _agreed_buffers(state: dict[str, Any], module: Any) -> dict[str, Any]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return state
     buffers = {name for name, _ in module.named_buffers()}
-    device = module.device
     for key, value in list(state.items()):
         if key not in buffers or not isinstance(value, torch.Tensor) or not value.is_floating_point():
             continue
