@@ -233,7 +233,12 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(gathered), flush=True)
     dist.barrier()
-    dist.destroy_process_group()  # every group, the asynchronous saves' included, before the interpreter ends
+    dist.destroy_process_group()  # every group, the asynchronous saves' included
+    # The saves above ran after fit's teardown, outside a run's lifecycle: at interpreter exit a gloo
+    # thread of the saves' group is sometimes still joinable and the C++ runtime aborts (SIGABRT) after
+    # the figures are out. They are: end here, as torchrun's workers may.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _summary(results: dict) -> dict:

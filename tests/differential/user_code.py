@@ -295,14 +295,27 @@ class DumpLoadedState(Callback):
 
 
 class KillRankAtSave(Callback):
-    """Rank `rank` dies (SIGKILL) as the checkpoint of step `step` is being saved, as a node lost mid-save."""
+    """Rank `rank` dies (SIGKILL) in the middle of the checkpoint of step `step`: right after it wrote its
+    shard, before the checkpoint's index is (FSDP2); a plain checkpoint's rank dies as the save begins."""
 
     def __init__(self, rank: int, step: int):
         self.rank, self.step = rank, step
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        if type(trainer.strategy).__name__ != "HydraModelParallelStrategy":
             os.kill(os.getpid(), 9)
+        written = FileSystemWriter.write_data
+
+        def write_then_die(writer, plan, planner):
+            result = written(writer, plan, planner)
+            result.wait()  # this rank's shard is on disk
+            os.kill(os.getpid(), 9)
+
+        FileSystemWriter.write_data = write_then_die
 
 
 class ValLossOnly(LitClassifier):
