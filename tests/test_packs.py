@@ -132,3 +132,38 @@ def test_the_driver_lets_points_end_apart_and_requeues_the_job_once(tmp_path, mo
     assert sorted(calls) == sorted(
         [[n, "0", "1", "2", "1000"] for n in "0123"] + [["2", "1", "1", "2", "1000"]]
     )
+
+
+def test_the_driver_runs_the_jobs_a_launcher_listed(tmp_path, monkeypatch, capsys):
+    """--jobs=<file>: the SLURM launcher's jobs (hydra.launcher.pack=N), any job numbers and overrides (an
+    Optuna batch is no grid), into the sweep dir the file names."""
+    code, sweep = tmp_path / "code", tmp_path / "sweep"
+    (code / "slurm").mkdir(parents=True)
+    (code / "slurm" / "train.sbatch").write_text(FAKE_POINT)
+    for key, value in {**JOB, "SLURM_NTASKS_PER_NODE": "2", "SLURM_MEM_PER_NODE": "4000"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE")
+    monkeypatch.setenv("CALLS", str(tmp_path / "calls"))
+    monkeypatch.chdir(code)
+    jobs = pack.write_jobs(sweep, [(4, ["lr=0.3", "seed=1"]), (5, ["lr=0.01", "seed=2", "x=1"])], 4)
+    assert jobs == sweep / ".pack" / "jobs-4.yaml"
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        assert pack.main(["--pack=2", f"--jobs={jobs}"]) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out = capsys.readouterr().out
+    assert "points 4, 5 of the 2 in jobs-4.yaml, side by side, each 1 task(s) x 2 CPU(s), 2000 MB" in out
+    assert "point 4 (lr=0.3 seed=1): output in" in out and "point 5 (lr=0.01 seed=2 x=1)" in out
+    assert "point 4 ended: completed" in out and "point 5 ended: failed (ValueError: boom)" in out
+    assert "1 of 2 point(s) completed; point 5 failed" in out
+    assert yaml.safe_load((sweep / "4" / "outcome.yaml").read_text())["status"] == "completed"
+    calls = sorted(line.split()[0] for line in (tmp_path / "calls").read_text().splitlines())
+    assert calls == ["4", "5"]  # HPCTRAIN_PACK_POINT: the job number, as the run dir's name
+
+    with pytest.raises(UserError, match="pass either --jobs=<file> or --points and a sweep grid"):
+        pack.parse(["--pack=2", f"--jobs={jobs}", "seed=1,2"])
+    (sweep / ".pack" / "bad.yaml").write_text("jobs: 3\n")
+    with pytest.raises(UserError, match=r"is not a file of jobs the SLURM launcher wrote \(TypeError"):
+        pack.read_jobs(sweep / ".pack" / "bad.yaml")

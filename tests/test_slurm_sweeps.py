@@ -119,6 +119,50 @@ def test_the_slurm_launcher_runs_a_sweep_and_collects_results(slurm_cluster, tmp
     assert "job 1 failed" in log
 
 
+def test_the_slurm_launcher_packs_jobs_two_to_an_allocation(slurm_cluster, tmp_path: Path):
+    """hydra.launcher.pack=2: 4 jobs in 2 allocations of 2 (slurm/pack.sbatch, its driver), the results read
+    from their outcome.yaml; launched again with skip_completed=true, nothing is submitted."""
+    launch = (
+        PYTHON,
+        "src/train.py",
+        "-m",
+        *LAUNCHER,
+        "hydra.launcher.pack=2",
+        "trainer=ddp_cpu",
+        "trainer.num_nodes=1",
+        "trainer.devices=1",
+        *QUICK,
+        "test=false",
+        f"paths.log_dir={tmp_path}",
+        "seed=1,2,3,4",
+    )
+    result = slurm_cluster.run(*launch, cwd=ROOT)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    (sweep,) = (tmp_path / "train" / "multiruns").iterdir()
+    submitted = re.findall(r"job (\d): SLURM job (\d+)_(\d)", log)
+    assert [(n, task) for n, _, task in submitted] == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")], log
+    (array,) = {a for _, a, _ in submitted}
+    rows = _rows(sweep)
+    assert [(r["job"], r["status"]) for r in rows] == [(str(n), "completed") for n in range(4)], rows
+    for number, row in enumerate(rows):
+        task = f"{array}_{number // 2}"
+        assert row["run_dir"] == str(sweep / str(number)) and row["value"]
+        assert row["slurm_log"] == str(sweep / ".pack" / f"{task}.point{number}.out")
+        (attempt,) = yaml.safe_load((sweep / str(number) / "run.yaml").read_text())["attempts"]
+        assert (attempt["slurm_job_id"], attempt["world_size"]) == (task, 1)
+    driver = (sweep / ".pack" / f"{array}_0.out").read_text()
+    assert (
+        "points 0, 1 of the 4 in jobs-0.yaml, side by side" in driver
+        and "2 of 2 point(s) completed" in driver
+    )
+
+    again = slurm_cluster.run(*launch, f"hydra.sweep.dir={sweep}", "skip_completed=true", cwd=ROOT)
+    log = again.stdout + again.stderr
+    assert again.returncode == 0, log[-4000:]
+    assert "skip_completed: 4 point(s) had completed in" in log and "SLURM job" not in log, log[-4000:]
+
+
 def test_the_slurm_launcher_refuses_sweeping_the_allocation(slurm_cluster, tmp_path: Path):
     result = slurm_cluster.run(
         PYTHON,

@@ -584,3 +584,17 @@ def job_end_time(env: Mapping[str, str] | None = None) -> float | None:
         return time.mktime(time.strptime(fields.get("EndTime", ""), "%Y-%m-%dT%H:%M:%S"))
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
+
+
+def in_queue(job: str) -> bool:
+    """Whether SLURM still holds a task of job `job` (pending, running or requeued): what a launcher that
+    submitted it waits on. True when squeue cannot tell (it is asked again)."""
+    try:
+        result = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return True
+    if result.returncode != 0:
+        return "invalid job id" not in result.stderr.lower()  # gone from the queue long enough to be unknown
+    return bool(result.stdout.strip())

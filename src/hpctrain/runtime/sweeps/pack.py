@@ -2,10 +2,13 @@
 --pack N`). slurm/pack.sbatch runs `main` (scripts/pack.py) as the job's one process, the pack's driver:
 
     python scripts/pack.py --pack=2 [--points=1,3,5] model.optimizer.lr=0.1,0.01 seed=1,2
+    python scripts/pack.py --pack=2 --jobs=<sweep dir>/.pack/jobs-0.yaml      # the SLURM launcher's
 
 - Array task k runs points k*N ... k*N+N-1 of the grid, in Hydra's job order (`--points`: of those job
   numbers, the missing points of an earlier sweep), into <sweep dir>/<job number>/, the run dirs a job
-  array's tasks use: scripts/summarize.py summarises either.
+  array's tasks use: scripts/summarize.py summarises either. With `--jobs`, the points are the jobs a
+  file lists (`write_jobs`: the sweep dir, then each job's number and overrides), as the SLURM launcher
+  (`hydra/launcher=slurm hydra.launcher.pack=N`) receives them from any sweeper: Optuna's are no grid.
 - Each point is slurm/train.sbatch, run as its own `srun --exact` step on its share of the node (its
   tasks, CPUs, memory and GPUs: `cluster.pack_share`), with its own run dir, resume and outcome, and its
   output in <the job's output>.point<n>.out. A point that fails ends alone; the others go on.
@@ -30,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from hpctrain.runtime import cluster
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
@@ -118,17 +123,28 @@ def _ignore_job_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def parse(argv: list[str]) -> tuple[int, list[int] | None, list[str]]:
-    """--pack=N and --points=i,j,... first, then the overrides (a sweep grid)."""
+@dataclass
+class Args:
+    size: int
+    numbers: list[int] | None  # --points
+    jobs: Path | None  # --jobs
+    overrides: list[str]
+
+
+def parse(argv: list[str]) -> Args:
+    """--pack=N, then --points=i,j,... and the overrides (a sweep grid), or --jobs=<file> (`write_jobs`)."""
     size: int | None = None
     numbers: list[int] | None = None
+    jobs: Path | None = None
     rest = list(argv)
-    while rest and rest[0].startswith(("--pack=", "--points=")):
+    while rest and rest[0].startswith(("--pack=", "--points=", "--jobs=")):
         flag = rest.pop(0)
         key, value = flag[2:].split("=", 1)
         try:
             if key == "pack":
                 size = int(value)
+            elif key == "jobs":
+                jobs = Path(value)
             else:
                 numbers = [int(n) for n in value.split(",") if n]
         except ValueError:
@@ -141,7 +157,38 @@ def parse(argv: list[str]) -> tuple[int, list[int] | None, list[str]]:
             f"slurm/pack.sbatch needs --pack=N (N >= 1 points side by side) before the overrides, not {given}; "
             "submit with python scripts/submit.py --sweep --pack N -- <overrides>."
         )
-    return size, numbers, rest
+    if jobs is not None and (rest or numbers is not None):
+        raise UserError(
+            f"--jobs={jobs} lists the points and their overrides, but {' '.join(rest) or '--points'} was "
+            "given too; pass either --jobs=<file> or --points and a sweep grid."
+        )
+    return Args(size, numbers, jobs, rest)
+
+
+JOBS_DIR = ".pack"  # in the sweep dir: the SLURM launcher's files of jobs, and its packs' output
+
+
+def write_jobs(sweep: Path, jobs: list[tuple[int, list[str]]], first: int) -> Path:
+    """The file of jobs a packed job runs with --jobs: the sweep dir, then each job's number and overrides
+    (what the SLURM launcher was given for it), in <sweep dir>/.pack/jobs-<first job>.yaml."""
+    path = sweep / JOBS_DIR / f"jobs-{first}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    listed = {"sweep_dir": str(sweep), "jobs": [{"number": n, "overrides": list(o)} for n, o in jobs]}
+    path.write_text(yaml.safe_dump(listed, sort_keys=False))
+    return path
+
+
+def read_jobs(path: Path) -> tuple[Path, list[tuple[int, list[str]]]]:
+    """The sweep dir and the jobs a file of `write_jobs` lists; one sentence if it cannot be read."""
+    try:
+        listed = yaml.safe_load(path.read_text()) or {}
+        jobs = [(int(j["number"]), [str(o) for o in j["overrides"]]) for j in listed["jobs"]]
+        return Path(listed["sweep_dir"]), jobs
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as err:
+        raise UserError(
+            f"--jobs={path} is not a file of jobs the SLURM launcher wrote ({type(err).__name__}: {err}); "
+            "launch the sweep again (hydra/launcher=slurm hydra.launcher.pack=N)."
+        ) from None
 
 
 def points_of_this_task(grid: int, size: int, numbers: list[int] | None) -> list[int]:
@@ -199,20 +246,30 @@ def output_file(number: int, sweep: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     with reported_as_one_sentence():
-        size, numbers, overrides = parse(argv)
-        grid = expand(overrides)
-        mine = points_of_this_task(len(grid), size, numbers)
-        share = cluster.pack_share(size)
-        sweep = sweep_dir([grid[n] for n in mine])
+        args = parse(argv)
+        if args.jobs is not None:  # the SLURM launcher's: job numbers and overrides as it received them
+            sweep, listed = read_jobs(args.jobs)
+            mine = [listed[i][0] for i in points_of_this_task(len(listed), args.size, None)]
+            overrides_of = dict(listed)
+            whole = f"the {len(listed)} in {args.jobs.name}"
+        else:
+            grid = expand(args.overrides)
+            mine = points_of_this_task(len(grid), args.size, args.numbers)
+            overrides_of = dict(enumerate(grid))
+            whole = str(len(grid))
+        share = cluster.pack_share(args.size)
+        if args.jobs is None:
+            sweep = sweep_dir([overrides_of[n] for n in mine])
     job = cluster.slurm_job_id()
-    points = [Point(n, grid[n], sweep / str(n), output_file(n, sweep)) for n in mine]
+    everyone = list(overrides_of.values())
+    points = [Point(n, overrides_of[n], sweep / str(n), output_file(n, sweep)) for n in mine]
     received: list[int] = []
     for sig in (*PASSED_ON, signal.SIGTERM):  # recorded; the driver waits for its points whatever comes
         signal.signal(sig, lambda signum, frame: received.append(signum))
 
     say(
         f"SLURM job {job} (attempt {cluster.restart_count() + 1}): points {', '.join(map(str, mine))} of "
-        f"{len(grid)}, side by side, each {share.describe()}; run dirs in {sweep}"
+        f"{whole}, side by side, each {share.describe()}; run dirs in {sweep}"
     )
     for point in points:
         ended = point.ended_in(job)
@@ -221,7 +278,9 @@ def main(argv: list[str]) -> int:
             say(f"point {point.number} {ended} in an earlier attempt of this job: not run again")
             continue
         point.start(share)
-        swept = [o for o in point.overrides if any(o not in other for other in grid)]  # what sets it apart
+        swept = [
+            o for o in point.overrides if any(o not in other for other in everyone)
+        ]  # what sets it apart
         say(f"point {point.number} ({' '.join(swept) or 'the only one'}): output in {point.output}")
 
     waited_out = wait(points, received)
