@@ -239,6 +239,7 @@ def test_tensor_parallel_trains_as_fsdp_alone_does(tmp_path: Path):
     assert found == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.slow  # a process each (the preflight refuses before torch): kept out of the quick tier's 30 s
 @pytest.mark.parametrize(
     ("overrides", "sentence"),
     [
@@ -310,6 +311,7 @@ def test_a_checkpoint_of_4_processes_loads_losslessly_on_2_and_one_of_2_on_1(tmp
         saved = run_dirs(tmp_path / log_dir)[0] / "checkpoints" / "last.ckpt"  # 2 -> 1 next
 
 
+@pytest.mark.slow
 def test_cpu_offload_on_cpu_is_one_sentence(tmp_path: Path):
     refused = train(tmp_path, "experiment=quickstart", "trainer=fsdp_cpu", "dist.fsdp.cpu_offload=true")
     assert refused.returncode != 0 and "dist.fsdp.cpu_offload=true with FSDP2 on CPU" in refused.stdout

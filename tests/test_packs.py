@@ -86,6 +86,7 @@ esac
 """
 
 
+@pytest.mark.slow  # real driver processes: out of the quick tier's 30 s
 def test_the_driver_lets_points_end_apart_and_requeues_the_job_once(tmp_path, monkeypatch, capsys):
     code, tools, sweep = tmp_path / "code", tmp_path / "bin", tmp_path / "sweep"
     (code / "slurm").mkdir(parents=True)
@@ -134,6 +135,7 @@ def test_the_driver_lets_points_end_apart_and_requeues_the_job_once(tmp_path, mo
     )
 
 
+@pytest.mark.slow  # real driver processes: out of the quick tier's 30 s
 def test_the_driver_runs_the_jobs_a_launcher_listed(tmp_path, monkeypatch, capsys):
     """--jobs=<file>: the SLURM launcher's jobs (hydra.launcher.pack=N), any job numbers and overrides (an
     Optuna batch is no grid), into the sweep dir the file names."""
