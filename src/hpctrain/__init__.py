@@ -15,7 +15,7 @@ from hpctrain.runtime.config.compose import PROJECT_ROOT
 from hpctrain.runtime.config.resolvers import register_resolvers
 from hpctrain.runtime.errors import UserError
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 __all__ = ["UserError", "__version__", "load"]
 
 
