@@ -82,17 +82,28 @@ def test_stacks_names_the_rank_that_sleeps_and_its_line(tmp_path: Path):
 
 @pytest.mark.slow
 def test_a_rank_that_does_not_arrive_within_the_timeout_is_named_with_where_it_was(tmp_path: Path):
+    """... and the webhook (notify) is told once, by the rank that reports it."""
+    from tests.test_notify import Webhook
+
     mark = tmp_path / "asleep"
     started = time.monotonic()
+    webhook = Webhook()
     process = _start(
         tmp_path / "run",
         "dist.timeout_min=0.2",  # 12 s once the first step is done
         "dist.init_timeout_min=2",
-        env={"SLEEP_RANK": "1", "SLEEP_AT_STEP": "3", "SLEEP_S": "120", "SLEEP_MARK": str(mark)},
+        env={
+            "SLEEP_RANK": "1",
+            "SLEEP_AT_STEP": "3",
+            "SLEEP_S": "120",
+            "SLEEP_MARK": str(mark),
+            **webhook.env(),
+        },
     )
     try:
         output, _ = process.communicate(timeout=100)
     finally:
+        webhook.close()
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode not in (0, None) and time.monotonic() - started < 100
@@ -105,6 +116,10 @@ def test_a_rank_that_does_not_arrive_within_the_timeout_is_named_with_where_it_w
     assert expected in output, output[-4000:]
     assert f"every rank's stacks: {stacks_dir}/rank<N>.txt" in output and "Traceback" not in output
     assert "a collective timed out on rank 0" in (stacks_dir / "rank1.txt").read_text()
+    (text,) = webhook.texts
+    assert text.startswith(f"hpctrain: run hung: rank 1 on {os.uname().nodename} (before its backward pass")
+    assert "did not arrive at a collective within dist.timeout_min=0.2" in text
+    assert f"\nrun dir: {tmp_path / 'run'}\nhost: " in text
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import textwrap
 import threading
 import time
@@ -29,11 +28,9 @@ from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.loggers import job_metadata
 from hpctrain.runtime.sweeps.summary import Summary
 from tests.helpers import (
-    PYTHON,
     ROOT,
     assert_ok,
     compose_train,
-    local_env,
     require_modules,
     run_dirs,
     run_entry,
@@ -443,49 +440,6 @@ def test_the_url_is_refused_as_an_override_and_absent_from_help_and_the_config(t
     assert "url_env: HPCTRAIN_NOTIFY_URL" in answered.stdout
     assert files_holding(cache, SECRET) == [] and any(cache.rglob("*"))  # the stored answers too
     assert not (tmp_path / "train").exists()
-
-
-@pytest.mark.slow
-def test_a_hung_rank_is_posted_once_by_the_rank_that_reports_it(tmp_path: Path, webhook: Webhook):
-    from tests.differential.cases import user_overrides
-
-    mark = tmp_path / "asleep"
-    run_dir = tmp_path / "run"
-    env = {
-        **local_env(),
-        **webhook.env(),
-        "PYTHONPATH": str(ROOT),
-        "SLEEP_RANK": "1",
-        "SLEEP_AT_STEP": "3",
-        "SLEEP_S": "120",
-        "SLEEP_MARK": str(mark),
-    }
-    result = subprocess.run(
-        [
-            PYTHON,
-            "src/train.py",
-            *user_overrides("SleepyRank"),
-            "trainer=ddp_cpu",
-            "trainer.devices=2",
-            "trainer.max_epochs=1",
-            "extras.print_config=false",
-            "dist.timeout_min=0.2",  # 12 s once the first step is done
-            "dist.init_timeout_min=2",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=150,
-        start_new_session=True,
-    )
-    assert result.returncode not in (0, None), result.stdout[-3000:]
-    (text,) = webhook.texts
-    assert text.startswith(f"hpctrain: run hung: rank 1 on {os.uname().nodename} (before its backward pass")
-    assert "did not arrive at a collective within dist.timeout_min=0.2" in text
-    assert f"\nrun dir: {run_dir}\nhost: " in text
 
 
 @pytest.mark.slow
