@@ -18,6 +18,7 @@ SIGTERM the process exits with status 143.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal as signal_module
 import sys
@@ -196,6 +197,18 @@ def wait_for_saves(trainer: Trainer) -> None:
             wait()
 
 
+def _flush_output() -> None:
+    """Every log handler's and stream's buffered output to its file (a job's output file is not a
+    terminal: Python holds its lines in a buffer that a killed process loses)."""
+    for logger in (logging.getLogger(), log, logging.getLogger("hpctrain")):
+        for handler in logger.handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
 def requeue_and_wait(interrupted: signals.Interrupted, wait_s: float = REQUEUE_WAIT_S) -> None:
     """After the run has unwound: on the requeue signal under SLURM, global rank 0 asks SLURM to requeue
     the job and every rank waits for SLURM to end this run of it; otherwise the process exits (143).
@@ -230,5 +243,6 @@ def requeue_and_wait(interrupted: signals.Interrupted, wait_s: float = REQUEUE_W
             )
             sys.exit(1)
         log.info("requeued SLURM job %s (%s)", cluster.slurm_job_id(), interrupted)
+    _flush_output()  # SLURM ends this run any moment now: what it logged must be in the job's file first
     signal_module.signal(signal_module.SIGTERM, signal_module.SIG_DFL)
     time.sleep(wait_s)
