@@ -395,6 +395,11 @@ def slurm_output_file(env: Mapping[str, str] | None = None) -> str | None:
     a point of a packed job: the file its driver writes the point's output to."""
     if pack_point(env) is not None and _env(env).get(POINT_LOG):
         return _env(env)[POINT_LOG]
+    return (_job_fields(env) or {}).get("StdOut")
+
+
+def _job_fields(env: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """`scontrol show job -o`'s fields for this job, or None outside SLURM (or without scontrol)."""
     job = slurm_job_id(env)
     if job is None or shutil.which("scontrol") is None:
         return None
@@ -404,8 +409,7 @@ def slurm_output_file(env: Mapping[str, str] | None = None) -> str | None:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    fields = dict(field.split("=", 1) for field in out.split() if "=" in field)
-    return fields.get("StdOut")
+    return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
 
 def requeue_job(env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -573,16 +577,12 @@ def signal_steps(signal_name: str, env: Mapping[str, str] | None = None) -> None
 
 def job_end_time(env: Mapping[str, str] | None = None) -> float | None:
     """When this job's time limit ends it (seconds since the epoch), or None (no limit, or unknown)."""
-    job = slurm_job_id(env)
-    if job is None or shutil.which("scontrol") is None:
+    fields = _job_fields(env)
+    if fields is None:
         return None
     try:
-        out = subprocess.run(
-            ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=10, check=False
-        ).stdout
-        fields = dict(field.split("=", 1) for field in out.split() if "=" in field)
         return time.mktime(time.strptime(fields.get("EndTime", ""), "%Y-%m-%dT%H:%M:%S"))
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except ValueError:
         return None
 
 

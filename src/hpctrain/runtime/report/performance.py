@@ -184,13 +184,27 @@ def metrics(
     if len(ranks) > 1:
         for r in ranks:
             out.update({f"ranks/{name}/{r}": per_rank[r][name] for name in FIGURES})
-        for host, figures_of in _by_node(per_rank, hosts).items():
-            for name in FIGURES:
-                values = [f[name] for f in figures_of]
-                out[f"nodes/{host}/{name}_min"] = min(values)
-                out[f"nodes/{host}/{name}_median"] = statistics.median(values)
-                out[f"nodes/{host}/{name}_max"] = max(values)
+        for host, spreads in node_spreads(per_rank, hosts).items():
+            for name, spread in spreads.items():
+                out.update({f"nodes/{host}/{name}_{k}": v for k, v in spread.items()})
     return out
+
+
+def node_spreads(
+    per_rank: dict[int, dict[str, float]], hosts: dict[int, str]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """host -> figure -> {min, median, max} over that node's ranks."""
+    return {
+        host: {
+            name: {
+                "min": min(f[name] for f in of),
+                "median": statistics.median(f[name] for f in of),
+                "max": max(f[name] for f in of),
+            }
+            for name in FIGURES
+        }
+        for host, of in _by_node(per_rank, hosts).items()
+    }
 
 
 def _by_node(
@@ -302,26 +316,31 @@ class PerformanceLog(Callback):
         self.meter.paused()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        mine = self.meter.sums()
-        store, rank = job_store.store(), trainer.global_rank
-        if store is not None:
-            store.set(f"{PERF_KEY}/{rank}/final", json.dumps(mine))
-        if not trainer.is_global_zero:
+        sums = self._gathered(trainer, "/final", wait_s=FINAL_WAIT_S)
+        if sums is None:
             return
-        sums = {0: mine, **_read(store, trainer.world_size, "/final", wait_s=FINAL_WAIT_S)}
         self.summary = self._run_summary(sums)
         if self.summary:
             log.info(summary_line(self.summary, trainer.strategy.root_device.type))
 
     # --- the log interval
-    def _interval(self, trainer: Trainer) -> None:
+    def _gathered(
+        self, trainer: Trainer, suffix: str, wait_s: float = 0.0
+    ) -> dict[int, dict[str, Any]] | None:
+        """This rank's sums into the job's store; on rank 0, every rank's sums (None on the others)."""
         mine = self.meter.sums()
-        store, rank = job_store.store(), trainer.global_rank
+        store = job_store.store()
         if store is not None:
-            store.set(f"{PERF_KEY}/{rank}", json.dumps(mine))
+            store.set(f"{PERF_KEY}/{trainer.global_rank}{suffix}", json.dumps(mine))
         if not trainer.is_global_zero:
+            return None
+        return {0: mine, **_read(store, trainer.world_size, suffix, wait_s=wait_s)}
+
+    def _interval(self, trainer: Trainer) -> None:
+        sums = self._gathered(trainer, "")
+        if sums is None:
             return
-        sums = {0: mine, **_read(store, trainer.world_size, "")}
+        store = job_store.store()
         per_rank = {}
         for r, now in sums.items():
             self._hosts[r] = now["host"]
@@ -365,16 +384,10 @@ class PerformanceLog(Callback):
                 }
                 for r in sorted(per_rank)
             }
+            hosts = {r: s["host"] for r, s in sums.items()}
             summary["nodes"] = {
-                host: {
-                    name: {
-                        "min": _round(min(f[name] for f in of)),
-                        "median": _round(statistics.median(f[name] for f in of)),
-                        "max": _round(max(f[name] for f in of)),
-                    }
-                    for name in FIGURES
-                }
-                for host, of in _by_node(per_rank, {r: s["host"] for r, s in sums.items()}).items()
+                host: {name: {k: _round(v) for k, v in spread.items()} for name, spread in spreads.items()}
+                for host, spreads in node_spreads(per_rank, hosts).items()
             }
         return summary
 
