@@ -172,6 +172,9 @@ def test_eval_takes_the_checkpoints_config_and_reads_this_commands_data_dir(
             "model": {},
             "data": {},
             "monitor": {"metric": "val/acc", "mode": "max"},
+            "checkpoints": {
+                "trusted_targets": ["my.Model", "my.Data"]
+            },  # not this project's: trusted by name
         }
     )
     with caplog.at_level("INFO"):

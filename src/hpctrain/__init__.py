@@ -19,7 +19,7 @@ __version__ = "0.3.0"
 __all__ = ["UserError", "__version__", "load"]
 
 
-def load(ckpt_path: str) -> "Predictor":  # noqa: F821
+def load(ckpt_path: str, trusted_targets: "Iterable[str] | None" = None) -> "Predictor":  # noqa: F821
     """The model of one of this template's checkpoints, ready to call on the raw inputs its datamodule
     gave it (uint8 images: the normalisation is inside), in eval mode, on the CPU:
 
@@ -27,10 +27,12 @@ def load(ckpt_path: str) -> "Predictor":  # noqa: F821
         probabilities = model(images).softmax(dim=1)
 
     `model.model` is the LightningModule, `model.preprocess` what goes in front, `model.config` the model and
-    data config it was trained with. torch is imported here, on the first call, not with the package."""
+    data config it was trained with. A checkpoint is data: the classes built are the ones this project's
+    configs name (a `_target_` stored in the file that they do not name is refused in one sentence);
+    `trusted_targets` lists others you trust. torch is imported here, on the first call, not with the package."""
     from hpctrain.runtime.inference.loaded import load as load_checkpoint
 
-    return load_checkpoint(ckpt_path)
+    return load_checkpoint(ckpt_path, trusted_targets)
 
 
 register_resolvers(PROJECT_ROOT)

@@ -255,6 +255,13 @@ KEYS: tuple[Key, ...] = (
         "DDP: the graph is the same every step",
     ),
     Key(
+        "checkpoints.trusted_targets",
+        {"type": "array", "items": {"type": "string", "pattern": r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$"}},
+        "a list of dotted class or function names",
+        "[mypackage.models.Net]",
+        "classes a checkpoint's stored config may name besides those of the project's configs",
+    ),
+    Key(
         "checkpoints.async_save",
         {"type": "boolean"},
         "true or false",

@@ -12,6 +12,7 @@ so the model is fed exactly what it was trained on. src/predict.py and src/expor
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,12 @@ def preprocessing_of(datamodule: Any) -> nn.Module:
     return make() if callable(make) else nn.Identity()
 
 
-def load(ckpt_path: str | Path) -> Predictor:
-    """The model of a checkpoint of this template, with its preprocessing in front (see the module docstring)."""
+def load(
+    ckpt_path: str | Path, trusted_targets: Iterable[str] | None = None, from_config: bool = False
+) -> Predictor:
+    """The model of a checkpoint of this template, with its preprocessing in front (see the module docstring).
+    The classes built are those the project's configs name; `trusted_targets` adds others the user trusts
+    (`from_config`: the entry points' `checkpoints.trusted_targets`, named so in the refusal)."""
     from hpctrain.runtime.run.build import datamodule, model
 
     path = Path(ckpt_path).expanduser()
@@ -58,7 +63,8 @@ def load(ckpt_path: str | Path) -> Predictor:
             f"{path} does not exist; pass a checkpoint file or folder (see <run dir>/checkpoints/)."
         )
     content = reading.read(path)
-    stored = content.get(reading.CONFIG_KEY) or {}
+    how = "" if from_config else "hpctrain.load(path, trusted_targets=[<the target>])"
+    stored = reading.stored_config(path, ("model", "data"), trusted_targets, how=how, content=content)
     if "model" not in stored:
         raise UserError(
             f"{path} holds no model config (it was not written by this template); build its LightningModule "

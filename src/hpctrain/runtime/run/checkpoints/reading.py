@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.config import targets
 from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__)
@@ -54,9 +55,26 @@ def read(path: str | Path, what: str = "ckpt_path", weights: bool = True) -> dic
     return content
 
 
-def stored_config(path: str | Path) -> dict[str, Any]:
-    """The model and data config a checkpoint of this template was trained with ({} for others)."""
-    return read(path).get(CONFIG_KEY) or {}
+def stored_config(
+    path: str | Path,
+    groups: tuple[str, ...] = ("model", "data", "monitor"),
+    trusted_targets: Any = None,
+    what: str = "ckpt_path",
+    how: str = "",
+    content: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The groups of the config a checkpoint of this template was trained with ({} for others), as data:
+    every `_target_` in them one the project's configs name (or `trusted_targets`), else refused in one
+    sentence (`hpctrain.runtime.config.targets`), and their strings literals that resolve nothing."""
+    stored = (content if content is not None else read(path, what, weights=False)).get(CONFIG_KEY) or {}
+    if not isinstance(stored, dict) or not all(isinstance(stored.get(g, {}), dict) for g in groups):
+        raise UnreadableCheckpoint(
+            f"{what}={path} holds something else where its config should be; pass a checkpoint written by "
+            "this template, or choose the model and data it holds weights for: model=<option> data=<option>."
+        )
+    chosen = {group: stored[group] for group in groups if group in stored}
+    targets.check_stored(chosen, f"{what}={path}", trusted_targets, how)
+    return targets.literal(chosen)
 
 
 def check_matches_model(
@@ -148,10 +166,16 @@ def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[st
     watch). The data directory is this command's `paths.data_dir` (said in the log), and
     the training job's node-local staging directory (`data.stage_dir`) is not reused unless given again.
     """
-    stored = stored_config(checkpoint)
-    for group in ("model", "data", "monitor"):
-        chosen = any(o.lstrip("+~").startswith((f"{group}=", f"{group}/")) for o in overrides)
-        if group not in stored or chosen:
+    chosen = [
+        group
+        for group in ("model", "data", "monitor")
+        if any(o.lstrip("+~").startswith((f"{group}=", f"{group}/")) for o in overrides)
+    ]
+    trusted = (cfg.get("checkpoints") or {}).get("trusted_targets")
+    kept = tuple(g for g in ("model", "data", "monitor") if g not in chosen)
+    stored = stored_config(checkpoint, kept, trusted)
+    for group in kept:
+        if group not in stored:
             continue
         dotted = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith(f"{group}.")]
         replacement = OmegaConf.merge(

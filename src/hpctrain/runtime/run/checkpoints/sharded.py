@@ -34,13 +34,39 @@ META_FILE = "meta.pt"  # Lightning's name for it (pytorch_lightning.strategies.m
 INDEX_FILE = ".metadata"
 STATE_PREFIX = "state_dict."
 
-_ALLOWED = {
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice", "tuple", "list", "dict"},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-    "torch": {"Size", "device"},
-    "torch.serialization": {"_get_layout"},  # a layout by its name, as torch's weights_only unpickler allows
-}
+# Exactly the (module, name) pairs torch.distributed.checkpoint writes into an index (tests/test_checkpoint_trust.py
+# enumerates what the installed torch writes, so an upgrade that adds a class fails a test, not a user's load).
+_DCP = "torch.distributed.checkpoint"
+_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    [
+        *(
+            (f"{_DCP}.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("collections", "OrderedDict"),
+        *(("builtins", name) for name in ("set", "frozenset", "slice", "tuple", "list", "dict")),
+        *(
+            ("pathlib", name)
+            for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+        ),
+        ("torch", "Size"),
+        ("torch", "device"),
+        (
+            "torch.serialization",
+            "_get_layout",
+        ),  # a layout by its name, as torch's weights_only unpickler allows
+    ]
+)
 
 
 class ShardedCheckpointError(UserError):
@@ -48,15 +74,17 @@ class ShardedCheckpointError(UserError):
 
 
 class _IndexUnpickler(pickle.Unpickler):
-    """Admits DCP's index classes, torch.Size and dtypes, and plain containers; nothing that runs code."""
+    """Admits exactly the classes DCP writes into an index, torch's dtypes and memory formats, and plain
+    containers, each by its exact (module, name): never a dotted name (pickle resolves `a.b` attribute by
+    attribute, so `os.system` is reachable from any module that imports os)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or name in _ALLOWED.get(module, set()):
+        if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
-        ):
-            return getattr(torch, name)
+        if module == "torch" and "." not in name:
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype | torch.memory_format | torch.layout):
+                return value
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
 
 
@@ -66,9 +94,11 @@ def is_sharded(path: str | Path) -> bool:
 
 
 def read_index(folder: Path, what: str = "ckpt_path") -> Any:
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
         with open(folder / INDEX_FILE, "rb") as file:
-            return _IndexUnpickler(file).load()
+            index = _IndexUnpickler(file).load()
     except pickle.UnpicklingError as err:
         raise ShardedCheckpointError(
             f"{what}={folder} has an index ({INDEX_FILE}) that holds other Python objects ({err}), which are not "
@@ -79,6 +109,34 @@ def read_index(folder: Path, what: str = "ckpt_path") -> Any:
             f"{what}={folder} has an unreadable index ({INDEX_FILE}: {' '.join(str(err).split())[:120]}); it was cut "
             "short or is not a checkpoint: pass a complete checkpoint folder (see <run dir>/checkpoints/)."
         ) from err
+    if not (
+        isinstance(index, Metadata)
+        and isinstance(index.state_dict_metadata, dict)
+        and isinstance(index.storage_data, dict)
+    ):
+        raise ShardedCheckpointError(
+            f"{what}={folder} has an index ({INDEX_FILE}) that is not a checkpoint's (it holds a "
+            f"{type(index).__name__}); pass a complete checkpoint folder (see <run dir>/checkpoints/)."
+        )
+    return index
+
+
+def shard_path(folder: Path, relative: Any, what: str = "ckpt_path") -> Path:
+    """A shard file the index names, which must lie inside the checkpoint folder (a name, no `..`)."""
+    name = str(relative)
+    path = folder / name
+    inside = folder.resolve()
+    if (
+        not name
+        or Path(name).is_absolute()
+        or ".." in Path(name).parts
+        or not path.resolve().is_relative_to(inside)
+    ):
+        raise ShardedCheckpointError(
+            f"{what}={folder}: its index names the shard {name!r}, which lies outside the checkpoint folder; "
+            "a checkpoint only reads its own files: pass a checkpoint folder written by hpctrain."
+        )
+    return path
 
 
 def check_folder(folder: str | Path, what: str = "ckpt_path") -> Any:
@@ -91,9 +149,16 @@ def check_folder(folder: str | Path, what: str = "ckpt_path") -> Any:
         )
     index = read_index(folder, what)
     files: dict[str, int] = {}
-    for info in getattr(index, "storage_data", {}).values():
-        end = int(info.offset) + int(info.length)
-        files[info.relative_path] = max(files.get(info.relative_path, 0), end)
+    try:
+        for info in index.storage_data.values():
+            shard_path(folder, info.relative_path, what)
+            end = int(info.offset) + int(info.length)
+            files[info.relative_path] = max(files.get(info.relative_path, 0), end)
+    except (AttributeError, TypeError, ValueError) as err:
+        raise ShardedCheckpointError(
+            f"{what}={folder} has an index ({INDEX_FILE}) whose shard entries are malformed ({err}); pass a complete "
+            "checkpoint folder (see <run dir>/checkpoints/)."
+        ) from err
     for name, end in sorted(files.items()):
         shard = folder / name
         if not shard.is_file():
@@ -106,9 +171,9 @@ def check_folder(folder: str | Path, what: str = "ckpt_path") -> Any:
                 f"{what}={folder}: its shard {name} is shorter than its index says ({shard.stat().st_size} < {end} "
                 "bytes): it is truncated or from another checkpoint; use another checkpoint of the run."
             )
-    recorded = _recorded(folder)
+    recorded = _recorded(folder, what)
     for name, (size, digest) in recorded.items():
-        shard = folder / name
+        shard = shard_path(folder, name, what)
         if shard.is_file() and (shard.stat().st_size != size or start_digest(shard) != digest):
             raise ShardedCheckpointError(
                 f"{what}={folder}: its shard {name} is not the one this checkpoint was saved with (another "
@@ -118,14 +183,19 @@ def check_folder(folder: str | Path, what: str = "ckpt_path") -> Any:
     return index
 
 
-def _recorded(folder: Path) -> dict[str, list[Any]]:
+def _recorded(folder: Path, what: str) -> dict[str, tuple[int, str]]:
+    """shards.json: each shard file's size and the digest of its start ({} where the folder has none)."""
     path = folder / SHARDS_FILE
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except ValueError:
-        return {}
+        recorded = json.loads(path.read_text())
+        return {str(name): (int(size), str(digest)) for name, (size, digest) in recorded.items()}
+    except (ValueError, TypeError, AttributeError) as err:
+        raise ShardedCheckpointError(
+            f"{what}={folder}: its {SHARDS_FILE} is not a record of shard files ({type(err).__name__}); it was cut "
+            "short or replaced: use another checkpoint of the run."
+        ) from err
 
 
 def _check_plain_items(folder: Path, index: Any, what: str) -> None:
@@ -138,7 +208,7 @@ def _check_plain_items(folder: Path, index: Any, what: str) -> None:
         for index_key, info in index.storage_data.items():
             if index_key.fqn != key:
                 continue
-            with open(folder / info.relative_path, "rb") as file:
+            with open(shard_path(folder, info.relative_path, what), "rb") as file:
                 file.seek(int(info.offset))
                 data = file.read(int(info.length))
             try:

@@ -1,0 +1,87 @@
+"""Files written as an attacker would write them, for the trust tests: each tries to run code that leaves a
+marker file behind, so a test can tell that nothing ran (the marker is absent), not only that an error came."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY
+
+
+def _shell(marker: Path) -> bytes:
+    return f"touch {marker}".encode()
+
+
+def folder_index(folder: Path, marker: Path) -> Path:
+    """A checkpoint folder whose index (.metadata) reaches os.system through a module DCP owns: pickle
+    resolves the dotted name `os.system` attribute by attribute from torch.distributed.checkpoint.filesystem."""
+    folder.mkdir(parents=True, exist_ok=True)
+    command = _shell(marker)
+    payload = (
+        b"\x80\x04"
+        + b"ctorch.distributed.checkpoint.filesystem\nos.system\n"
+        + b"X"
+        + len(command).to_bytes(4, "little")
+        + command
+        + b"\x85R."
+    )
+    (folder / ".metadata").write_bytes(payload)
+    return folder
+
+
+def classic_pickle(path: Path, marker: Path) -> Path:
+    """A .ckpt whose pickle calls os.system when loaded without weights_only."""
+
+    class Payload:
+        def __reduce__(self):
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"state_dict": {}, "callbacks": Payload()}, path)
+    return path
+
+
+def hub_repo(folder: Path, marker: Path) -> Path:
+    """A folder torch.hub.load(source='local') would run: its hubconf.py leaves the marker."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "hubconf.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).touch()\n\ndef model(**kwargs):\n    return None\n"
+    )
+    return folder
+
+
+def hub_target(repo: Path) -> dict[str, str]:
+    """A stored config node that passes Hydra 1.3's blocklist and runs the repo's code."""
+    return {"_target_": "torch.hub.load", "repo_or_dir": str(repo), "model": "model", "source": "local"}
+
+
+def stored_config_checkpoint(path: Path, repo: Path, nested: bool = False) -> Path:
+    """A .ckpt that loads with weights_only=True and whose stored model config names torch.hub.load (at the
+    top, or `nested` as the network of this project's own classifier)."""
+    model = (
+        {
+            "_target_": "myproject.models.classifier.ImageClassifier",
+            "net": hub_target(repo),
+            "num_classes": 10,
+        }
+        if nested
+        else hub_target(repo)
+    )
+    data = {"_target_": "myproject.data.digits.DigitsDataModule", "batch_size": 8}
+    torch.save(
+        {"state_dict": {}, "epoch": 0, "global_step": 0, CONFIG_KEY: {"model": model, "data": data}}, path
+    )
+    return path
+
+
+def safetensors_file(path: Path, repo: Path) -> Path:
+    """A .safetensors file of a weight or two whose metadata's config names torch.hub.load."""
+    from safetensors.torch import save_file
+
+    config = {"model": hub_target(repo), "data": {}}
+    save_file({"net.weight": torch.zeros(2, 2)}, str(path), metadata={"config": json.dumps(config)})
+    return path

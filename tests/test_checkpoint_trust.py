@@ -1,0 +1,219 @@
+"""A checkpoint is data: a hostile file runs no code, through every way hpctrain reads one.
+
+Each hostile file tries to leave a marker file behind (tests/hostile.py); a test passes only when the
+read is refused in one sentence AND the marker is absent. The DCP index is read by an unpickler that
+admits exact (module, name) pairs, and the pairs are enumerated from what the installed torch writes, so
+a torch release that adds a class to its index fails here first."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hpctrain
+from hpctrain.runtime.config import targets
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.checkpoints import reading, sharded
+from tests import hostile
+from tests.helpers import EXAMPLES, require_modules
+
+
+@pytest.fixture
+def marker(tmp_path: Path) -> Path:
+    path = tmp_path / "code-ran"
+    yield path
+    assert not path.exists(), "the hostile file ran code"
+
+
+# ----------------------------------------------------------------------------------- the DCP index
+
+
+class _Recording(pickle.Unpickler):
+    def __init__(self, file, seen: set[tuple[str, str]]) -> None:
+        super().__init__(file)
+        self.seen = seen
+
+    def find_class(self, module: str, name: str):
+        self.seen.add((module, name))
+        return super().find_class(module, name)
+
+
+def _dcp_index_globals(folder: Path) -> set[tuple[str, str]]:
+    """Every (module, name) the installed torch pickles into a DCP index: an FSDP2-sharded network and its
+    AdamW state (DTensors, optimizer hyperparameters as non-tensor items), saved as Lightning's
+    ModelParallelStrategy saves them, on a one-process gloo group."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    store = dist.FileStore(str(folder.parent / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+        net.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        fully_shard(net[0], mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.9, 0.95))
+        net(torch.randn(5, 3)).sum().backward()
+        optimizer.step()
+        state = {
+            "state_dict": get_model_state_dict(net),
+            "optimizer_0": get_optimizer_state_dict(net, optimizer),
+        }
+        dcp.save(state, checkpoint_id=str(folder))
+    finally:
+        dist.destroy_process_group()
+    seen: set[tuple[str, str]] = set()
+    with open(folder / sharded.INDEX_FILE, "rb") as file:
+        _Recording(file, seen).load()
+    return seen
+
+
+@pytest.mark.slow  # a process group and a DCP save: seconds
+def test_the_index_unpickler_admits_exactly_what_dcp_writes(tmp_path: Path):
+    written = _dcp_index_globals(tmp_path / "ckpt")
+    dtypes = {(m, n) for m, n in written if m == "torch" and isinstance(getattr(torch, n, None), torch.dtype)}
+    unknown = written - sharded._ALLOWED - dtypes
+    assert not unknown, f"this torch writes {sorted(unknown)} into a DCP index: add them to sharded._ALLOWED"
+    index = sharded.check_folder(tmp_path / "ckpt")  # and reads that very index back
+    assert index.state_dict_metadata
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("torch.distributed.checkpoint.filesystem", "os.system"),  # dotted: attribute by attribute
+        ("torch.distributed.checkpoint.filesystem", "os"),
+        ("torch.distributed.checkpoint.metadata", "dataclasses"),
+        ("torch", "load"),
+        ("torch", "float32.__class__"),
+        ("builtins", "eval"),
+    ],
+)
+def test_the_index_unpickler_refuses_any_other_name(module: str, name: str):
+    with pytest.raises(pickle.UnpicklingError, match="is not part of a checkpoint index"):
+        sharded._IndexUnpickler(io.BytesIO()).find_class(module, name)
+
+
+def test_a_hostile_folder_index_runs_nothing(tmp_path: Path, marker: Path):
+    folder = hostile.folder_index(tmp_path / "last.ckpt", marker)
+    with pytest.raises(
+        UserError, match=r"holds other Python objects \(torch.distributed.checkpoint.filesystem.os.system"
+    ):
+        reading.read(folder)
+    with pytest.raises(UserError, match="holds other Python objects"):
+        hpctrain.load(folder)
+
+
+def _index_with(folder: Path, relative_path: str) -> Path:
+    """A checkpoint folder whose index names one shard at `relative_path`."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    folder.mkdir(parents=True)
+    meta = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([2]),
+        [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))],
+    )
+    index = Metadata(state_dict_metadata={"state_dict.w": meta})
+    index.storage_data = {MetadataIndex("state_dict.w", torch.Size([0])): _StorageInfo(relative_path, 0, 8)}
+    (folder / sharded.INDEX_FILE).write_bytes(pickle.dumps(index))
+    return folder
+
+
+@pytest.mark.parametrize("shard", ["../outside.distcp", "/etc/passwd", "sub/../../x.distcp"])
+def test_a_shard_outside_its_folder_is_refused(tmp_path: Path, shard: str):
+    (tmp_path / "outside.distcp").write_bytes(b"\0" * 64)
+    folder = _index_with(tmp_path / "last.ckpt", shard)
+    with pytest.raises(UserError, match="which lies outside the checkpoint folder"):
+        sharded.check_folder(folder)
+
+
+def test_an_index_or_a_shard_record_of_another_shape_is_one_sentence(tmp_path: Path):
+    folder = tmp_path / "a.ckpt"
+    folder.mkdir()
+    (folder / sharded.INDEX_FILE).write_bytes(pickle.dumps({}))
+    with pytest.raises(
+        UserError, match=r"has an index \(.metadata\) that is not a checkpoint's \(it holds a dict\)"
+    ):
+        sharded.check_folder(folder)
+    folder = _index_with(tmp_path / "b.ckpt", "__0_0.distcp")
+    (folder / "__0_0.distcp").write_bytes(b"\0" * 8)
+    (folder / "shards.json").write_text("[]")
+    with pytest.raises(UserError, match=r"its shards\.json is not a record of shard files"):
+        sharded.check_folder(folder)
+
+
+# ---------------------------------------------------------------------------- a checkpoint's config
+
+
+def test_a_stored_target_the_project_does_not_name_is_refused_nested_too(tmp_path: Path, marker: Path):
+    repo = hostile.hub_repo(tmp_path / "repo", marker)
+    for nested in (False, True):
+        path = hostile.stored_config_checkpoint(tmp_path / f"nested{nested}.ckpt", repo, nested=nested)
+        key = "model.net._target_" if nested and EXAMPLES else "model._target_"
+        with pytest.raises(
+            UserError,
+            match=rf"stores {key}='(torch.hub.load|myproject[\w.]+)', which no config of this project names",
+        ):
+            hpctrain.load(path)
+        with pytest.raises(UserError, match=r"allow it with hpctrain.load\(path, trusted_targets="):
+            hpctrain.load(path)
+
+
+def test_the_project_s_targets_and_the_trusted_ones_are_allowed():
+    names = targets.project_targets()
+    assert "pytorch_lightning.Trainer" in names  # hpctrain's own groups
+    if EXAMPLES:
+        assert "myproject.models.classifier.ImageClassifier" in names  # the project's conf/
+    targets.check_stored(
+        {"model": {"_target_": "x.Y", "net": {"_target_": "pytorch_lightning.Trainer"}}}, "f", ["x.Y"]
+    )
+    with pytest.raises(UserError, match=r"stores model.net\[0\]._target_='x.Z'"):
+        targets.check_stored({"model": {"_target_": "x.Y", "net": [{"_target_": "x.Z"}]}}, "f", ["x.Y"])
+
+
+def test_a_stored_config_resolves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """An interpolation in a file's config stays text: no resolver (a project's `eval`, say) runs on it."""
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("HPCTRAIN_TEST_SECRET", "s3cret")
+    path = tmp_path / "last.ckpt"
+    stored = {"model": {"_target_": "pytorch_lightning.Trainer", "name": "${oc.env:HPCTRAIN_TEST_SECRET}"}}
+    torch.save({"state_dict": {}, reading.CONFIG_KEY: stored}, path)
+    config = OmegaConf.create(reading.stored_config(path))
+    assert OmegaConf.to_container(config, resolve=True)["model"]["name"] == "${oc.env:HPCTRAIN_TEST_SECRET}"
+
+
+def test_a_classic_pickle_is_refused_before_it_runs(tmp_path: Path, marker: Path):
+    path = hostile.classic_pickle(tmp_path / "pickled.ckpt", marker)
+    with pytest.raises(UserError, match="holds pickled Python objects"):
+        hpctrain.load(path)
+
+
+def test_the_safetensors_metadata_is_never_built_from(tmp_path: Path, marker: Path):
+    """init_from reads a .safetensors file's tensors only: the config in its metadata chooses nothing."""
+    require_modules("safetensors")
+    from hpctrain.runtime.run.checkpoints import init_from
+
+    repo = hostile.hub_repo(tmp_path / "repo", marker)
+    path = hostile.safetensors_file(tmp_path / "model.safetensors", repo)
+    net = nn.Module()
+    net.net = nn.Linear(2, 2, bias=False)
+    init_from.apply(net, path, strict=True, exclude=[], prefix="")
+    assert torch.equal(net.net.weight, torch.zeros(2, 2))
