@@ -20,8 +20,11 @@ from omegaconf import DictConfig  # noqa: E402
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="export")
 def main(cfg: DictConfig) -> str | None:
-    import hpctrain  # here: --help and --cfg never run a job
-    from hpctrain.runtime.inference import export, model_card
+    from hpctrain.runtime.inference import (  # here: --help and --cfg never run a job
+        export,
+        loaded,
+        model_card,
+    )
     from hpctrain.runtime.run.checkpoints import existing_checkpoint
     from hpctrain.runtime.run.job import Job
 
@@ -29,11 +32,14 @@ def main(cfg: DictConfig) -> str | None:
         chosen = export.check_installed(cfg.export.format)  # onnx and safetensors need the `export` extra
         path = export.output_path(chosen, cfg.export.output, job.run_dir)
         checkpoint = existing_checkpoint(cfg.ckpt_path)
-        predictor = hpctrain.load(checkpoint)  # model(preprocess(raw inputs)), from the config stored in it
+        # model(preprocess(raw inputs)), built from the classes this project's configs name, as the checkpoint's config says
+        trusted = (cfg.get("checkpoints") or {}).get("trusted_targets")
+        predictor = loaded.load(checkpoint, trusted, from_config=True)
         # one sample more than the traced batch: the export is checked at a batch size it was not traced with
         inputs = export.sample_inputs(predictor, cfg.paths.data_dir, rows=cfg.export.batch_size + 1)
         job.record()  # config.yaml and run.yaml in the run dir, as for train and eval
-        exported = export.write(predictor, chosen, path, inputs, traced_rows=cfg.export.batch_size)
+        rebuild = export.rebuild_overrides(checkpoint)  # how the project's configs build this model again
+        exported = export.write(predictor, chosen, path, inputs, cfg.export.batch_size, rebuild)
         card = model_card.write(exported, predictor, checkpoint)  # beside the export
         export.report(exported, card, job.run_dir)
         return str(exported.path)

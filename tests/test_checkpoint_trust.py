@@ -20,7 +20,7 @@ from hpctrain.runtime.config import targets
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import reading, sharded
 from tests import hostile
-from tests.helpers import EXAMPLES, require_modules
+from tests.helpers import EXAMPLES, require_modules, run_entry, run_script
 
 
 @pytest.fixture
@@ -217,3 +217,69 @@ def test_the_safetensors_metadata_is_never_built_from(tmp_path: Path, marker: Pa
     net.net = nn.Linear(2, 2, bias=False)
     init_from.apply(net, path, strict=True, exclude=[], prefix="")
     assert torch.equal(net.net.weight, torch.zeros(2, 2))
+
+
+# -------------------------------------------------------------------- through every entry point
+
+
+@pytest.fixture(scope="module")
+def hostile_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hostile")
+    marker = root / "code-ran"
+    repo = hostile.hub_repo(root / "repo", marker)
+    return {
+        "marker": marker,
+        "folder index": hostile.folder_index(root / "folder" / "last.ckpt", marker),
+        "stored target": hostile.stored_config_checkpoint(root / "target.ckpt", repo),
+        "classic pickle": hostile.classic_pickle(root / "pickled.ckpt", marker),
+    }
+
+
+ENTRY_POINTS = {  # how each entry point is handed a file
+    "train ckpt_path": ("train.py", "ckpt_path={}"),
+    "train init_from": ("train.py", "init_from.path={}"),
+    "eval": ("eval.py", "ckpt_path={}"),
+    "predict": ("predict.py", "ckpt_path={}"),
+    "export": ("export.py", "ckpt_path={}"),
+}
+SAYS = {
+    "folder index": "holds other Python objects",
+    "stored target": "stores model._target_='torch.hub.load', which no config of this project names",
+    "classic pickle": "holds pickled Python objects",
+}
+CASES = [
+    (kind, entry)
+    for kind in SAYS
+    for entry in ENTRY_POINTS
+    # training builds from the project's configs and reads only the weights of a file
+    if not (kind == "stored target" and entry.startswith("train"))
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, entry", CASES, ids=[f"{k}, {e}" for k, e in CASES])
+def test_no_entry_point_runs_a_hostile_file(
+    kind: str, entry: str, hostile_files: dict[str, Path], tmp_path: Path
+):
+    script, argument = ENTRY_POINTS[entry]
+    result = run_entry(
+        script,
+        f"paths.log_dir={tmp_path}",
+        "extras.print_config=false",
+        "trainer=cpu",
+        argument.format(hostile_files[kind]),
+        timeout=120,
+    )
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and SAYS[kind] in errors[0], result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+    assert not hostile_files["marker"].exists(), f"{entry} ran the code of a {kind}"
+
+
+@pytest.mark.slow
+def test_consolidate_runs_no_hostile_index(hostile_files: dict[str, Path], tmp_path: Path):
+    result = run_script(
+        "scripts/consolidate.py", str(hostile_files["folder index"]), str(tmp_path / "out.ckpt")
+    )
+    assert result.returncode == 2 and "holds other Python objects" in result.stdout, result.stdout[-2000:]
+    assert not hostile_files["marker"].exists() and not (tmp_path / "out.ckpt").exists()

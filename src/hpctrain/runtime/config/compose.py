@@ -80,9 +80,13 @@ def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictCo
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    GlobalHydra.instance().clear()  # e.g. when called while @hydra.main reports an error
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name, overrides=list(overrides))
+    running = GlobalHydra.instance().hydra  # inside @hydra.main (an export's check, an error report)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name, overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().hydra = running  # the running app's, as it was
 
 
 def task_overrides(hydra_cfg: DictConfig) -> list[str]:

@@ -3,8 +3,9 @@
     export.format  file               holds                               loads with
     torch_export   model.pt2          the traced program (torch.export)   torch.export.load(path).module()
     onnx           model.onnx         that program as an ONNX graph       onnxruntime.InferenceSession(path)
-    safetensors    model.safetensors  the LightningModule's weights;      the model's class, built from that
-                                      its model and data config (JSON)    config; safetensors' load_model
+    safetensors    model.safetensors  the LightningModule's weights;      the model as the project's configs
+                                      its model and data config (JSON,    build it; safetensors' load_model
+                                      a description, never built from)
 
 What is exported is `hpctrain.load(ckpt)`'s Predictor: the datamodule's preprocessing in front of the
 model, so the two graphs take the data's raw inputs (uint8 images for the template's image data) and
@@ -72,6 +73,7 @@ class Exported:
     inputs: Tensor  # the batch it was checked on: one sample more
     outputs: Any  # the checkpoint model's outputs on them
     difference: float  # the largest absolute difference of the export's outputs from those
+    rebuild: list[str] | None = None  # the overrides the project's configs build the model with (safetensors)
 
 
 # ------------------------------------------------------------------------------- before torch
@@ -157,8 +159,48 @@ def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
 # ------------------------------------------------------------------------------- writing, checking
 
 
-def write(predictor: Predictor, chosen: Format, path: Path, inputs: Tensor, traced_rows: int) -> Exported:
-    """Trace on `inputs[:traced_rows]` and write `path`, then load it back and check it on all of `inputs`."""
+def rebuild_overrides(checkpoint: Path) -> list[str] | None:
+    """The overrides of the run that trained `checkpoint` (its run.yaml, when the checkpoint is in its run
+    dir's checkpoints/) that say which model the project's configs build: not where it wrote, nor how it
+    started. None when no record is found."""
+    from hpctrain.runtime.run import records
+    from hpctrain.runtime.run.checkpoints import CHECKPOINT_DIR
+
+    if checkpoint.parent.name != CHECKPOINT_DIR:
+        return None
+    try:
+        record = records.read_run_record(checkpoint.resolve().parent.parent)
+    except UserError:
+        return None
+    if not isinstance(record.get("overrides"), list):
+        return None
+    dropped = (
+        "hydra",
+        "paths",
+        "ckpt_path",
+        "init_from",
+        "extras",
+        "trainer",
+        "logger",
+        "callbacks",
+        "debug",
+        "-",
+    )
+    return [
+        str(o) for o in record["overrides"] if not str(o).lstrip("+~").startswith(dropped)
+    ]  # nor how it ran
+
+
+def write(
+    predictor: Predictor,
+    chosen: Format,
+    path: Path,
+    inputs: Tensor,
+    traced_rows: int,
+    rebuild: list[str] | None = None,
+) -> Exported:
+    """Trace on `inputs[:traced_rows]` and write `path`, then load it back and check it on all of `inputs`
+    (`rebuild`: the overrides the project's configs build the model with, for a safetensors file)."""
     import torch
 
     log.info(
@@ -173,8 +215,8 @@ def write(predictor: Predictor, chosen: Format, path: Path, inputs: Tensor, trac
     seconds = time.perf_counter() - started
     with torch.no_grad():
         outputs = predictor(inputs)
-        difference = _check(path, chosen, predictor, inputs, outputs)
-    return Exported(path, chosen, seconds, traced_rows, inputs, outputs, difference)
+        difference = _check(path, chosen, predictor, inputs, outputs, rebuild)
+    return Exported(path, chosen, seconds, traced_rows, inputs, outputs, difference, rebuild)
 
 
 def _traced(predictor: Predictor, example: Tensor, chosen: Format) -> Any:
@@ -235,13 +277,13 @@ def safetensors_metadata(predictor: Predictor, example: Tensor) -> dict[str, str
     }
 
 
-def _run_torch_export(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
+def _run_torch_export(path: Path, inputs: Tensor, predictor: Predictor, rebuild: list[str] | None) -> Any:
     import torch
 
     return torch.export.load(path).module()(inputs)
 
 
-def _run_onnx(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
+def _run_onnx(path: Path, inputs: Tensor, predictor: Predictor, rebuild: list[str] | None) -> Any:
     import onnxruntime
     import torch
 
@@ -250,28 +292,33 @@ def _run_onnx(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
     return [torch.from_numpy(output) for output in outputs]
 
 
-def _run_safetensors(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
-    """As the model card says: the model built from the config in the file, its weights loaded; the
-    preprocessing, which the file does not hold, in front."""
-    from hydra.utils import instantiate
-    from safetensors import safe_open
+def _run_safetensors(path: Path, inputs: Tensor, predictor: Predictor, rebuild: list[str] | None) -> Any:
+    """As the model card says: the model as this project's configs build it (with the training run's
+    overrides; without a record of them, from the checkpoint's config, checked against the project's),
+    its weights loaded from the file; the preprocessing, which the file does not hold, in front. The
+    file's metadata describes the model, and is never built from."""
+    from omegaconf import OmegaConf
     from safetensors.torch import load_model
 
-    with safe_open(str(path), "pt") as file:
-        config = json.loads(file.metadata()["config"])
-    model = instantiate(config["model"], _convert_="all").eval()
+    from hpctrain.runtime.config.compose import compose
+    from hpctrain.runtime.run.build import model as build_model
+
+    cfg = compose("train", rebuild) if rebuild is not None else OmegaConf.create(predictor.config)
+    model = build_model(cfg).eval()
     load_model(model, str(path))
     return model(predictor.preprocess(inputs))
 
 
-RUNNERS: dict[str, Callable[[Path, Any, Any], Any]] = {
+RUNNERS: dict[str, Callable[[Path, Any, Any, Any], Any]] = {
     "torch_export": _run_torch_export,
     "onnx": _run_onnx,
     "safetensors": _run_safetensors,
 }
 
 
-def _check(path: Path, chosen: Format, predictor: Predictor, inputs: Tensor, outputs: Any) -> float:
+def _check(
+    path: Path, chosen: Format, predictor: Predictor, inputs: Tensor, outputs: Any, rebuild: list[str] | None
+) -> float:
     """The export, loaded back, on a batch size it was not traced with: the largest difference of its
     outputs from the checkpoint model's (refused beyond RTOL and ATOL)."""
     import torch
@@ -279,7 +326,7 @@ def _check(path: Path, chosen: Format, predictor: Predictor, inputs: Tensor, out
     rows = len(inputs)
     where = f"export.format={chosen.name} wrote {path}, but loaded back and run on a batch of {rows}"
     try:
-        got = tensors(RUNNERS[chosen.name](path, inputs, predictor))
+        got = tensors(RUNNERS[chosen.name](path, inputs, predictor, rebuild))
     except Exception as err:
         raise UserError(
             f"{where} it fails ({reason(err)}); if the forward fixes the batch size (a view or reshape "

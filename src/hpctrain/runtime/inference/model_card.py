@@ -58,7 +58,7 @@ def text(exported: Exported, predictor: Predictor, checkpoint: Path) -> str:
             "",
             *_input_and_output(exported, predictor),
             "",
-            "## Load it (no template code)",
+            f"## Load it ({'with the project that trained it' if exported.format.name == 'safetensors' else 'no template code'})",
             "",
             "```python",
             *LOADERS[exported.format.name](exported, predictor),
@@ -131,8 +131,9 @@ def _input_and_output(exported: Exported, predictor: Predictor) -> list[str]:
     pixels = " (raw pixel values, 0-255)" if inputs.startswith("uint8") else ""
     if exported.format.name == "safetensors":
         return [
-            "- The file holds the LightningModule's weights, and in its metadata the model and data config "
-            "(`config`, JSON), the input format (`input`) and the preprocessing (`preprocessing`).",
+            "- The file holds the LightningModule's weights, and in its metadata a description: the model and "
+            "data config (`config`, JSON), the input format (`input`) and the preprocessing (`preprocessing`); "
+            "the model itself is built by the project's configs, as below.",
             f"- Input: {inputs}, any batch size N{pixels}; preprocessing, not in the file (apply it "
             f"yourself, as below): {describe(predictor.preprocess)}.",
             f"- Output: {shown}{meaning}.",
@@ -166,23 +167,32 @@ def _onnx_loader(exported: Exported, predictor: Predictor) -> list[str]:
 
 
 def _safetensors_loader(exported: Exported, predictor: Predictor) -> list[str]:
+    """The model as the project's own configs build it (the file's metadata describes it, and is never
+    built from: a file anyone can send must not choose the code that runs)."""
     from torch import nn
 
     from hpctrain.data.images import Normalise
 
     preprocess = predictor.preprocess
+    if exported.rebuild is None:
+        overrides = ["model=<the option it was trained with>"]
+        said = "# its run.yaml was not found: pass the model= (or experiment=) options it was trained with"
+    else:
+        overrides = exported.rebuild
+        said = "# the overrides of the run that trained it (its run.yaml)"
     lines = [
-        "import json",
+        "# In the project that trained it (its code and conf/), with its environment: the model is built",
+        "# from the project's own configs, never from the file's metadata (which only describes it).",
+        "from pathlib import Path",
         "",
         "import torch",
+        "from hydra import compose, initialize_config_dir",
         "from hydra.utils import instantiate",
-        "from safetensors import safe_open",
         "from safetensors.torch import load_model",
         "",
-        f'with safe_open("{exported.path.name}", "pt") as file:',
-        '    config = json.loads(file.metadata()["config"])',
-        '# the model\'s own classes must be importable (config["model"] names them)',
-        'model = instantiate(config["model"], _convert_="all").eval()',
+        'with initialize_config_dir(config_dir=str(Path("conf").resolve()), version_base="1.3"):',
+        f'    cfg = compose("train", overrides={overrides!r})  {said}',
+        'model = instantiate(cfg.model, _convert_="all").eval()',
         f'load_model(model, "{exported.path.name}")',
     ]
     inputs = describe_tensor(exported.inputs)

@@ -72,6 +72,18 @@ class StartPoint:
             if warning:
                 log.warning(warning)
 
+    def check_readable(self, init_from: str | None = None) -> None:
+        """The file the run starts from, read as data before anything heavy is built (a checkpoint's
+        contents without its weights, or `init_from.path`'s): a hostile or broken file is one sentence
+        before the data is prepared."""
+        from hpctrain.runtime.run.checkpoints import init_from as weights
+        from hpctrain.runtime.run.checkpoints import reading
+
+        if self.checkpoint is not None:
+            reading.read(self.checkpoint, weights=False)
+        elif init_from not in (None, "", "null"):
+            weights.check_readable(str(init_from))
+
     def _check_checkpoint(self, run: Any, cfg: Any) -> str | None:
         """Refuse weights of another model; the configured optimizer values the checkpoint overrides."""
         from omegaconf import OmegaConf

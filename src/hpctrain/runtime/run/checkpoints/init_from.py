@@ -69,6 +69,18 @@ def read_weights(path: str | Path) -> dict[str, Tensor]:
     return content
 
 
+def check_readable(path: str | Path) -> None:
+    """`path` as `read_weights` reads it, without reading a sharded folder's weights (its index, shard
+    files and non-tensor items are checked) or a file's tensors (memory-mapped)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        from hpctrain.runtime.run.checkpoints import sharded
+
+        sharded.check_folder(path, "init_from.path")
+    elif path.suffix != ".safetensors":  # safetensors holds tensors only: nothing to check before reading
+        read_weights(path)
+
+
 def _listed(keys: Sequence[str], what: str, show: int = 3) -> str:
     return f"{len(keys)} {what} ({', '.join(keys[:show])}{', ...' if len(keys) > show else ''})"
 
