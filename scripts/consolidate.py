@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         written = consolidate(argv[0], argv[1])
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     for path in written:
         print(path)
     return 0

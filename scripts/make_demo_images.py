@@ -19,6 +19,7 @@ from myproject.data.digits import write_image_folder  # noqa: E402
 if __name__ == "__main__":
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "data" / "digits_images"
     if out.exists():
-        sys.exit(f"error: {out} already exists; remove it or name another folder.")
+        print(f"error: {out} already exists; remove it or name another folder.", file=sys.stderr)
+        sys.exit(2)
     write_image_folder(out)
     print(f"{sum(1 for p in out.rglob('*') if p.is_file())} images in {out}")

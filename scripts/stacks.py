@@ -22,12 +22,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import yaml
 
 from hpctrain.runtime.distributed import stacks
+
+
+def fail(sentence: str) -> NoReturn:
+    print(f"error: {sentence}", file=sys.stderr)
+    sys.exit(2)
 
 
 def find_run_dir(target: str, log_dir: Path) -> tuple[Path, str | None]:
@@ -41,8 +47,8 @@ def find_run_dir(target: str, log_dir: Path) -> tuple[Path, str | None]:
     )
     found = [d for d in found if (d / stacks.STACKS_DIR).is_dir()]
     if not found:
-        sys.exit(
-            f"error: {target} is neither a run dir nor a SLURM job with a run under {log_dir}/*/runs/; "
+        fail(
+            f"{target} is neither a run dir nor a SLURM job with a run under {log_dir}/*/runs/; "
             "pass the run dir (or --log-dir)."
         )
     return found[-1], target
@@ -65,8 +71,8 @@ def main() -> int:
     run_dir, job = find_run_dir(args.target, args.log_dir)
     ranks = stacks.known_ranks(run_dir)
     if not ranks:
-        sys.exit(
-            f"error: {run_dir} has no {stacks.STACKS_DIR}/{stacks.PIDS_FILE}: its ranks never started building the run."
+        fail(
+            f"{run_dir} has no {stacks.STACKS_DIR}/{stacks.PIDS_FILE}: its ranks never started building the run."
         )
     sig = stacks_signal(run_dir)
     files = {rank: stacks.rank_file(run_dir, rank) for rank in ranks}
@@ -82,9 +88,7 @@ def main() -> int:
             ["scancel", f"--signal={sig.name.removeprefix('SIG')}", job], capture_output=True, text=True
         )
         if sent.returncode != 0:
-            sys.exit(
-                f"error: scancel --signal={sig.name} {job} failed: {(sent.stderr or sent.stdout).strip()}"
-            )
+            fail(f"scancel --signal={sig.name} {job} failed: {(sent.stderr or sent.stdout).strip()}")
     else:
         away = sorted(r for r, (_, h) in ranks.items() if h != host)
         if away:

@@ -90,7 +90,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="run the working copy's code in every attempt instead of a snapshot taken now (logs/snapshots/)",
     )
-    remote = parser.add_argument_group("a cluster behind SSH (README: From your laptop)")
+    remote = parser.add_argument_group("a cluster behind SSH (the SLURM guide: From your laptop)")
     remote.add_argument(
         "--remote", metavar="[USER@]HOST[:DIR]", help="submit on this login node, into the project DIR there"
     )

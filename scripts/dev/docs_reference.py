@@ -7,11 +7,11 @@
   type (the schema's, else its default's), its default as written, and its comment (the yaml file's, else
   the schema's);
 - groups.md: every config group and option, whose it is (the project's conf/ or hpctrain's), and the first
-  comment line of its file;
+  sentence of the comment its file opens with (whole sentences: a cell is never cut), else what it sets;
 - errors.md: the one-sentence errors hpctrain can print, read from the source (`raise UserError(...)` and
   its subclasses), with `<...>` for what is filled in at run time;
 - internals.md: the private library names hpctrain relies on (hpctrain.runtime.internals);
-- public-api.md: hpctrain's public names and the first line of each one's docstring.
+- public-api.md: hpctrain's public names and the first sentences of each one's docstring.
 No torch import: the code is read, not run (the configs are composed as src/train.py composes them).
 """
 
@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
+import yaml  # noqa: E402
 from generated import write_or_check  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
@@ -147,14 +148,58 @@ def config_page() -> str:
 # ----------------------------------------------------------------------------------------------- groups
 
 
-def _first_comment(path: Path) -> str:
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def whole_sentences(text: str, at_least: int = 40) -> str:
+    """The first sentences of `text`, at least `at_least` characters of them, ending as a sentence ends:
+    a table cell is never cut mid-sentence. A sentence that leads into an example (`...:`) ends there."""
+    taken = ""
+    for sentence in SENTENCE_END.split(" ".join(text.split())):
+        taken = f"{taken} {sentence}".strip()
+        if len(taken) >= at_least and not taken.endswith(("e.g.", "i.e.")):
+            break
+    if taken.endswith((":", ",", ";")):
+        taken = taken[:-1]
+    return taken if not taken or taken.endswith((".", "!", "?")) else f"{taken}."
+
+
+def _leading_comment(path: Path) -> str:
+    """The prose of the comment a config file opens with, up to its first example line (indented) or
+    blank comment line."""
+    lines = []
     for line in path.read_text().splitlines():
         stripped = line.strip()
-        if stripped.startswith("#") and "@package" not in stripped:
-            return stripped.lstrip("#").strip()
-        if stripped and not stripped.startswith("#"):
-            return ""
-    return ""
+        if not stripped.startswith("#"):
+            break
+        text = stripped[1:]
+        if "@package" in text:
+            continue
+        if text.startswith("   ") or not text.strip():
+            break
+        lines.append(text.strip())
+    return " ".join(lines)
+
+
+def _summary(path: Path) -> str:
+    """What a config file without a comment holds: its class, or the values it sets."""
+    data = yaml.safe_load(path.read_text()) or {}
+    defaults = [d for d in data.pop("defaults", []) if isinstance(d, str) and d != "_self_"]
+    if len(data) == 1 and isinstance(next(iter(data.values())), dict):
+        data = next(iter(data.values()))  # one node of its group (callbacks.<name>, logger.<name>)
+    if "_target_" in data:
+        return f"`{data['_target_']}`."
+    values = ", ".join(
+        f"`{k}`" if isinstance(v, dict | list) or "${" in str(v) else f"`{k}: {json.dumps(v).strip(chr(34))}`"
+        for k, v in data.items()
+    )
+    if defaults and not values:
+        return " and ".join(f"`{d}`" for d in defaults) + " together."
+    return f"{values}{' over ' + ', '.join(f'`{d}`' for d in defaults) if defaults else ''}."
+
+
+def description(path: Path) -> str:
+    return whole_sentences(_leading_comment(path)) or _summary(path)
 
 
 def groups_page() -> str:
@@ -173,7 +218,7 @@ def groups_page() -> str:
         lines += [f"## {group}", "", "| option | from | what it is |", "| --- | --- | --- |"]
         for option, path in group_options(group).items():
             whose = "hpctrain" if path.is_relative_to(HPCTRAIN_CONF_DIR) else "conf/"
-            lines.append(f"| `{group}={option}` | {whose} | {_cell(_first_comment(path))} |")
+            lines.append(f"| `{group}={option}` | {whose} | {_cell(description(path))} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -271,7 +316,7 @@ def internals_page() -> str:
 def _docstring_line(module_path: Path, name: str) -> str:
     for node in ast.walk(ast.parse(module_path.read_text())):
         if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name:
-            return (ast.get_docstring(node) or "").split("\n\n")[0].replace("\n", " ")
+            return whole_sentences((ast.get_docstring(node) or "").split("\n\n")[0])
     return ""
 
 
@@ -293,7 +338,7 @@ def public_api_page() -> str:
         "| --- | --- |",
         f"| `hpctrain.load` | {_cell(_docstring_line(SRC / '__init__.py', 'load'))} |",
         f"| `hpctrain.UserError` | {_cell(_docstring_line(SRC / 'runtime' / 'errors.py', 'UserError'))} |",
-        "| `hpctrain.__version__` | hpctrain's version (semantic versioning) |",
+        "| `hpctrain.__version__` | hpctrain's version (semantic versioning). |",
         "",
         "## hpctrain.data",
         "",

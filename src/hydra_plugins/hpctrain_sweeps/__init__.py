@@ -1,6 +1,6 @@
 """Hydra finds launchers and sweepers only under the `hydra_plugins` package; the template's live in
-its own package (`sweeps/`), and these names are how Hydra reaches them (see conf/hydra/launcher/slurm.yaml
-and conf/hydra/sweeper/optuna.yaml)."""
+its own package (`sweeps/`), and these names are how Hydra reaches them (see src/hpctrain/conf/hydra/launcher/slurm.yaml
+and src/hpctrain/conf/hydra/sweeper/optuna.yaml)."""
 
 from hpctrain.runtime.sweeps import optuna_sweeper, slurm
 
