@@ -1,38 +1,152 @@
-"""The documentation, tested: the reference pages are what the code says, every command the pages show
-composes as the entry point would compose it (and the getting-started ones train), every config key and
-group option a page names exists, and the site builds with `mkdocs build --strict`."""
+"""The documentation, tested. What "every command is tested" means (docs/index.md says it to readers):
+
+- every file, config key, group option, `hpctrain` import path, script flag and exit status a page names
+  exists and is right (quick tier: read from the files and the code, nothing run);
+- every command a page shows composes as its entry point would compose it, and a training command
+  whose values are all given passes the checks src/train.py makes before anything runs (slow tier);
+  the commands of the getting-started pages and the README also run, for a few steps, in a temporary
+  log dir, with the tutorial's own files in place of the reader's;
+- a code block that needs what the test machine lacks says so in the page's source, on the line before
+  it: `<!-- needs: gpu (the reason) -->` (or `cluster`, `network`, `data`, `suite`); its commands are
+  checked and composed but not run, and a command that needs a GPU or a cluster outside such a block
+  fails a test;
+- the Python and YAML a page shows as a file of the reader's are real files (docs/examples/), included
+  into the page with pymdownx.snippets and imported and run here; a block titled with a file of the
+  template is that file, included;
+- the reference pages are what the code says, no generated table cell is cut off, and the site builds
+  with `mkdocs build --strict`.
+"""
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import shlex
 import subprocess
+import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
-from hpctrain.runtime.config.compose import compose, config_groups, group_options
-from tests.helpers import PYTHON, ROOT, assert_ok, require_modules, train
+from hpctrain.runtime.config.compose import CONF_DIR, compose, config_groups, group_options
+from tests.helpers import PYTHON, ROOT, require_modules, run_dirs, run_entry, train
 
 DOCS = ROOT / "docs"
 PAGES = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
+# Pages for the people who use the template and their generated projects (not the maintainers' or the
+# generated reference): what they name must exist in a generated project too.
+USER_PAGES = [
+    p
+    for p in PAGES
+    if p.parent.name not in ("maintainers", "benchmarks", "reference") and p.name != "README.md"
+]
+# Pages whose commands run here, for a few steps each (the others' are composed)
+RUN_PAGES = [p for p in PAGES if p.parent.name == "getting-started" or p.name == "README.md"]
 ENTRY = re.compile(r"(?:^|/)src/(train|eval|predict|export)\.py$")
 FLAGS_WITH_A_VALUE = {"--cfg", "-c", "--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd"}
-HARDWARE = ("trainer=gpu", "trainer=ddp", "trainer=fsdp", "trainer=mps", "trainer.accelerator=gpu")
+NEEDS = {
+    "gpu": "a CUDA GPU",
+    "cluster": "a SLURM cluster of the reader's (its partitions, its nodes)",
+    "network": "a download",
+    "data": "a dataset of the reader's",
+    "suite": "the test suite itself (CI runs it: .ci/run)",
+}
+# What in a command says it needs one of NEEDS
+NEEDS_GPU = re.compile(
+    r"\btrainer=(gpu|ddp|fsdp|mps)\b|trainer\.accelerator=gpu|--gres=gpu|--gpus-per-node|--nv\b"
+)
+NEEDS_CLUSTER = re.compile(
+    r"^(sbatch|srun|salloc|squeue|sacct|scancel|scontrol|sinfo|torchrun)\b|scripts/submit\.py|hydra/launcher=slurm"
+)
+SNIPPET = re.compile(r'^[ \t]*-{2,}8<-{2,}[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
+MARK = re.compile(r"<!--\s*needs:\s*(\w+)\s*\(([^)]+)\)\s*-->")
+TINY = (  # appended to every command that trains: seconds, not minutes
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
+    "trainer.num_sanity_val_steps=0",
+)
 
 
 def _page(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
+# ---------------------------------------------------------------------------------------- reading pages
+
+
+@dataclass
+class Block:
+    lang: str
+    title: str | None
+    body: str  # as written in the page (a snippet include is one line)
+    needs: tuple[str, str] | None  # (what, why) from the <!-- needs: ... --> line before the block
+
+    @property
+    def snippets(self) -> list[str]:
+        return SNIPPET.findall(self.body)
+
+    def expanded(self) -> str:
+        return SNIPPET.sub(lambda m: (ROOT / m.group(1)).read_text(), self.body)
+
+
+FENCE = re.compile(
+    r"^(?P<before>(?:[^\n]*\n)?)(?P<indent>[ \t]*)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
+    re.MULTILINE | re.DOTALL,
+)
+
+
+@functools.cache
+def blocks(path: Path) -> tuple[Block, ...]:
+    text = path.read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        info = match.group("info").strip()
+        lang = info.split()[0] if info else ""
+        title = re.search(r'title="([^"]+)"', info)
+        mark = MARK.search(match.group("before"))
+        indent = match.group("indent")
+        body = "".join(
+            line[len(indent) :] if line.startswith(indent) else line
+            for line in match.group("body").splitlines(keepends=True)
+        )
+        found.append(Block(lang, title and title.group(1), body, mark and (mark.group(1), mark.group(2))))
+    return tuple(found)
+
+
+def prose(path: Path) -> str:
+    """The page without its code blocks."""
+    return FENCE.sub(lambda m: m.group("before"), path.read_text())
+
+
 def shell_lines(text: str) -> list[str]:
     """The lines of the page's bash blocks, continuation lines joined."""
     lines = []
-    for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, flags=re.DOTALL):
+    for block in re.findall(r"```(?:bash|sh|shell)[^\n]*\n(.*?)```", text, flags=re.DOTALL):
         lines += block.replace("\\\n", " ").splitlines()
     return lines
+
+
+def block_commands(block: Block) -> list[str]:
+    """The commands of one bash block: continuation lines joined, comments and blank lines dropped."""
+    if block.lang not in ("bash", "sh", "shell"):
+        return []
+    found = []
+    for line in block.body.replace("\\\n", " ").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            found.append(line)
+    return found
+
+
+def inline_code(path: Path) -> list[str]:
+    return re.findall(r"(?<!`)`([^`]+)`(?!`)", prose(path).replace("\n", " "))
 
 
 def commands(text: str) -> list[tuple[str, list[str]]]:
@@ -96,7 +210,14 @@ def written_by_the_page(text: str) -> set[str]:
     return {f"{g}={o}" for g, o in re.findall(r"conf/([a-z_]+(?:/[a-z_]+)?)/([a-z_]+)\.yaml", text)}
 
 
-def documented_commands() -> list[tuple[str, str, list[str]]]:
+def concrete(args: list[str]) -> bool:
+    """A command whose every value is given (no <placeholder>, no `...`) and no search's sweeper fills
+    any in: its composed config can be checked as the entry point checks it."""
+    return not any(_placeholder(a) for a in args) and not any(a.startswith("hparams_search=") for a in args)
+
+
+def documented_commands() -> list[tuple[str, str, list[str], bool]]:
+    """(page, entry point, its overrides, whether they are concrete) of every command in the pages."""
     found = []
     for path in PAGES:
         text = path.read_text()
@@ -104,8 +225,21 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
         for entry, args in commands(text):
             chosen = overrides(args)
             if chosen is not None and not theirs & set(chosen):
-                found.append((_page(path), entry, chosen))
+                found.append((_page(path), entry, chosen, concrete(args)))
     return found
+
+
+def readers_files(path: Path) -> dict[str, Path]:
+    """The files a page shows as the reader's (a block titled with a path that the template does not
+    have, holding a snippet of docs/examples/): {the title: the real file}."""
+    found = {}
+    for block in blocks(path):
+        if block.title and block.snippets and not (ROOT / block.title).exists():
+            found[block.title] = ROOT / block.snippets[0]
+    return found
+
+
+# ------------------------------------------------------------------------------------- the quick tier
 
 
 def test_the_reference_pages_are_what_the_code_says():
@@ -118,23 +252,475 @@ def test_the_reference_pages_are_what_the_code_says():
 def test_the_pages_show_commands_and_this_test_finds_them():
     found = documented_commands()
     assert len(found) > 40
-    assert {entry for _, entry, _ in found} == {"train", "eval", "predict", "export"}
+    assert {entry for _, entry, _, _ in found} == {"train", "eval", "predict", "export"}
     assert commands("```bash\nsbatch --nodes=2 slurm/train.sbatch trainer=ddp \\\n  model=mlp\n```") == [
         ("train", ["trainer=ddp", "model=mlp"])
     ]
+    (block,) = blocks(DOCS / "getting-started" / "tutorial.md")[:1]
+    assert block.lang == "bash" and block_commands(block)[0] == "python src/train.py experiment=quickstart"
+
+
+def test_no_generated_table_cell_is_cut_off():
+    """A description in the generated tables is whole sentences: it ends as a sentence ends."""
+    failures = []
+    for name in ("groups.md", "public-api.md"):
+        for line in (DOCS / "reference" / name).read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if not line.startswith("| `") or not cells[-1]:
+                continue
+            if not re.search(r"[.!?)`\"']$", cells[-1]) or re.search(r"[,:;]$", cells[-1]):
+                failures.append(f"docs/reference/{name}: {cells[0]}: {cells[-1][-60:]!r}")
+    assert not failures, "cut off:\n" + "\n".join(failures)
+
+
+def test_python_and_the_readers_files_on_the_pages_are_real_files():
+    """Every Python block is a real file included with pymdownx.snippets; a block titled with a file of the
+    template is that file; every snippet exists."""
+    failures = []
+    for path in PAGES:
+        for block in blocks(path):
+            for snippet in block.snippets:
+                if not (ROOT / snippet).is_file():
+                    failures.append(f"{_page(path)}: the snippet {snippet} does not exist")
+            if block.lang == "python" and not block.snippets:
+                failures.append(f"{_page(path)}: a python block that is not a file: {block.body[:60]!r}")
+            if block.title and (ROOT / block.title).is_file() and block.snippets != [block.title]:
+                failures.append(f"{_page(path)}: the block titled {block.title} is not that file, included")
+    assert not failures, "\n".join(failures)
+
+
+# Files a generated project has that the template does not, or has its own of (.copier/make_project.py
+# writes them; its README and tests come from .copier/project/)
+GENERATED_PROJECT_ONLY = {"src/hpctrain/files.sha256", ".copier-answers.yml", ".ci/run"}
+PATH_TOKEN = re.compile(
+    r"(?<![\w./-])((?:\./)?(?:src|conf|scripts|slurm|tests|docs|\.ci|\.vscode|\.copier)/[\w./*-]*|"
+    r"(?:hpctrain|myproject)/[\w./-]+\.py|Makefile|pyproject\.toml|uv\.lock|mkdocs\.yml|copier\.yml)"
+)
+
+
+def _named_paths(path: Path) -> set[str]:
+    """The repository paths a page names: in inline code and in its code blocks (not in Python, whose
+    dotted names are imports, nor in the files it includes)."""
+    texts = inline_code(path) + [b.body for b in blocks(path) if b.lang != "python" and not b.snippets]
+    found = set()
+    for text in texts:
+        for token in PATH_TOKEN.findall(text):
+            token = token.rstrip(".,;:")
+            if not re.search(r"[<>{}$%|]|\.\.\.", token) and token not in ("src/", "conf/"):
+                found.add(token.removeprefix("./"))
+    return found
+
+
+def _exists(name: str) -> bool:
+    if name.startswith(("hpctrain/", "myproject/")):
+        name = f"src/{name}"
+    if "*" in name:
+        return any(ROOT.glob(name.rstrip("/")))
+    if re.fullmatch(r"conf/[\w/]+/", name) and name[5:-1] in config_groups():
+        return True  # the reader's own folder of a group's options (conf/cluster/ beside hpctrain's presets)
+    return (
+        (ROOT / name).exists()
+        or (ROOT / ".copier" / "project" / name).exists()  # a generated project's own README, tests, CI
+        or name in GENERATED_PROJECT_ONLY
+    )
+
+
+def _ignored_by_git(names: list[str]) -> set[str]:
+    """Paths git ignores: the reader's own, machine-local files (conf/local/default.yaml)."""
+    result = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        cwd=ROOT,
+        input="\n".join(names),
+        capture_output=True,
+        text=True,
+    )
+    return set(result.stdout.split())
+
+
+@functools.cache
+def _source_text() -> str:
+    """Everything the code could write a file under: the names of run outputs are literals in it (a log
+    file is named after its task: `${task_name}.log`)."""
+    files = [
+        *(ROOT / "src").rglob("*.py"),
+        *(ROOT / "src").rglob("*.yaml"),
+        *(ROOT / "scripts").rglob("*.py"),
+        *(ROOT / "slurm").iterdir(),
+    ]
+    return "\n".join(p.read_text() for p in files if p.is_file())
+
+
+def _written_by_the_code(name: str) -> bool:
+    return (
+        name in _source_text()
+        or re.sub(r"^(train|eval|predict|export)\.", "${task_name}.", name) in _source_text()
+    )
+
+
+OUTPUT_NAME = re.compile(r"^[\w-]+\.(?:png|csv|log|ckpt|json|db|pt2|onnx|safetensors)$")
+
+
+def test_every_file_a_page_names_exists():
+    """Files and folders of the project, and the files a run writes (metrics.csv, curves.png): each exists
+    in the template or a generated project, or is a file the page shows the reader writing (a titled
+    block), or is the reader's own machine-local file (git-ignored); the name of a run's output file is
+    one the code writes."""
+    failures = []
+    for path in PAGES:
+        theirs = {b.title for b in blocks(path) if b.title}
+        missing = sorted(n for n in _named_paths(path) - theirs if not _exists(n))
+        ignored = _ignored_by_git(missing) if missing else set()
+        failures += [f"{_page(path)}: {n} does not exist" for n in missing if n not in ignored]
+        for code in inline_code(path):
+            if OUTPUT_NAME.match(code) and not _written_by_the_code(code) and not _exists(code):
+                failures.append(f"{_page(path)}: {code}: no code writes a file of that name")
+    assert not failures, "\n".join(failures)
+
+
+def _module_file(parts: list[str]) -> Path | None:
+    base = ROOT / "src" / Path(*parts)
+    for candidate in (base / "__init__.py", base.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return base if base.is_dir() else None  # a folder without __init__.py: hpctrain.conf
+
+
+def _defines(module: Path, name: str) -> bool:
+    if module.is_dir():
+        return (module / name).exists() or (module / f"{name}.yaml").exists()
+    text = module.read_text()
+    if re.search(rf"['\"]{re.escape(name)}['\"]\s*:", text):  # a lazily imported public name (_PUBLIC)
+        return True
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name:
+            return True
+        targets = [getattr(node, "target", None), *getattr(node, "targets", [])]
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return True
+        if isinstance(node, ast.ImportFrom | ast.Import) and any(
+            (a.asname or a.name.split(".")[-1]) == name for a in node.names
+        ):
+            return True
+    return False
+
+
+def resolves(dotted: str) -> bool:
+    """`hpctrain.a.b` names a module of hpctrain or a name one of them defines (read, not imported)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        module = _module_file(parts[:i])
+        if module is not None:
+            return i == len(parts) or _defines(module, parts[i])
+    return False
+
+
+PUBLIC = {"hpctrain", "hpctrain.load", "hpctrain.UserError", "hpctrain.__version__", "hpctrain.data"}
+
+
+def _public_data_names() -> set[str]:
+    tree = ast.parse((ROOT / "src" / "hpctrain" / "data" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign | ast.Assign) and "_PUBLIC" in ast.unparse(node).split("=")[0]:
+            return {f"hpctrain.data.{k.value}" for k in node.value.keys}  # type: ignore[union-attr]
+    raise AssertionError("hpctrain.data has no _PUBLIC")
+
+
+def test_every_hpctrain_name_a_page_names_exists_and_the_guides_use_the_public_api():
+    public = PUBLIC | _public_data_names()
+    failures = []
+    for path in PAGES:
+        text = path.read_text() + "".join(b.expanded() for b in blocks(path) if b.snippets)
+        for dotted in sorted(set(re.findall(r"(?<![\w/.])hpctrain(?:\.[A-Za-z_]\w*)+", text))):
+            if not resolves(dotted):
+                failures.append(f"{_page(path)}: {dotted} does not exist")
+            elif path in USER_PAGES and dotted.startswith("hpctrain.data.") and dotted not in public:
+                failures.append(
+                    f"{_page(path)}: {dotted} is not hpctrain's public API (hpctrain.data.<name>)"
+                )
+        for module in re.findall(r"^\s*(?:from|import) (hpctrain[\w.]*)", text, flags=re.MULTILINE):
+            if path in USER_PAGES and module not in public:
+                failures.append(f"{_page(path)}: imports {module}, not hpctrain's public API")
+    assert not failures, "\n".join(failures)
+
+
+@functools.cache
+def _flags_of(script: Path) -> frozenset[str]:
+    """The flags a script (or the hpctrain module whose main it runs) defines: its '--x' string literals."""
+    sources = [script]
+    tree = ast.parse(script.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hpctrain"):
+            module = _module_file(node.module.split("."))  # type: ignore[union-attr]
+            if module and module.is_file() and any(a.name == "main" for a in node.names):
+                sources.append(module)
+    flags = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("-"):
+                flags.add(node.value.split("=")[0])
+    return frozenset(flags)
+
+
+def _flag_uses(path: Path) -> list[tuple[str, str]]:
+    """(script, flag) for each flag a page passes to a script of the template: in its commands, and in
+    inline code such as `scripts/submit.py --sweep`. Flags after `--` are Hydra's or the trainer's."""
+    texts = [c for b in blocks(path) for c in block_commands(b)] + inline_code(path)
+    uses = []
+    for text in texts:
+        try:
+            tokens = shlex.split(text, comments=True)
+        except ValueError:
+            continue
+        script = None
+        for token in tokens:
+            if token == "--":
+                script = None
+            elif re.fullmatch(r"(?:\./)?scripts/[\w/]+\.py", token):
+                script = token.removeprefix("./")
+            elif token in ("tests/contract", "pytest") or token.startswith("hpctrain.testing.local_slurm"):
+                script = (
+                    "src/hpctrain/testing/plugin.py" if "contract" in token or token == "pytest" else None
+                )
+            elif script and re.match(r"--?[A-Za-z]", token):
+                uses.append((script, token.split("=")[0]))
+    return uses
+
+
+PYTEST_FLAGS = {"-q", "-m", "-k", "-x", "-p", "-n", "-v", "--dist", "--durations"}
+
+
+def test_every_script_flag_a_page_names_exists():
+    failures = []
+    for path in PAGES:
+        for script, flag in _flag_uses(path):
+            if not (ROOT / script).is_file():
+                failures.append(f"{_page(path)}: {script} does not exist")
+            elif flag not in _flags_of(ROOT / script) and not (
+                script.endswith("plugin.py") and flag in PYTEST_FLAGS
+            ):
+                failures.append(f"{_page(path)}: {script} has no flag {flag}")
+    assert not failures, "\n".join(sorted(set(failures)))
+
+
+def _exit_statuses(script: Path) -> set[int]:
+    """The statuses a script can end with: the integers it returns from main or passes to sys.exit, 2 for
+    argparse's usage errors, 0."""
+    tree = ast.parse(script.read_text())
+    found = {0}
+    for node in ast.walk(tree):
+        value = None
+        if isinstance(node, ast.Return):
+            value = node.value
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.exit", "exit", "SystemExit"):
+            value = node.args[0] if node.args else None
+        if isinstance(value, ast.Constant) and isinstance(value.value, int):
+            found.add(value.value)
+    if "argparse" in script.read_text():
+        found.add(2)
+    return found
+
+
+def test_a_scripts_one_sentence_error_exits_2_and_the_exit_statuses_the_pages_name_are_real():
+    """`error: <sentence>` ends with exit status 2 (docs/reference/errors.md), from the entry points and
+    from every script alike; an exit status a page gives a script is one the script can end with."""
+    failures = []
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ExceptHandler) and "UserError" in ast.unparse(node.type or ast.Pass()):
+                for inner in ast.walk(node):
+                    code = None
+                    if isinstance(inner, ast.Return) and isinstance(inner.value, ast.Constant):
+                        code = inner.value.value
+                    if code not in (None, 2):
+                        failures.append(
+                            f"scripts/{script.name}: a UserError ends with exit status {code}, not 2"
+                        )
+            if (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func) == "sys.exit"
+                and node.args
+                and isinstance(node.args[0], ast.JoinedStr | ast.Constant)
+                and ast.unparse(node.args[0]).lstrip("f'\"").startswith("error:")
+            ):
+                failures.append(
+                    f"scripts/{script.name}: sys.exit('error: ...') ends with exit status 1, not 2"
+                )
+    claim = re.compile(r"(scripts/\w+\.py)[^.]*?\bexits?(?: with)?(?: status)? (\d+)")
+    for path in PAGES:
+        for script, status in claim.findall(" ".join(prose(path).split())):
+            if int(status) not in _exit_statuses(ROOT / script):
+                failures.append(f"{_page(path)}: {script} never exits with status {status}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_supported_versions_and_extras_the_pages_name_are_pyprojects():
+    pyproject = (ROOT / "pyproject.toml").read_text()  # read as text: tomllib is Python 3.11+
+    dependencies = pyproject.split("dependencies = [", 1)[1].split("]", 1)[0]
+    ranges = {m[0]: (m[1], m[2]) for m in re.findall(r'"([\w-]+)>=([\d.]+),<([\d.]+)"', dependencies)}
+    optional = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = set(re.findall(r"^([\w-]+) = \[", optional, flags=re.MULTILINE))
+    failures = []
+    table = re.findall(
+        r"^\| ([\w-]+) \| ([\d.x]+) \| ([\d.x]+) \|$",
+        (DOCS / "getting-started" / "install.md").read_text(),
+        re.M,
+    )
+    assert table
+    for name, oldest, newest in table:
+        low, high = ranges[name]
+        major, minor = high.split(".")[:2]
+        last = f"{major}.{int(minor) - 1}"  # <2.16: 2.15 is the newest release allowed
+        if not low.startswith(oldest.rstrip(".0")) or not (newest == last or newest.startswith(f"{last}.")):
+            failures.append(
+                f"install.md: {name} {oldest} to {newest}, but pyproject.toml allows >={low},<{high}"
+            )
+    for path in PAGES:
+        for target, extra in re.findall(r"pip install (?:-e )?'([^'\[]+)\[([\w,-]+)\]'", path.read_text()):
+            if target != ".":
+                failures.append(
+                    f"{_page(path)}: pip install '{target}[...]': install the project, '.[{extra}]'"
+                )
+            failures += [f"{_page(path)}: no extra {e}" for e in extra.split(",") if e not in extras]
+    assert not failures, "\n".join(failures)
+
+
+def _excluded_from_a_project() -> list[str]:
+    copier = yaml.safe_load((ROOT / "copier.yml").read_text())
+    return [p.strip("/") for p in copier["_exclude"] if p.startswith("/")]
+
+
+def test_the_user_pages_name_only_what_a_generated_project_has():
+    """A generated project has no template test suite, no scripts/dev/ and no make benchmark: the guides
+    send nobody there (the maintainers' pages may)."""
+    excluded = [e for e in _excluded_from_a_project() if e not in ("logs", "data", "outputs", "multirun")]
+    failures = []
+    for path in USER_PAGES:
+        for name in _named_paths(path):
+            top = name.split("/")[0]
+            template_only = top in excluded or name.startswith("scripts/dev")
+            if template_only and not _exists_in_a_project(name):
+                failures.append(f"{_page(path)}: {name} is not in a generated project")
+        for target in re.findall(r"\bmake (benchmark|versions)\b", path.read_text()):
+            failures.append(f"{_page(path)}: make {target} is not in a generated project")
+    assert not failures, "\n".join(sorted(set(failures)))
+
+
+def _exists_in_a_project(name: str) -> bool:
+    return (
+        name.startswith(("tests/contract", "docs/"))  # the contract tests are copied; docs/ is this site
+        or (ROOT / ".copier" / "project" / name).exists()
+        or name in GENERATED_PROJECT_ONLY
+    )
+
+
+def test_a_batch_job_is_submitted_in_one_form():
+    """`sbatch ... slurm/train.sbatch ...` never passes trainer.num_nodes or trainer.devices (the batch file
+    passes SLURM's counts), and asks for one task per GPU: the form slurm/train.sbatch itself shows."""
+    sources = [*PAGES, ROOT / ".copier" / "project" / "README.md", *(ROOT / "slurm").glob("*.sbatch")]
+    failures = []
+    for path in sources:
+        text = path.read_text()
+        lines = shell_lines(text) if path.suffix == ".md" else [c.lstrip("#") for c in text.splitlines()]
+        for line in lines:
+            tokens = line.split("#")[0].split()
+            if "sbatch" not in tokens or not any(t.endswith("slurm/train.sbatch") for t in tokens):
+                continue
+            flags = dict(t.split("=", 1) for t in tokens if t.startswith("--") and "=" in t)
+            gpus = flags.get("--gres", "").removeprefix("gpu:")
+            if any(t.startswith(("trainer.num_nodes=", "trainer.devices=")) for t in tokens):
+                failures.append(
+                    f"{path.relative_to(ROOT)}: {line.strip()[:90]}: the sbatch file passes the counts"
+                )
+            elif gpus.isdigit() and flags.get("--ntasks-per-node") != gpus:
+                failures.append(f"{path.relative_to(ROOT)}: {line.strip()[:90]}: one task per GPU")
+    assert not failures, "\n".join(failures)
+
+
+def _readme_sections() -> set[str]:
+    return {h.strip() for h in re.findall(r"^#+ (.+)$", (ROOT / "README.md").read_text(), re.M)}
+
+
+def test_every_readme_section_named_exists():
+    """`README "A section"` in pages, configs and scripts: the README has that section."""
+    sources = [
+        *PAGES,
+        *(ROOT / "conf").rglob("*.yaml"),
+        *(ROOT / "scripts").glob("*.py"),
+        *(ROOT / "src").rglob("*.py"),
+    ]
+    failures = []
+    for path in sources:
+        for section in re.findall(r"README[,:]? \"([^\"]+)\"|README: ([A-Z][\w ]+)", path.read_text()):
+            name = section[0] or section[1].strip()
+            if name not in _readme_sections():
+                failures.append(f"{path.relative_to(ROOT)}: README has no section {name!r}")
+    assert not failures, "\n".join(failures)
+
+
+def _runnable(command: str) -> bool:
+    """A command the slow tier runs: an entry point, `make train`, or the contract tests."""
+    words = command.split()
+    return bool(
+        re.match(
+            r"^(?:\S*python\S* )?src/(train|eval|predict|export)\.py\b", command.replace(".venv/bin/", "")
+        )
+        or command.startswith("make train")
+        or (len(words) > 3 and "pytest" in words[0:3] and "tests/contract" in words)
+    )
+
+
+def test_every_command_runs_here_or_says_what_it_needs():
+    """A command that needs a GPU or a cluster is in a block marked `<!-- needs: ... (why) -->`; on the
+    getting-started pages and in the README every other command is one the slow tier runs."""
+    failures = []
+    for path in PAGES:
+        for block in blocks(path):
+            if block.needs:
+                what, why = block.needs
+                if what not in NEEDS or len(why.split()) < 2:
+                    failures.append(
+                        f"{_page(path)}: needs: {what} ({why}): one of {sorted(NEEDS)}, with the reason"
+                    )
+                continue
+            for command in block_commands(block):
+                if NEEDS_GPU.search(command) or any(
+                    NEEDS_CLUSTER.search(part.strip()) for part in command.split("&&")
+                ):
+                    failures.append(
+                        f"{_page(path)}: {command[:90]}: mark its block <!-- needs: gpu|cluster (why) -->"
+                    )
+                elif path in RUN_PAGES and not _runnable(command):
+                    failures.append(
+                        f"{_page(path)}: {command[:90]}: not run by tests/test_docs.py; mark its block"
+                    )
+    assert not failures, "\n".join(failures)
+
+
+# -------------------------------------------------------------------------------------- the slow tier
 
 
 @pytest.mark.slow
-def test_every_command_in_the_docs_composes():
-    failures = []
-    for page, entry, chosen in documented_commands():
+def test_every_command_in_the_docs_composes_and_passes_the_checks(tmp_path: Path):
+    """Each command's config, composed as its entry point composes it, and, where the command gives every
+    value, checked as the entry point checks it before anything runs (types, ranges, k-fold, loggers,
+    outputs)."""
+    from hpctrain.runtime.config.checks import check_config
+
+    failures, seen = [], set()
+    outputs = [f"paths.output_dir={tmp_path / 'run'}", f"paths.log_dir={tmp_path}"]
+    for page, entry, chosen, given in documented_commands():
+        if (entry, *chosen) in seen:
+            continue  # composed already, for another page
+        seen.add((entry, *chosen))
         needed = (
             ["ckpt_path=CHECKPOINT"]
             if entry != "train" and not any(o.startswith("ckpt_path=") for o in chosen)
             else []
         )
         try:
-            compose(entry, [*chosen, *needed])
+            cfg = compose(entry, [*chosen, *needed, *outputs])
+            if given and entry == "train":
+                check_config(cfg)
         except Exception as err:
             failures.append(f"{page}: python src/{entry}.py {' '.join(chosen)}: {str(err).splitlines()[0]}")
     assert not failures, "\n".join(failures)
@@ -149,23 +735,47 @@ def _paths(node: object, prefix: str = "") -> set[str]:
     return found
 
 
+def _option_keys(group: str, path: Path) -> set[str]:
+    """The keys one option's file sets, under the package it sets them in (its group's path, or what its
+    `# @package` line says): read from the file, not composed."""
+    text = path.read_text()
+    header = re.search(r"^# @package (\S+)", text, flags=re.MULTILINE)
+    package = group.replace("/", ".") if header is None else header.group(1)
+    node = yaml.safe_load(text) or {}
+    node.pop("defaults", None)
+    if package != "_global_":
+        for part in reversed(package.split(".")):
+            node = {part: node}
+    return _paths(node)
+
+
 @functools.cache
 def known_keys() -> frozenset[str]:
-    """Every key of every entry's config, with any one option of any group chosen."""
+    """Every key of every entry's config as composed, every key any option of any group sets, and Hydra's
+    own keys with the template's launcher and sweeper."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
     found: set[str] = set()
-    configs = [
-        compose(entry, ["ckpt_path=X"] if entry != "train" else []) for entry in ("eval", "predict", "export")
-    ]
-    for group in config_groups():
-        if group.split("/")[0] in ("hydra", "local"):
-            continue
-        configs += [compose("train", [f"{group}={option}"]) for option in group_options(group)]
-    for cfg in configs:
+    for entry in ("train", "eval", "predict", "export"):
+        cfg = compose(entry, ["ckpt_path=X"] if entry != "train" else [])
         found |= _paths(OmegaConf.to_container(cfg, resolve=False))
+    for group in config_groups():
+        if group.split("/")[0] != "local":
+            for path in group_options(group).values():
+                found |= _option_keys(group, path)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        hydra_cfg = hydra_compose(
+            "train", ["hydra/launcher=slurm", "hydra/sweeper=optuna"], return_hydra_config=True
+        )
+    found |= _paths({"hydra": OmegaConf.to_container(hydra_cfg.hydra, resolve=False)})
     return frozenset(found)
 
 
 INLINE = re.compile(r"`([+~]?[a-z_][\w/]*(?:\.[\w/]+)*)=([^`\s]*)`")
+FILE_SUFFIX = re.compile(
+    r"\.(?:pt2|onnx|safetensors|ckpt|ya?ml|csv|png|md|py|json|txt|log|db|pth?|npy|npz|sif|out|sh|sbatch)$"
+)
 
 
 def named_settings(text: str) -> list[tuple[str, str]]:
@@ -176,10 +786,20 @@ def named_settings(text: str) -> list[tuple[str, str]]:
     return named
 
 
+def named_keys(path: Path) -> list[str]:
+    """The config keys a page names alone, in inline code: `requeue.signal_lead_s`."""
+    return [
+        code.lstrip("~")
+        for code in inline_code(path)
+        if re.fullmatch(r"~?[a-z_]\w*(?:\.[a-z_]\w*)+", code) and not FILE_SUFFIX.search(code)
+    ]
+
+
 @pytest.mark.slow
 def test_every_config_key_and_option_the_pages_name_exists():
     groups = {g for g in config_groups() if g.split("/")[0] != "local"}
     keys = known_keys()
+    tops = {k.split(".")[0] for k in keys}
     failures = []
     for path in PAGES:
         text = path.read_text()
@@ -188,11 +808,11 @@ def test_every_config_key_and_option_the_pages_name_exists():
             if f"{key}={value}" in theirs:
                 continue
             if (
-                key.startswith(("+", "hydra", "local"))
+                key.startswith(("+", "local"))
                 or _placeholder(value)
-                or key.split(".")[0] not in keys | groups
+                or key.split(".")[0] not in tops | groups
             ):
-                continue  # a new key (+), Hydra's own, a placeholder, or not a config key (a shell variable)
+                continue  # a new key (+), a placeholder, or not a config key (a shell variable)
             key = key.lstrip("~")
             if key in groups:
                 options = [v.strip() for v in value.strip("[]").split(",") if v.strip() not in ("", "null")]
@@ -201,27 +821,173 @@ def test_every_config_key_and_option_the_pages_name_exists():
                     failures.append(f"{_page(path)}: {key}={value}: {key}/ has no option {unknown[0]}")
             elif key not in keys:
                 failures.append(f"{_page(path)}: {key}={value}: no such config key")
+        for key in named_keys(path):
+            first, second = key.split(".")[:2]
+            if first == "hydra" and f"hydra.{second}" not in keys:
+                continue  # Hydra's Python API (hydra.utils.instantiate), not its config
+            if first in tops and key not in keys:
+                failures.append(f"{_page(path)}: {key}: no such config key")
     assert not failures, "\n".join(sorted(set(failures)))
 
 
-def _runnable(page: str, chosen: list[str]) -> bool:
-    """A getting-started command that runs here: no GPU, one node, no checkpoint of an earlier run."""
-    return page.startswith(("docs/getting-started", "README")) and not any(
-        o.startswith((*HARDWARE, "trainer.num_nodes=", "ckpt_path=", "init_from.path=")) for o in chosen
+def install_readers_files(pages: list[Path], where: Path) -> tuple[str, dict[str, str]]:
+    """The reader's files that the pages show (src/myproject/..., conf/...), written under `where` as a
+    package of their own (myproject stays the template's): the override that adds their configs, and
+    the environment that finds their code."""
+    name = f"readers_project_{uuid.uuid4().hex[:8]}"  # a new name each time: imported packages are cached
+    package, conf = where / "pkg" / name, where / "conf"
+    for page in pages:
+        for title, source in readers_files(page).items():
+            text = source.read_text().replace("myproject.", f"{name}.")
+            if title.startswith("src/myproject/"):
+                target = package / title.removeprefix("src/myproject/")
+            elif title.startswith("conf/"):
+                target = conf / title.removeprefix("conf/")
+            else:
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+    for folder in [package, *package.rglob("*")]:
+        if folder.is_dir():
+            (folder / "__init__.py").touch()
+    return f"hydra.searchpath=[file://{conf}]", {"PYTHONPATH": str(where / "pkg")}
+
+
+def as_run(command: str) -> tuple[str, ...]:
+    """A page's command as the slow tier runs it: `make train` is the quickstart it runs, and a training
+    gets tiny limits (one epoch of two batches; two epochs for one that continues a run)."""
+    tokens = shlex.split(command, comments=True)
+    if tokens[:2] == ["make", "train"]:
+        tokens = ["python", "src/train.py", "experiment=quickstart"]
+    if "pytest" in tokens[:3]:
+        return ("pytest", *tokens[tokens.index("tests/contract") :])
+    at = next(i for i, t in enumerate(tokens) if ENTRY.search(t))
+    entry, args = ENTRY.search(tokens[at]).group(1), tokens[at + 1 :]  # type: ignore[union-attr]
+    if entry != "train" or any(a.startswith(("--help", "--cfg")) for a in args):
+        return (entry, *args)
+    resumed = any(a.startswith("ckpt_path=") for a in args)
+    limits = [t.replace("max_epochs=1", "max_epochs=2") if resumed else t for t in TINY]
+    return (entry, *[a for a in args if a.split("=")[0] not in {t.split("=")[0] for t in TINY}], *limits)
+
+
+def run_contract_checks(args: tuple[str, ...], where: Path, searchpath: str, caplog) -> None:
+    """`pytest tests/contract --model=M --data=D`, in this process: the checks of one batch, the checkpoint
+    round trip and the mid-epoch resume (the DDP check is what the tutorial's next command runs)."""
+    from hpctrain.testing import contract as checks
+
+    options = dict(a.removeprefix("--").split("=", 1) for a in args if a.startswith("--"))
+    pair = checks.Pair(options["model"], options["data"], (searchpath,))
+    checks.test_one_batch_trains_with_finite_gradients(checks.Contract(pair, where / "batch"), pair)
+    checks.test_checkpoint_loads_weights_only_and_gives_the_same_outputs(
+        checks.Contract(pair, where / "checkpoint"), pair
     )
+    checks.test_resumes_mid_epoch_exactly_or_says_it_cannot(
+        checks.Contract(pair, where / "resume"), pair, caplog
+    )
+
+
+def run(command: tuple[str, ...], log_dir: Path, searchpath: str, env: dict[str, str]):
+    """One entry point's command into `log_dir`; <run> is the newest run there with a last.ckpt."""
+    entry, *args = command
+    if any("<run>" in a for a in args):
+        (last,) = [p for p in run_dirs(log_dir) if (p / "checkpoints" / "last.ckpt").is_file()][-1:]
+        args = [re.sub(r"(?<==)\S*<run>", str(last), a) for a in args]
+    if entry != "train":
+        return run_entry(
+            f"{entry}.py", *args, f"paths.log_dir={log_dir}", "trainer.limit_test_batches=1", env=env
+        )
+    if any(a.startswith(("--help", "--cfg")) for a in args):
+        return run_entry("train.py", *args, searchpath, env=env)
+    return train(log_dir, *args, searchpath, env=env)
 
 
 @pytest.mark.slow
-def test_the_getting_started_training_commands_train(tmp_path: Path, data_dir: Path):
-    """Each train command of the README and the getting-started pages, run for one batch (debug=fdr)."""
-    runs = sorted(
-        {tuple(c) for page, entry, c in documented_commands() if entry == "train" and _runnable(page, c)}
+def test_the_getting_started_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog):
+    """Each command of the README and the getting-started pages that is not marked as needing what this
+    machine lacks, run as the page gives it, with tiny limits, one after another in one log dir (so
+    `ckpt_path=last` and `<run>` find the runs before them): the tutorial's with its files in place of
+    the reader's, which train for a few steps on scikit-learn's digits, under DDP on two processes. A
+    command two pages give alike runs once."""
+    searchpath, env = install_readers_files(RUN_PAGES, tmp_path / "readers")
+    monkeypatch.syspath_prepend(env["PYTHONPATH"])
+    done: set[tuple[str, ...]] = set()
+    for path in RUN_PAGES:
+        for block in blocks(path):
+            if block.needs:
+                continue
+            for command in block_commands(block):
+                runnable = as_run(command)
+                if runnable in done:
+                    continue
+                done.add(runnable)
+                started = time.monotonic()
+                if runnable[0] == "pytest":
+                    run_contract_checks(runnable, tmp_path / "contract", searchpath, caplog)
+                else:
+                    result = run(runnable, tmp_path / "logs", searchpath, env)
+                    assert result.returncode == 0, f"{_page(path)}: {command}\n{result.stdout[-4000:]}"
+                print(f"{time.monotonic() - started:5.1f} s  {_page(path)}: {command}")
+    assert any(r[0] == "pytest" for r in done) and any("ddp_cpu" in " ".join(r) for r in done)
+
+    # fine-tune, predict, export: the notebook lines, on the newest checkpoint of these runs
+    import torch
+
+    notebook = _import(DOCS / "examples" / "predict_in_a_notebook.py", "predict_in_a_notebook")
+    quickstart = [p for p in run_dirs(tmp_path / "logs") if "quickstart" in (p / "config.yaml").read_text()]
+    images = torch.randint(0, 256, (5, 1, 28, 28), dtype=torch.uint8)
+    probabilities = notebook.class_probabilities(str(quickstart[-1] / "checkpoints" / "last.ckpt"), images)
+    assert probabilities.shape == (5, 10) and torch.allclose(probabilities.sum(1), torch.ones(5))
+
+
+def _import(path: Path, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_the_code_the_guides_show_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The guides' Python and YAML, the files themselves: your data's k-fold datamodule over a .npz file
+    (its config composed and built) and your model's extra callback. (The notebook lines of fine-tune,
+    predict, export run at the end of test_the_getting_started_commands_run, on its checkpoint.)"""
+    import numpy as np
+    import torch
+    from hydra.utils import instantiate
+
+    from hpctrain.runtime.errors import UserError
+
+    searchpath, env = install_readers_files(PAGES, tmp_path / "readers")
+    monkeypatch.syspath_prepend(env["PYTHONPATH"])
+    rng = np.random.default_rng(0)
+    npz = tmp_path / "data" / "tabular.npz"
+    npz.parent.mkdir()
+    np.savez(
+        npz,
+        x=rng.normal(size=(200, 4)),
+        y=np.arange(200) % 3,
+        x_test=rng.normal(size=(30, 4)),
+        y_test=np.arange(30) % 3,
     )
-    assert runs
-    for i, chosen in enumerate(runs):
-        result = train(tmp_path / str(i), *chosen, "debug=fdr", f"paths.data_dir={data_dir}")  # MNIST offline
-        assert_ok(result)
-        assert list((tmp_path / str(i)).rglob("run.yaml")), chosen  # a run dir (debug=fdr: under debug/)
+
+    cfg = compose(
+        "train",
+        ["data=tabular", f"paths.data_dir={npz.parent}", "data.num_folds=5", "data.fold=1", searchpath],
+    )
+    tabular = instantiate(cfg.data)
+    tabular.setup("fit")
+    assert (len(tabular.train_set), len(tabular.val_set), len(tabular.test_set)) == (160, 40, 30)
+    x, y = next(iter(tabular.train_dataloader()))
+    assert x.shape[1] == 4
+    assert y.dtype == torch.int64
+    with pytest.raises(UserError, match=r"data\.fold"):
+        type(tabular)(str(npz), num_folds=5, fold=7)
+
+    swa = compose("train", ["experiment=quickstart", "callbacks=[default,swa]", searchpath])
+    assert type(instantiate(swa.callbacks.swa)).__name__ == "StochasticWeightAveraging"
 
 
 @pytest.mark.slow
