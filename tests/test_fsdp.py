@@ -4,7 +4,9 @@ uninterrupted run did; the folder is read back, checked and consolidated on one 
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,7 @@ def test_auto_shards_the_outermost_blocks_the_network_repeats():
         fsdp.roots(module)
 
 
-def test_a_folder_is_committed_whole_and_a_kill_between_the_renames_is_put_right(tmp_path: Path):
+def test_a_folder_is_committed_whole_and_a_kill_between_the_renames_loses_nothing(tmp_path: Path):
     def folder(name: str, content: str) -> Path:
         path = tmp_path / name
         path.mkdir()
@@ -68,13 +70,19 @@ def test_a_folder_is_committed_whole_and_a_kill_between_the_renames_is_put_right
     assert (target / "__0_0.distcp").read_text() == "second" and sorted(
         p.name for p in tmp_path.iterdir()
     ) == ["last.ckpt"]
-    # killed after the old folder was set aside, before the new one arrived; and an unfinished save
+    # killed after the old folder was set aside, before the new one arrived; and an unfinished save of
+    # a process that is gone (pid 2**22 + 1 is above Linux's pid_max) beside one of a live process
     target.rename(tmp_path / ".last.ckpt.old-c")
-    folder(".last.ckpt.tmp-c", "half")
+    dead = checkpoint_folders.staging_path(target, "c", f"{socket.gethostname()}.{2**22 + 1}")
+    live = checkpoint_folders.staging_path(target, "d", f"{socket.gethostname()}.{os.getppid()}")
+    folder(dead.name, "half")
+    folder(live.name, "in progress")
+    assert checkpoint_folders.committed(target) == tmp_path / ".last.ckpt.old-c"  # what a restart reads
     checkpoint_folders.recover(tmp_path)
-    assert (target / "__0_0.distcp").read_text() == "second" and sorted(
-        p.name for p in tmp_path.iterdir()
-    ) == ["last.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".last.ckpt.old-c", live.name])
+    checkpoint_folders.commit_folder(folder(".last.ckpt.tmp-e", "third"), target, "e")  # the next save
+    assert (target / "__0_0.distcp").read_text() == "third"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.ckpt", live.name])
 
 
 def _state(folder: Path) -> dict[str, torch.Tensor]:

@@ -39,7 +39,13 @@ from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
 
-from hpctrain.runtime.distributed.checkpoint_folders import commit_folder, record_shards
+from hpctrain.runtime.distributed.checkpoint_folders import (
+    CheckpointNotSaved,
+    commit_folder,
+    record_shards,
+    staging_path,
+    writer_tag,
+)
 from hpctrain.runtime.distributed.job_store import set_data_parallel
 from hpctrain.runtime.distributed.launch import _HydraLaunched
 from hpctrain.runtime.errors import UserError
@@ -287,17 +293,21 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
         """Every rank writes its shard into a new folder beside the target; once all have, rank 0 moves
         the folder into place (checkpoint_folders). With `checkpoints.async_save`, the state is copied
         to host memory, training goes on while a thread writes it, and the folder is moved into place
-        when the write completed; one save is in flight at a time."""
+        when the write completed; one save is in flight at a time. A failed write or commit stops the
+        run in one sentence (`CheckpointNotSaved`), every committed checkpoint as it was."""
         path = Path(self.broadcast(str(filepath)))
-        token = self.broadcast(uuid.uuid4().hex[:8])
-        staging = path.with_name(f".{path.name}.tmp-{token}")
+        token, tag = self.broadcast((uuid.uuid4().hex[:8], writer_tag()))  # rank 0's: one folder for all
+        staging = staging_path(path, token, tag)
         if not self.async_save:
             started, step = time.perf_counter(), checkpoint.get("global_step")
-            super().save_checkpoint(checkpoint, staging, storage_options)
-            self.barrier("hpctrain-sharded-save")
-            if self.global_rank == 0:
-                record_shards(staging)
-                commit_folder(staging, path, token)
+            try:
+                super().save_checkpoint(checkpoint, staging, storage_options)
+                self.barrier("hpctrain-sharded-save")
+                if self.global_rank == 0:
+                    record_shards(staging)
+                    commit_folder(staging, path, token)
+            except OSError as err:
+                raise CheckpointNotSaved(path, err) from err
             self.barrier("hpctrain-sharded-commit")
             seconds = time.perf_counter() - started
             self.last_save = SimpleNamespace(path=str(path), step=step, at=time.time(), seconds=seconds)
@@ -314,26 +324,36 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
         if self.global_rank == 0:
             torch.save(checkpoint, staging / META_FILE)
         future = dcp.async_save(state, checkpoint_id=staging, process_group=self._save_group)
-        committed = threading.Event()
+        commit = _Commit(path)
         if self.global_rank == 0:  # DCP's future ends after every rank's shard and the index are written
-            future.add_done_callback(functools.partial(_commit_when_written, staging, path, token, committed))
+            future.add_done_callback(functools.partial(commit.when_written, staging, token))
         else:
-            committed.set()
-        self._in_flight = (future, committed)
+            commit.done.set()
+        self._in_flight = (future, commit)
 
     def wait_for_saves(self) -> None:
-        """Until the asynchronous save in flight (if any) is written and, on rank 0, moved into place."""
+        """Until the asynchronous save in flight (if any) is written and, on rank 0, moved into place; its
+        failure is raised here (`CheckpointNotSaved`), before anything relies on it."""
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            future, committed = in_flight
+        if in_flight is None:
+            return
+        future, commit = in_flight
+        try:
             future.result()
-            committed.wait()  # the callback may still run after result() returned
+        except Exception as err:
+            raise CheckpointNotSaved(commit.path, err) from err
+        commit.done.wait()  # the callback may still run after result() returned
+        if commit.error is not None:
+            raise CheckpointNotSaved(commit.path, commit.error) from commit.error
 
     def teardown(self) -> None:
         self.wait_for_saves()  # the best checkpoint is tested next, and a process must not end mid-write
         super().teardown()
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning removes the previous best right after saving the new one: never before the new one
+        is committed (an asynchronous save is waited for, and its failure stops the run first)."""
+        self.wait_for_saves()
         if self.global_rank == 0:
             path = Path(filepath)
             if path.is_dir():
@@ -342,18 +362,23 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
                 path.unlink(missing_ok=True)
 
 
-def _commit_when_written(staging: Path, path: Path, token: str, committed: Any, future: Any) -> None:
-    """Rank 0, in DCP's writer thread once the save completed: the folder into place."""
-    try:
-        future.result()
-        record_shards(staging)
-        commit_folder(staging, path, token)
-    except (
-        Exception
-    ) as err:  # the previous checkpoint stays; the unfinished folder is cleared at the next start
-        log.warning("the asynchronous save of %s failed (%s); the previous checkpoint is kept", path, err)
-    finally:
-        committed.set()
+class _Commit:
+    """Rank 0's commit of an asynchronous save, run in DCP's writer thread once the write completed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def when_written(self, staging: Path, token: str, future: Any) -> None:
+        try:
+            future.result()
+            record_shards(staging)
+            commit_folder(staging, self.path, token)
+        except BaseException as err:  # raised in the training thread by wait_for_saves; the old one stays
+            self.error = err
+        finally:
+            self.done.set()
 
 
 def _agreed_buffers(state: dict[str, Any], module: Any, device: Any) -> dict[str, Any]:

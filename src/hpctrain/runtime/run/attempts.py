@@ -242,7 +242,7 @@ def _started(entry: dict[str, Any]) -> float | None:
     if entry.get("started_s") is not None:
         return float(entry["started_s"])
     with suppress(TypeError, ValueError, OverflowError):
-        return time.mktime(time.strptime(str(entry["started"]), "%Y-%m-%d %H:%M:%S"))
+        return time.mktime(time.strptime(str(entry.get("started")), "%Y-%m-%d %H:%M:%S"))
     return None
 
 

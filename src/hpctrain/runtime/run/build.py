@@ -27,7 +27,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer
 from pytorch_lightning.callbacks import LearningRateMonitor
@@ -36,6 +36,7 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.config import targets
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
 from hpctrain.runtime.distributed.requeue import RequeueOnSignal
@@ -170,7 +171,7 @@ def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
     # _convert_="all": user classes receive plain lists and dicts, not OmegaConf containers, which
     # would be pickled into checkpoints by save_hyperparameters() and then refused by weights_only loading.
     try:
-        return instantiate(node, _convert_="all", **kwargs)
+        return targets.instantiate(node, _convert_="all", **kwargs)  # Hydra 1.4: its targets, whitelisted
     except InstantiationException as err:
         if isinstance(err.__cause__, UserError):
             raise err.__cause__ from None  # the class's own sentence, not Hydra's wrapping of it
@@ -507,4 +508,4 @@ def best_checkpoint(trainer: Trainer) -> str | None:
     path = getattr(callback, "best_model_path", "") if callback is not None else ""
     if not path and callback is not None and getattr(callback, "monitor", "") is None:
         path = getattr(callback, "last_model_path", "")
-    return path if path and os.path.isfile(path) else None
+    return path if path and os.path.exists(path) else None  # a file, or a sharded checkpoint's folder

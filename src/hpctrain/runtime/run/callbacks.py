@@ -181,6 +181,24 @@ class ModelCheckpoint(_CachedStateKey, pl.callbacks.ModelCheckpoint):
         super().__init__(*args, **kwargs)
         if self.monitor is None and self.save_top_k == 1:
             self.save_top_k = 0
+        self._pending_removals: list[str] = []
+
+    def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        """Lightning removes the previous best right after saving the new one, while last.ckpt (what a
+        restart resumes from) still names the previous best as the run's best: a kill before last.ckpt is
+        saved again would leave it naming a checkpoint that is gone. The removal waits until last.ckpt is
+        up to date, at the end of the same hook (`_removals_done`)."""
+        if self.save_last:
+            self._pending_removals.append(filepath)
+        else:
+            super()._remove_checkpoint(trainer, filepath)
+
+    def _removals_done(self, trainer: Trainer) -> None:
+        pending, self._pending_removals = self._pending_removals, []
+        kept = {self.best_model_path, self.last_model_path, *self.best_k_models}
+        for filepath in pending:
+            if filepath not in kept:
+                super()._remove_checkpoint(trainer, filepath)
 
     def stop_monitoring(self) -> None:
         """Keep last.ckpt only from now on (the model logs no metric: see MonitoredMetric)."""
@@ -208,15 +226,18 @@ class ModelCheckpoint(_CachedStateKey, pl.callbacks.ModelCheckpoint):
         super().on_validation_end(trainer, pl_module)
         if not self._should_save_on_train_epoch_end(trainer):
             self._bring_last_up_to_date(trainer)
+        self._removals_done(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
         if self._should_save_on_train_epoch_end(trainer):
             self._bring_last_up_to_date(trainer)
+        self._removals_done(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         self._bring_last_up_to_date(trainer)
+        self._removals_done(trainer)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any
@@ -225,6 +246,7 @@ class ModelCheckpoint(_CachedStateKey, pl.callbacks.ModelCheckpoint):
         # neither is configured (checkpoints at validation), that answer is always no.
         if self._every_n_train_steps >= 1 or self._train_time_interval is not None:
             super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+            self._removals_done(trainer)
 
     def _save_topk_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
         if (

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.distributed.checkpoint_folders import committed, recover
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.records import read_run_record
 
@@ -36,8 +37,12 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 
 def newest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newer of requeue.ckpt and last.ckpt in this run dir, if any."""
-    found = [p for name in RESUMABLE if (p := checkpoint_dir(run_dir) / name).exists()]  # a file, or a folder
+    """The newest complete checkpoint in this run dir, if any: requeue.ckpt or last.ckpt, or the best
+    epoch's when a kill fell between saving it and saving last.ckpt again; each a file or a folder, and
+    for a folder whose commit a kill interrupted, the complete one it replaced (`committed`)."""
+    folder = checkpoint_dir(run_dir)
+    saved = sorted(p.name for p in folder.glob("*.ckpt")) if folder.is_dir() else []
+    found = [p for name in {*RESUMABLE, *saved} if (p := committed(folder / name)) is not None]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
@@ -162,6 +167,8 @@ def start_point(
     """
     run_dir = Path(run_dir)
     point = partial(StartPoint, run_dir=run_dir)
+    if cluster.is_rank_zero(env):
+        recover(checkpoint_dir(run_dir), env)  # tidy only: the choice below needs no repair (`committed`)
     own = newest_checkpoint(run_dir)
     given = None if ckpt_path in (None, "", "null") else str(ckpt_path)
     if given is not None and init_from not in (None, "", "null"):
@@ -198,9 +205,9 @@ def start_point(
         here = run_dir.resolve()
         candidates = [
             p
+            for run in Path(runs_root).glob(f"*/{CHECKPOINT_DIR}")
             for name in RESUMABLE
-            for p in Path(runs_root).glob(f"*/{CHECKPOINT_DIR}/{name}")
-            if p.parent.parent.resolve() != here
+            if run.parent.resolve() != here and (p := committed(run / name)) is not None
         ]
         if not candidates:
             raise UserError(
@@ -217,19 +224,17 @@ def existing_checkpoint(ckpt_path: str | None) -> Path:
     if ckpt_path in (None, "", "null"):
         raise UserError("ckpt_path is required: pass ckpt_path=<path/to/file.ckpt>.")
     path = Path(str(ckpt_path)).expanduser()
-    if not path.exists():
+    found = committed(path)
+    if found is None:
         raise UserError(
             f"ckpt_path={ckpt_path} does not exist; pass the path of a .ckpt file or folder (see <run dir>/checkpoints/)."
         )
-    return path
+    if found != path:
+        log.info("%s: its save was interrupted; reading the complete checkpoint it replaced, %s", path, found)
+    return found
 
 
 def remove_partial_saves(run_dir: str | Path) -> None:
-    """Delete what checkpoint saves killed mid-write left behind (never a complete checkpoint), and put
-    back a checkpoint folder that a kill left set aside."""
-    from hpctrain.runtime.distributed.checkpoint_folders import recover
-
+    """Delete what checkpoint saves killed mid-write left behind (never a complete checkpoint, never a
+    write of another job or live process: `checkpoint_folders.recover`)."""
     recover(checkpoint_dir(run_dir))
-    for leftover in checkpoint_dir(run_dir).glob(".*.ckpt.tmp-*"):
-        if leftover.is_file():
-            leftover.unlink(missing_ok=True)

@@ -3,8 +3,10 @@ written asynchronously by its strategy, hpctrain.runtime.distributed.fsdp).
 
 The checkpoint is copied to host memory in the training thread (the only part training waits for), then
 one writer thread saves it as `AtomicCheckpointIO` does: into a temporary file, renamed into place once
-written, so a checkpoint appears whole or not at all. One save is in flight at a time; a requeue, the
-end of fit and the process's end wait for it (`wait_for_saves`).
+written, so a checkpoint appears whole or not at all. One save is in flight at a time; the next save, a
+removal (Lightning removes the previous best right after saving the new one), a requeue, the end of fit
+and the process's end wait for it (`wait_for_saves`), and a failed write stops the run there, in one
+sentence, with nothing removed.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
         )
 
     def wait_for_saves(self) -> None:
+        """Until the save in flight is in place; its failure (`CheckpointNotSaved`) is raised here, in the
+        training thread, before anything that relies on it (a removal, a requeue, the end of fit)."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             in_flight.result()

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from pytorch_lightning import LightningDataModule, LightningModule
 from torch import Tensor
 
+from hpctrain.runtime.distributed.checkpoint_folders import CheckpointNotSaved, temporary_file
 from hpctrain.runtime.run.checkpoints.reading import UnreadableCheckpoint
 
 log = logging.getLogger(__package__)
@@ -48,7 +49,8 @@ class Save:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save into `.<name>.tmp-<pid>` beside the target, fsync, then an atomic rename."""
+    """torch.save into `.<name>.tmp-<writer>` beside the target, fsync, then an atomic rename; a failure is
+    `CheckpointNotSaved` (one sentence), the previous file untouched."""
 
     last_save: Save | None = None  # the newest save of this process
 
@@ -60,14 +62,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         started = time.perf_counter()
         checkpoint = self._plain(checkpoint)
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = temporary_file(path)
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as file:
                 torch.save(checkpoint, file)
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(tmp, path)
+        except (
+            OSError,
+            RuntimeError,
+        ) as err:  # a full disk, a quota, a filesystem gone: torch says RuntimeError
+            raise CheckpointNotSaved(path, err) from err
         finally:
             tmp.unlink(missing_ok=True)
         seconds = time.perf_counter() - started
