@@ -39,7 +39,7 @@ def meta_step_flops(model_config: Any, batch: Any) -> float | None:
 
 
 def _instantiate(model_config: Any) -> Any:
-    from hydra.utils import instantiate
+    from hpctrain.runtime.config.targets import instantiate
 
     return instantiate(model_config, _convert_="all")
 
