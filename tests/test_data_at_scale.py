@@ -3,9 +3,11 @@ staged per node, resumed exactly with workers (1 process and DDP)."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import multiprocessing
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -130,7 +132,10 @@ def _shard_set(tmp_path: Path, sizes: tuple[int, ...] = (3, 4)) -> tuple[Path, d
 def test_staging_copies_once_checks_sha256_and_a_later_attempt_reuses_it(tmp_path: Path):
     out, manifest = _shard_set(tmp_path)
     local = staging.stage(out, tmp_path / "scratch", shards.manifest_files(manifest), shards.MANIFEST)
-    assert local == tmp_path / "scratch" / "shards"
+    assert (
+        local == tmp_path / "scratch" / f"hpctrain-{getpass.getuser()}" / "shards"
+    )  # a folder of the user's own
+    assert stat.S_IMODE(local.parent.stat().st_mode) == 0o700
     for name, _size, _ in shards.manifest_files(manifest):
         assert (local / name).read_bytes() == (out / name).read_bytes()
     stamp = (local / staging.MARKER).stat().st_mtime_ns
@@ -148,6 +153,31 @@ def test_staging_copies_once_checks_sha256_and_a_later_attempt_reuses_it(tmp_pat
         file.write(bytes([first[0] ^ 0xFF]))  # the shared copy changed after the manifest was written
     with pytest.raises(UserError, match="does not match the sha256 its manifest lists"):
         staging.stage(out, tmp_path / "elsewhere", shards.manifest_files(manifest), shards.MANIFEST)
+
+
+def test_a_staged_copy_that_is_not_the_users_own_is_never_read(tmp_path: Path):
+    """Scratch such as /tmp is shared: a folder planted under the user's name, or one others may write,
+    is refused in one sentence, and a staged file that is not the user's is copied again, not read."""
+    out, manifest = _shard_set(tmp_path)
+    files = shards.manifest_files(manifest)
+    planted = tmp_path / "scratch" / f"hpctrain-{getpass.getuser()}"
+    planted.mkdir(parents=True, mode=0o777)
+    os.chmod(planted, 0o777)
+    with pytest.raises(
+        UserError, match="may be written by others, so a staged copy in it could be someone else's"
+    ):
+        staging.stage(out, tmp_path / "scratch", files, shards.MANIFEST)
+    if os.geteuid() == 0:  # root can give the folder to another user, as another user would have made it
+        os.chown(planted, 4321, 4321)
+        os.chmod(planted, 0o700)
+        with pytest.raises(UserError, match=r"belongs to another user \(uid 4321\)"):
+            staging.stage(out, tmp_path / "scratch", files, shards.MANIFEST)
+        os.chown(planted, os.getuid(), os.getgid())
+        local = staging.stage(out, tmp_path / "scratch", files, shards.MANIFEST)
+        shard = local / files[0][0]
+        os.chown(shard, 4321, 4321)  # the marker and sizes match, but the file is not the user's copy
+        staging.stage(out, tmp_path / "scratch", files, shards.MANIFEST)
+        assert shard.stat().st_uid == os.getuid()
 
 
 def _stage_and_count(out: Path, scratch: Path, manifest: dict, copies: Path) -> None:
@@ -179,7 +209,7 @@ def test_concurrent_processes_on_a_node_copy_once(tmp_path: Path):
     assert (
         len(lines) == len(shards.manifest_files(manifest)) and len({line.split()[0] for line in lines}) == 1
     )
-    assert not list((tmp_path / "scratch").glob(".*.lock"))
+    assert not list((tmp_path / "scratch").rglob(".*.lock"))
 
 
 def test_not_enough_space_is_one_sentence_before_copying(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -190,7 +220,7 @@ def test_not_enough_space_is_one_sentence_before_copying(tmp_path: Path, monkeyp
         UserError, match=r"has 0.0 MB free but the shards in .* need 0.0 MB; free space there"
     ):
         staging.stage(out, tmp_path / "scratch", shards.manifest_files(manifest), shards.MANIFEST)
-    assert not list((tmp_path / "scratch" / "shards").rglob("*.bin"))
+    assert not list((tmp_path / "scratch").rglob("*.bin"))
 
 
 def test_a_datamodule_that_cannot_stage_refuses_stage_dir(tmp_path: Path):

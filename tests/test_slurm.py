@@ -6,6 +6,7 @@ scontrol, and their outputs read back.
 
 from __future__ import annotations
 
+import getpass
 import json
 import re
 import socket
@@ -221,7 +222,13 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
         assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
         time.sleep(0.2)
     staged = {
-        node: tmp_path / "scratch" / interrupted / node / digit_shards.name / ".staged.json"
+        node: tmp_path
+        / "scratch"
+        / interrupted
+        / node
+        / f"hpctrain-{getpass.getuser()}"
+        / digit_shards.name
+        / ".staged.json"
         for node in ("node1", "node2")
     }
     assert all(marker.is_file() for marker in staged.values()), list((tmp_path / "scratch").rglob("*"))

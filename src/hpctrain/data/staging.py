@@ -5,21 +5,28 @@ a job is slow for the job and hard on the filesystem; sites ask for a copy to no
 process of the job calls `stage` before any process group exists (a copy that takes an hour must not
 run into a collective's timeout):
 
-- the first process on the node to create `<stage_dir>/.<name>.lock` copies, checking each file's
+- the copy lives in a folder of the user's own, `<stage_dir>/hpctrain-<user>/` (mode 0700): scratch
+  such as /tmp is shared by every user of the node, and a data set someone else put there is not the
+  user's data. A folder of that name owned by another user, or one others may write, is refused in one
+  sentence;
+- the first process on the node to create `<own folder>/.<name>.lock` copies, checking each file's
   sha256 against the manifest while it copies; the node's other processes wait for its marker;
 - the marker (`<copy>/.staged.json`: the manifest's digest and every file's size) lets a later attempt
-  on the same node reuse the copy; scratch wiped between attempts means copying again;
+  on the same node reuse the copy, once the copy and each of its files are found to be the user's own
+  (in a folder nobody else can write); scratch wiped between attempts means copying again;
 - not enough free space is one sentence before anything is copied.
 """
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
 import logging
 import os
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,12 +44,12 @@ def stage(source: Path, stage_dir: Path, files: Sequence[tuple[str, int, str]], 
     """The node-local copy of the data set in `source` (made now, by this process or another on the
     node, or reused from an earlier attempt): `<stage_dir>/<source's name>`. `files` are (path relative
     to `source`, size, sha256); `index` (the manifest listing them) is copied last."""
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    target = stage_dir / source.name
-    if target.resolve() == source.resolve():
-        return source
+    if (stage_dir / source.name).resolve() == source.resolve():
+        return source  # the data already lies in scratch: read in place
+    own = private_folder(stage_dir)
+    target = own / source.name
     expected = _marker(files)
-    lock = stage_dir / f".{source.name}.lock"
+    lock = own / f".{source.name}.lock"
     waited_since = time.monotonic()
     reported = 0.0
     while True:
@@ -74,6 +81,34 @@ def stage(source: Path, stage_dir: Path, files: Sequence[tuple[str, int, str]], 
         return target
 
 
+def private_folder(stage_dir: Path) -> Path:
+    """`<stage_dir>/hpctrain-<user>`, created with mode 0700, or checked to be this user's alone."""
+    own = stage_dir / f"hpctrain-{getpass.getuser()}"
+    try:
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        own.mkdir(mode=0o700, exist_ok=True)
+        found = os.lstat(own)
+    except OSError as err:
+        raise UserError(
+            f"data.stage_dir={stage_dir}: its folder {own} cannot be made ({err.strerror or err}); pass a "
+            "data.stage_dir you can write (node-local scratch, e.g. $SLURM_TMPDIR), or data.stage_dir=null."
+        ) from err
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o022:
+        what = (
+            "is not a folder"
+            if not stat.S_ISDIR(found.st_mode)
+            else f"belongs to another user (uid {found.st_uid})"
+            if found.st_uid != os.getuid()
+            else "may be written by others"
+        )
+        raise UserError(
+            f"data.stage_dir={stage_dir}: {own} {what}, so a staged copy in it could be someone else's data; "
+            "nothing was read from it: pass another data.stage_dir (node-local scratch of your own, e.g. "
+            "$SLURM_TMPDIR), or remove it if it is yours."
+        )
+    return own
+
+
 def _marker(files: Sequence[tuple[str, int, str]]) -> dict[str, Any]:
     digest = hashlib.sha256(json.dumps(sorted(files)).encode()).hexdigest()
     return {"files_sha256": digest, "files": {name: size for name, size, _ in files}}
@@ -84,12 +119,20 @@ def _reusable(target: Path, expected: dict[str, Any]) -> bool:
         found = json.loads((target / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    if found != expected:
+    if found != expected or not _yours(target):
         return False
-    return all(
-        (target / name).is_file() and (target / name).stat().st_size == size
-        for name, size in expected["files"].items()
-    )
+    return all(_yours(target / name, size) for name, size in expected["files"].items())
+
+
+def _yours(path: Path, size: int | None = None) -> bool:
+    """A file of `size` bytes (or a folder) this user owns, no link: inside the user's own folder,
+    which nobody else can enter, that is a copy this user made."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return False
+    kind = stat.S_ISREG(found.st_mode) if size is not None else stat.S_ISDIR(found.st_mode)
+    return kind and found.st_uid == os.getuid() and (size is None or found.st_size == size)
 
 
 def _copy(
