@@ -59,7 +59,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--processes-per-node", type=int, help="with --cpu: processes per node (default 1)")
     parser.add_argument("--cpus-per-task", type=int, help="CPU cores per task (default: the sbatch file's)")
     parser.add_argument("--time", help="time limit, e.g. 04:00:00")
-    parser.add_argument("--mem", help="memory per node, e.g. 200G (default: the sbatch file's)")
+    parser.add_argument("--mem", type=memory, help="memory per node, e.g. 200G (default: the sbatch file's)")
     parser.add_argument("--partition", help="partition (queue)")
     parser.add_argument("--account", help="account to charge")
     parser.add_argument("--qos", help="quality of service")
@@ -290,9 +290,28 @@ def requested(command: list[str]) -> dict[str, str]:
     return flags
 
 
+MEMORY = re.compile(r"(\d+)([KMGT]?)B?")
+
+
+def memory(value: str) -> str:
+    """--mem as sbatch takes it (argparse's check): a whole number, with an optional K, M, G or T suffix."""
+    if MEMORY.fullmatch(str(value).upper()) is None:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not a memory size sbatch takes: a whole number with an optional K, M, G or T suffix, "
+            "e.g. --mem 1536M or --mem 2G"
+        )
+    return value
+
+
 def megabytes(value: str) -> int:
     """sbatch --mem: a number of MB, or with a K/M/G/T suffix; 0 means all of a node's memory."""
-    number, unit = re.fullmatch(r"(\d+)([KMGT]?)B?", value.upper()).groups()  # type: ignore[union-attr]
+    found = MEMORY.fullmatch(str(value).upper())
+    if found is None:  # from a preset or the sbatch file: the command line's is checked by argparse
+        raise UserError(
+            f"--mem={value} is not a memory size sbatch takes (a whole number with an optional K, M, G or T "
+            "suffix, e.g. 1536M or 2G); fix it in the cluster preset or slurm/train.sbatch."
+        )
+    number, unit = found.groups()
     return int(int(number) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}[unit])
 
 
@@ -303,9 +322,16 @@ def gpus(gres: str) -> int:
 
 def partition_nodes(partition: str | None) -> tuple[str, list[dict[str, int]]]:
     """The partition's name (the default one if None) and, per node, its CPUs, memory (MB) and GPUs."""
-    out = subprocess.run(
-        ["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"], capture_output=True, text=True, check=True
-    ).stdout
+    try:
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N|%P|%c|%m|%G"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        said = " ".join((getattr(err, "stderr", None) or str(err)).split())[:200]
+        raise UserError(
+            f"sinfo, which says what the partition's nodes hold, failed ({said or type(err).__name__}); check that "
+            "SLURM answers on this machine (sinfo), or see the command without submitting it: --dry-run."
+        ) from err
     nodes: dict[str, tuple[str, dict[str, int]]] = {}
     for line in out.splitlines():
         name, part, cpus, memory, gres = line.strip().split("|")
@@ -458,6 +484,15 @@ def command_has_empty_array(command: list[str]) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    """Submit (see the module docstring); a mistake is one sentence and exit status 2."""
+    try:
+        return submit(argv)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def submit(argv: list[str]) -> int:
     args = parse(argv)
     if args.remote:
         return remote_main(args, argv)

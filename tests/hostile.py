@@ -85,3 +85,27 @@ def safetensors_file(path: Path, repo: Path) -> Path:
     config = {"model": hub_target(repo), "data": {}}
     save_file({"net.weight": torch.zeros(2, 2)}, str(path), metadata={"config": json.dumps(config)})
     return path
+
+
+def index_folder(folder: Path, relative_path: str, shard_bytes: int = 8) -> Path:
+    """A checkpoint folder whose (well-formed) index names one shard at `relative_path`."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    folder.mkdir(parents=True)
+    chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))
+    meta = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2]), [chunk])
+    index = Metadata(state_dict_metadata={"state_dict.w": meta})
+    index.storage_data = {
+        MetadataIndex("state_dict.w", torch.Size([0])): _StorageInfo(relative_path, 0, shard_bytes)
+    }
+    (folder / ".metadata").write_bytes(pickle.dumps(index))
+    return folder

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import shutil
 import subprocess
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import hostile
 from tests.helpers import (
     EXAMPLES,
     PYTHON,
@@ -61,6 +63,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     mlp_logs = root / "mlp_logs"
     assert_ok(train(mlp_logs, *DIGITS, "model=mlp", "trainer.max_epochs=1", "trainer.limit_train_batches=2"))
     files["other_model"] = run_dirs(mlp_logs)[0] / "checkpoints" / "last.ckpt"
+
+    files["list_run"] = root / "list_run"  # a run dir whose run.yaml is a YAML list
+    files["list_run"].mkdir()
+    (files["list_run"] / "run.yaml").write_text("- started\n- finished\n")
+    files["empty_index"] = root / "empty_index.ckpt"  # a checkpoint folder whose index is {}
+    files["empty_index"].mkdir()
+    (files["empty_index"] / ".metadata").write_bytes(pickle.dumps({}))
+    files["list_shards"] = hostile.index_folder(root / "list_shards.ckpt", "__0_0.distcp")
+    (files["list_shards"] / "__0_0.distcp").write_bytes(b"\0" * 8)
+    (files["list_shards"] / "shards.json").write_text("[]")  # a shard record that is a list
+    files["outside_shard"] = hostile.index_folder(root / "outside.ckpt", "../truncated.ckpt")
 
     for name in ("mnist_data", "truncated_data", "corrupt_data", "empty_data", "unreadable_data"):
         files[name] = root / name
@@ -143,7 +156,7 @@ def cases(w: dict[str, Path]) -> dict[str, Case]:
         ),
         "unknown signal": Case(("requeue.signal=SIGFOO",), ("requeue.signal='SIGFOO' is not a signal name",)),
         "zero timeout": Case(
-            ("dist.timeout_min=0",), ("dist.timeout_min=0 is not a positive number of minutes",)
+            ("dist.timeout_min=0",), ("dist.timeout_min=0 is not a positive finite number of minutes",)
         ),
         "dangling interpolation": Case(
             ("model.num_classes=${data.n_classes}",),
@@ -197,6 +210,43 @@ def cases(w: dict[str, Path]) -> dict[str, Case]:
         ),
         "plain python on several nodes": Case(
             ("trainer.num_nodes=2",), ("trainer.num_nodes=2 needs a launcher",)
+        ),
+        "infinite timeout": Case(
+            ("dist.timeout_min=inf",), ("dist.timeout_min=inf is not a positive finite number of minutes",)
+        ),
+        "infinite notify timeout": Case(
+            ("notify.timeout_s=inf",), ("notify.timeout_s=inf is not a positive finite number of seconds",)
+        ),
+        "seed beyond 32 bits": Case(("seed=4294967296",), ("seed=4294967296 is not an integer from 0 to",)),
+        "exclude not a regular expression": Case(
+            ("init_from.exclude=['[']",), ("init_from.exclude holds '[', which is not a regular expression",)
+        ),
+        "freeze not a regular expression": Case(
+            ("init_from.freeze=['(']",), ("init_from.freeze holds '(', which is not a regular expression",)
+        ),
+        "exclude without brackets": Case(
+            ("init_from.exclude=head",), ("init_from.exclude='head' is not a list of regular expressions",)
+        ),
+        "a group set to null": Case(("logger=null",), ("logger=null names no option", "~logger")),
+        "the webhook URL as a job's environment": Case(
+            ("hydra.job.env_set.HPCTRAIN_NOTIFY_URL=https://hooks.example.com/T0/B0/x",),
+            ("hydra.job.env_set.HPCTRAIN_NOTIFY_URL holds the webhook URL",),
+        ),
+        "run.yaml that is a list": Case(
+            (f"hydra.run.dir={w['list_run']}",), ("run.yaml is not a run's record (it holds a list",)
+        ),
+        "index holding {}": Case(
+            (f"ckpt_path={w['empty_index']}",),
+            ("that is not a checkpoint's (it holds a dict)",),
+            entry="eval.py",
+        ),
+        "shards.json holding []": Case(
+            (f"ckpt_path={w['list_shards']}",),
+            ("its shards.json is not a record of shard files",),
+            entry="eval.py",
+        ),
+        "shard outside its folder": Case(
+            (f"init_from.path={w['outside_shard']}",), ("which lies outside the checkpoint folder",)
         ),
     }
 
@@ -259,7 +309,7 @@ def test_bad_input_is_one_sentence_and_changes_nothing(world: dict[str, Path], n
         result = run_entry(case.entry, *overrides, env=case.env, timeout=120)
     elapsed = time.monotonic() - started
     output = result.stdout
-    assert result.returncode != 0, output[-3000:]
+    assert result.returncode == (2 if not case.command else result.returncode) != 0, output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(set(errors)) == 1, output[-3000:]  # one sentence (each process of a launcher may say it)
     for fragment in case.says:
@@ -271,5 +321,47 @@ def test_bad_input_is_one_sentence_and_changes_nothing(world: dict[str, Path], n
     assert {path: after.get(path) for path in before} == before  # nothing that existed was touched
 
 
-def test_the_table_covers_thirty_cases():
-    assert len(CASE_NAMES) >= 30
+def test_the_table_covers_forty_cases():
+    assert len(CASE_NAMES) >= 40
+
+
+SUBMIT_CASES = {  # scripts/submit.py, which checks a request before sbatch sees it
+    "memory sbatch does not take": (
+        ["--sweep", "--pack", "2", "--mem", "1.5G", "--dry-run", "--", "seed=1,2"],
+        "1.5G is not a memory size sbatch takes",
+    ),
+    "a grid that does not parse": (
+        ["--sweep", "--dry-run", "--", "model.optimizer.lr=[0.1,"],
+        "cannot parse",
+    ),
+    "sinfo failing": (
+        ["--no-snapshot", "--", "experiment=quickstart"],
+        "sinfo, which says what the partition",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SUBMIT_CASES)
+def test_submit_bad_input_is_one_sentence(name: str, tmp_path: Path):
+    argv, says = SUBMIT_CASES[name]
+    tools = tmp_path / "bin"  # a login node whose SLURM does not answer
+    tools.mkdir()
+    for tool, body in (
+        ("sinfo", "echo 'sinfo: error: Unable to contact slurm controller' >&2; exit 1"),
+        ("sbatch", "exit 0"),
+    ):
+        (tools / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (tools / tool).chmod(0o755)
+    env = {**local_env(), "PATH": f"{tools}:{os.environ['PATH']}"}
+    result = subprocess.run(
+        [PYTHON, str(ROOT / "scripts" / "submit.py"), *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
+    errors = [line for line in result.stdout.splitlines() if "error: " in line]
+    assert result.returncode == 2 and len(errors) == 1 and says in errors[0], result.stdout[-3000:]
+    assert "Traceback" not in result.stdout

@@ -113,33 +113,10 @@ def test_a_hostile_folder_index_runs_nothing(tmp_path: Path, marker: Path):
         hpctrain.load(folder)
 
 
-def _index_with(folder: Path, relative_path: str) -> Path:
-    """A checkpoint folder whose index names one shard at `relative_path`."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    folder.mkdir(parents=True)
-    meta = TensorStorageMetadata(
-        TensorProperties(dtype=torch.float32),
-        torch.Size([2]),
-        [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))],
-    )
-    index = Metadata(state_dict_metadata={"state_dict.w": meta})
-    index.storage_data = {MetadataIndex("state_dict.w", torch.Size([0])): _StorageInfo(relative_path, 0, 8)}
-    (folder / sharded.INDEX_FILE).write_bytes(pickle.dumps(index))
-    return folder
-
-
 @pytest.mark.parametrize("shard", ["../outside.distcp", "/etc/passwd", "sub/../../x.distcp"])
 def test_a_shard_outside_its_folder_is_refused(tmp_path: Path, shard: str):
     (tmp_path / "outside.distcp").write_bytes(b"\0" * 64)
-    folder = _index_with(tmp_path / "last.ckpt", shard)
+    folder = hostile.index_folder(tmp_path / "last.ckpt", shard)
     with pytest.raises(UserError, match="which lies outside the checkpoint folder"):
         sharded.check_folder(folder)
 
@@ -152,7 +129,7 @@ def test_an_index_or_a_shard_record_of_another_shape_is_one_sentence(tmp_path: P
         UserError, match=r"has an index \(.metadata\) that is not a checkpoint's \(it holds a dict\)"
     ):
         sharded.check_folder(folder)
-    folder = _index_with(tmp_path / "b.ckpt", "__0_0.distcp")
+    folder = hostile.index_folder(tmp_path / "b.ckpt", "__0_0.distcp")
     (folder / "__0_0.distcp").write_bytes(b"\0" * 8)
     (folder / "shards.json").write_text("[]")
     with pytest.raises(UserError, match=r"its shards\.json is not a record of shard files"):

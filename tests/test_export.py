@@ -20,7 +20,7 @@ from hpctrain.runtime.config.schema import EXPORT_FORMATS
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference import export, exporter_errors
 from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY
-from tests.differential.cases import user_overrides
+from tests.differential.cases import trust_user_code, user_classes, user_overrides
 from tests.helpers import PYTHON, ROOT, assert_ok, local_env, require_modules, run_dirs, run_entry, train
 
 SUFFIX = {"torch_export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors"}
@@ -182,14 +182,14 @@ def test_a_users_own_lightning_module_exports_to_onnx(tmp_path: Path):
     assert_ok(train(logs, *user_overrides("LitClassifier"), "trainer=cpu", "trainer.max_epochs=1", env=env))
     (trained,) = run_dirs(logs)
     checkpoint = trained / "checkpoints" / "last.ckpt"
-    assert_ok(run_export(logs, checkpoint, "export.format=onnx", env=env))
+    assert_ok(run_export(logs, checkpoint, "export.format=onnx", trust_user_code(), env=env))
     (run,) = run_dirs(logs, task="export")
 
     from tests.differential.user_code import _digits
 
     inputs = _digits(CHECKED)[0]
     with torch.no_grad():
-        want = hpctrain.load(checkpoint)(inputs)
+        want = hpctrain.load(checkpoint, trusted_targets=user_classes())(inputs)
     assert_same_predictions(outputs_without_the_template("onnx", run / "model.onnx", inputs, tmp_path), want)
     card = (run / "model_card.md").read_text()
     assert "LitClassifier on DigitsData" in card and "float32 (N, 64)" in card and "**onnx**" in card
@@ -211,7 +211,10 @@ def test_a_model_that_cannot_be_traced_is_one_sentence(fmt: str, tmp_path: Path)
         "data": {"_target_": "tests.differential.user_code.DigitsData", "batch_size": 8},
     }
     torch.save({"state_dict": BranchingClassifier().state_dict(), CONFIG_KEY: config}, checkpoint)
-    result = run_export(tmp_path / "logs", checkpoint, f"export.format={fmt}", env={"PYTHONPATH": str(ROOT)})
+    trusted = "checkpoints.trusted_targets=[tests.unexportable.BranchingClassifier,tests.differential.user_code.DigitsData]"
+    result = run_export(
+        tmp_path / "logs", checkpoint, f"export.format={fmt}", trusted, env={"PYTHONPATH": str(ROOT)}
+    )
 
     assert result.returncode == 2, result.stdout[-3000:]
     errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]

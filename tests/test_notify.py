@@ -132,12 +132,18 @@ def test_the_schema_lists_notifys_events():
         f"++notify.url=https://hooks.example.com/{SECRET}",
         f"notify={{url: 'https://hooks.example.com/{SECRET}'}}",
         f"notify.url_env=https://hooks.example.com/{SECRET}",
+        f"hydra.job.env_set.HPCTRAIN_NOTIFY_URL=https://hooks.example.com/{SECRET}",  # .hydra/hydra.yaml
+        f"+tags=[https://hooks.example.com/{SECRET}]",  # the environment's very URL, under any key
     ],
 )
-def test_a_webhook_url_on_the_command_line_is_refused_without_repeating_it(override: str):
+def test_a_webhook_url_on_the_command_line_is_refused_without_repeating_it(
+    override: str, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("HPCTRAIN_NOTIFY_URL", f"https://hooks.example.com/{SECRET}")
     with pytest.raises(UserError) as refused:
         check_command_line(["experiment=quickstart", override])
-    assert str(refused.value) == str(notify_url_refused()) and SECRET not in str(refused.value)
+    key = override.lstrip("+").partition("=")[0]
+    assert str(refused.value) == str(notify_url_refused(key)) and SECRET not in str(refused.value)
     check_command_line(
         ["notify.url_env=MY_WEBHOOK", "notify.timeout_s=2", "notify.events=[failed,hung]", "-m"]
     )
@@ -145,7 +151,7 @@ def test_a_webhook_url_on_the_command_line_is_refused_without_repeating_it(overr
 
 def test_a_webhook_url_in_a_config_file_is_refused(tmp_path: Path, data_dir: Path):
     cfg = compose_train(tmp_path, data_dir, f"+notify.url=https://hooks.example.com/{SECRET}")
-    with pytest.raises(UserError, match=r"notify\.url is set"):
+    with pytest.raises(UserError, match=r"notify\.url holds the webhook URL"):
         check_config(cfg)
     check_config(compose_train(tmp_path, data_dir, "notify.events=[failed,hung]", "notify.timeout_s=0.5"))
     with pytest.raises(UserError, match=r"notify\.events=.* is not a list of completed, failed"):

@@ -6,7 +6,9 @@ case) would get a requeued attempt running other code, and exact resume would si
 scripts/submit.py copies the code at submission and submits the copy's batch script from inside it:
 
 - what is copied: the files git tracks (as they are in the working copy, uncommitted changes included),
-  the untracked files git does not ignore (a new model file), and the git-ignored `conf/local/`;
+  the untracked files git does not ignore (a new model file), and the git-ignored `conf/local/`; never a
+  file that holds secrets by its name (`.env`, `.env.*`, `.netrc`, keys: `SECRET_FILES`), tracked or not:
+  a snapshot is shared by every job submitted with the same code and kept under logs/;
 - where: `<project>/logs/snapshots/<digest>/`, content-addressed (the digest is over every file's path
   and contents), so jobs submitted with the same code share one copy; a copy is written to a temporary
   folder and renamed, so a half-written one is never used;
@@ -20,6 +22,7 @@ No torch import.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import shutil
@@ -33,6 +36,25 @@ import yaml
 MANIFEST = "SNAPSHOT.yaml"
 STORE = Path("logs") / "snapshots"
 ALSO_IGNORED = ("conf/local",)  # git-ignored, yet part of what a run composes
+SECRET_FILES = (
+    ".env",
+    ".env.*",
+    "*.env",
+    ".envrc",
+    ".netrc",
+    ".git-credentials",
+    ".pypirc",
+    "*.pem",
+    "*.key",
+    "id_rsa*",
+    "id_ecdsa*",
+    "id_ed25519*",
+)
+
+
+def holds_secrets(name: str) -> bool:
+    """Whether a file's name says it holds secrets (`SECRET_FILES`): such a file is never copied."""
+    return any(fnmatch.fnmatch(Path(name).name, pattern) for pattern in SECRET_FILES)
 
 
 @dataclass(frozen=True)
@@ -60,7 +82,7 @@ def code_files(project: Path) -> list[str]:
         base = project / folder
         if base.is_dir():
             names.update(str(p.relative_to(project)) for p in base.rglob("*") if p.is_file())
-    return sorted(names)
+    return sorted(name for name in names if not holds_secrets(name))
 
 
 def take(project: str | Path, store: str | Path | None = None) -> Snapshot:

@@ -14,6 +14,7 @@ inside Lightning ten seconds later:
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from numbers import Integral
 from pathlib import Path
@@ -130,34 +131,43 @@ def _check_loggers(cfg: DictConfig) -> None:
                 )
 
 
-def notify_url_refused() -> UserError:
+def notify_url_refused(key: str = "notify.url") -> UserError:
     """The sentence for a webhook URL put into the config; the URL is not repeated (it is a secret)."""
     return UserError(
-        "notify.url is set, but a webhook URL is a secret that the config would save with the run (config.yaml, "
-        "run.yaml, checkpoints, tracker params); remove it and set it in the environment instead: export "
-        "HPCTRAIN_NOTIFY_URL=<the webhook URL> (or the variable notify.url_env names)."
+        f"{key} holds the webhook URL, a secret that the config would save with the run (config.yaml, "
+        "run.yaml, .hydra/, checkpoints, tracker params); remove it and set it in the environment instead: "
+        "export HPCTRAIN_NOTIFY_URL=<the webhook URL> (or the variable notify.url_env names)."
     )
 
 
-def _names_a_notify_url(key: str, value: str) -> bool:
+URL_ENV = "HPCTRAIN_NOTIFY_URL"  # hpctrain.runtime.distributed.notify's default variable
+
+
+def _names_a_notify_url(key: str, value: str, url_env: str = URL_ENV) -> bool:
     """Whether an override (or a config entry) puts a webhook URL into the config: `notify.url=`, a
-    `notify={url: ...}` dict, or a URL given as notify.url_env (which names a variable)."""
+    `notify={url: ...}` dict, a URL given as notify.url_env (which names a variable), the variable
+    itself set as a config key (`hydra.job.env_set.HPCTRAIN_NOTIFY_URL=...`, which Hydra records in
+    .hydra/hydra.yaml), or the very URL the environment holds, under any key."""
+    webhook = os.environ.get(url_env) or os.environ.get(URL_ENV)
     return (
         key == "notify.url"
         or (key == "notify" and re.search(r"\burl\s*:", value) is not None)
         or (key == "notify.url_env" and "://" in value)
+        or key.rsplit(".", 1)[-1] in {url_env, URL_ENV}
+        or (bool(webhook) and webhook in value)
     )
 
 
 def check_command_line(argv: list[str]) -> None:
     """Before Hydra sees the command line: a webhook URL in it is refused, since Hydra would print it
     (`--cfg job`), store it (`.hydra/overrides.yaml`, a sweep's job list) and the answers keep it."""
+    named = next((a.partition("=")[2] for a in argv if a.lstrip("+").startswith("notify.url_env=")), URL_ENV)
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             continue
         key, _, value = arg.lstrip("+~").partition("=")
-        if _names_a_notify_url(key.strip(), value):
-            raise notify_url_refused()
+        if _names_a_notify_url(key.strip(), value, named.strip() or URL_ENV):
+            raise notify_url_refused(key.strip())
 
 
 def _check_notify(cfg: DictConfig) -> None:
@@ -167,6 +177,15 @@ def _check_notify(cfg: DictConfig) -> None:
         return
     if "url" in notify or _names_a_notify_url("notify.url_env", str(_value(cfg, "notify.url_env"))):
         raise notify_url_refused()
+
+
+def check_hydra_env(hydra_cfg: DictConfig, url_env: str | None) -> None:
+    """The webhook URL set for the job through Hydra (`hydra.job.env_set`, e.g. from conf/local/) would be
+    written into .hydra/hydra.yaml: refused as on the command line."""
+    env_set = OmegaConf.select(hydra_cfg, "job.env_set") or {}
+    for name in env_set:
+        if _names_a_notify_url(f"hydra.job.env_set.{name}", "", url_env or URL_ENV):
+            raise notify_url_refused(f"hydra.job.env_set.{name}")
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -249,7 +268,18 @@ def _check_init_from(cfg: DictConfig) -> None:
     """`init_from.exclude` or `.prefix` say how to load a weights file: without one they mean a file was
     forgotten (an experiment that fine-tunes, run without init_from.path=...)."""
     settings = OmegaConf.select(cfg, "init_from")
-    if not settings or settings.get("path"):
+    if not settings:
+        return
+    for key in ("exclude", "freeze"):  # lists of regular expressions (the schema checked they are lists)
+        for pattern in settings.get(key) or []:
+            try:
+                re.compile(str(pattern))
+            except re.error as err:
+                raise UserError(
+                    f"init_from.{key} holds {str(pattern)!r}, which is not a regular expression ({err}); escape "
+                    f"what is meant literally, e.g. init_from.{key}=['^net[.]fc[.]'] for keys starting with net.fc."
+                ) from err
+    if settings.get("path"):
         return
     for key in ("exclude", "prefix"):
         if settings.get(key):

@@ -9,6 +9,7 @@ import re
 import sys
 from typing import Any
 
+from hpctrain.runtime.config import redact
 from hpctrain.runtime.errors import UserError
 
 
@@ -88,6 +89,22 @@ def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
         return f"{group}={option} is not an option of the {group} group (options: {', '.join(options)}){hint}"
     if isinstance(err, MissingConfigException):
         return f"{message.splitlines()[0]} (python src/{config_name}.py --help lists the config groups)."
+    if isinstance(err, ValueError) and message.startswith("Config group override must be a string or a list"):
+        groups = set(_groups())
+        bad = next(
+            (
+                o
+                for o in _command_line_overrides()
+                if o.split("=", 1)[0].lstrip("+") in groups
+                and o.split("=", 1)[1].strip().lower() in ("null", "none", "")
+            ),
+            None,
+        )
+        group = bad.split("=", 1)[0].lstrip("+") if bad else "<group>"
+        return (
+            f"{bad or 'a group override'} names no option of the {group} group; pass an option ({group}=<name>, "
+            f"python src/{config_name}.py --help lists them) or leave the group out: ~{group}."
+        )
     if isinstance(err, OverrideParseException):
         bad = next((repr(o) for o in sys.argv[1:] if "=" in o and not _parses(o)), None) or "an override"
         detail = message.splitlines()[0]
@@ -98,6 +115,7 @@ def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
         value = next(
             (o.split("=", 1)[1] for o in _command_line_overrides() if o.split("=", 1)[0] == key), "..."
         )
+        value = redact.override(f"{key}={value}").split("=", 1)[1]  # a secret is not repeated
         if "No match in the defaults list" in message:
             close = _closest(key, _groups())
             hint = f"did you mean {close}={value}?" if close else f"the groups are {', '.join(_groups())}."

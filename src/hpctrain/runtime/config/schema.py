@@ -9,6 +9,7 @@ Keys the table does not name are Lightning's or your classes' own and are checke
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 from dataclasses import dataclass
@@ -52,7 +53,13 @@ class Key:
 
 
 KEYS: tuple[Key, ...] = (
-    Key("seed", _int(0), "a non-negative integer", "42", "seeds torch, numpy, python and dataloader workers"),
+    Key(
+        "seed",
+        {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},  # numpy's seeds are 32-bit
+        "an integer from 0 to 4294967295",
+        "42",
+        "seeds torch, numpy, python and dataloader workers",
+    ),
     Key("train", {"type": "boolean"}, "true or false", "true", "fit the model"),
     Key("test", {"type": "boolean"}, "true or false", "false", "test the best checkpoint after fit"),
     Key(
@@ -63,6 +70,42 @@ KEYS: tuple[Key, ...] = (
         "start from this checkpoint (last: the newest last.ckpt of this task's runs)",
     ),
     Key("snapshot", {"type": "boolean"}, "true or false", "false", "launcher jobs run from a code snapshot"),
+    Key(
+        "init_from.path",
+        {"type": ["string", "null"]},
+        "a checkpoint, a .pt/.pth state dict, a .safetensors file, or null",
+        "logs/train/runs/<run>/checkpoints/last.ckpt",
+        "start a new run from these weights",
+    ),
+    Key("init_from.strict", {"type": "boolean"}, "true or false", "false", "false: load what fits"),
+    Key(
+        "init_from.prefix",
+        {"type": "string"},
+        "a string put in front of every key",
+        "net.",
+        "maps a bare network",
+    ),
+    Key(
+        "init_from.exclude",
+        {"type": "array", "items": {"type": "string"}},
+        "a list of regular expressions (in brackets)",
+        "['^net[.]fc[.]']",
+        "keys left out of the weights loaded",
+    ),
+    Key(
+        "init_from.freeze",
+        {"type": "array", "items": {"type": "string"}},
+        "a list of regular expressions (in brackets)",
+        "['^net[.]features[.]']",
+        "parameters not trained",
+    ),
+    Key(
+        "init_from.unfreeze_at_epoch",
+        {"type": ["integer", "null"], "minimum": 0},
+        "a non-negative integer or null",
+        "3",
+        "the frozen parameters train too from this epoch on",
+    ),
     Key(
         "skip_completed",
         {"type": "boolean"},
@@ -206,7 +249,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "notify.timeout_s",
         POSITIVE_NUMBER,
-        "a positive number of seconds",
+        "a positive finite number of seconds",
         "5",
         "the longest a notification may delay the end of a process",
     ),
@@ -232,11 +275,11 @@ KEYS: tuple[Key, ...] = (
     ),
     Key("diagnostics.straggler_factor", {"type": "number", "exclusiveMinimum": 1}, "a number above 1", "2"),
     Key("dist.backend", {"enum": [None, "nccl", "gloo", "mpi"]}, "nccl, gloo, mpi or null", "gloo"),
-    Key("dist.timeout_min", POSITIVE_NUMBER, "a positive number of minutes", "30"),
+    Key("dist.timeout_min", POSITIVE_NUMBER, "a positive finite number of minutes", "30"),
     Key(
         "dist.init_timeout_min",
         POSITIVE_NUMBER,
-        "a positive number of minutes",
+        "a positive finite number of minutes",
         "30",
         "the collective timeout until the first training step is done",
     ),
@@ -369,8 +412,8 @@ KEYS: tuple[Key, ...] = (
 def _type_ok(value: Any, name: str) -> bool:
     if name == "integer":
         return isinstance(value, int) and not isinstance(value, bool)
-    if name == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if name == "number":  # finite: an infinite timeout is a hang with extra steps, NaN compares as nothing
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return {
         "string": isinstance(value, str),
         "boolean": isinstance(value, bool),
@@ -396,6 +439,8 @@ def validate(value: Any, schema: dict[str, Any]) -> bool:
     if numeric and "minimum" in schema and value < schema["minimum"]:
         return False
     if numeric and "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+        return False
+    if numeric and "maximum" in schema and value > schema["maximum"]:
         return False
     if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
         return False

@@ -4,8 +4,9 @@ A checkpoint keeps the model and data config it was trained with, so that eval, 
 `hpctrain.load` rebuild the same model. That config is data, in a file anyone can send: its values are
 used, but the classes it names are not taken on its word. Every `_target_` in it must be one that the
 project's configs name (every `_target_:` in the YAML files Hydra composes from: conf/, hpctrain's own
-groups, and a `hydra.searchpath` folder given on the command line) or one the user lists in
-`checkpoints.trusted_targets`; any other is refused in one sentence before anything is imported. Its
+groups, and a `hydra.searchpath` folder given on the command line), a class of the project's own
+package (src/<package>/: code the user wrote), or one the user lists in `checkpoints.trusted_targets`;
+any other is refused in one sentence before anything is imported. Its
 strings are literals: an interpolation in them (`${...}`) is not resolved, so no resolver runs on them.
 
 Hydra 1.4 adds a call-site execution whitelist (`instantiate(..., _execution_whitelist_=...)`; without
@@ -23,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from hpctrain.runtime.config.compose import config_dirs
+from hpctrain.runtime.config.compose import CONF_DIR, config_dirs
 from hpctrain.runtime.errors import UserError
 
 TARGET = "_target_"
@@ -91,9 +92,29 @@ def project_targets() -> frozenset[str]:
     return _targets_of(tuple(sorted(folders)))
 
 
+@functools.cache
+def project_packages() -> tuple[str, ...]:
+    """The project's own packages (src/<package>/, hpctrain and Hydra's plugins aside): code the user wrote,
+    whose classes a checkpoint's config may name whether or not a config file does."""
+    src = CONF_DIR.parent / "src"
+    if not src.is_dir():
+        return ()
+    return tuple(
+        sorted(
+            p.name
+            for p in src.iterdir()
+            if (p / "__init__.py").is_file() and p.name not in ("hpctrain", "hydra_plugins")
+        )
+    )
+
+
 def trusted(extra: Iterable[str] | None = None) -> frozenset[str]:
     """The targets a config read from a file may name: the project's, and those the user trusts."""
     return project_targets() | frozenset(str(t) for t in (extra or ()))
+
+
+def _allowed(target: str, allowed: frozenset[str]) -> bool:
+    return target in allowed or any(target.startswith(f"{package}.") for package in project_packages())
 
 
 def check_stored(
@@ -103,7 +124,7 @@ def check_stored(
     project's configs do not (nor `extra`, the user's trusted targets); `how`: how to trust one."""
     allowed = trusted(extra)
     for key, target in targets_in(stored):
-        if isinstance(target, str) and target in allowed:
+        if isinstance(target, str) and _allowed(target, allowed):
             continue
         where = f"{key}._target_" if key else TARGET
         allow = how or f"{TRUSTED_KEY}=[{target}]"

@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.config import redact
 
 log = logging.getLogger("hpctrain")
 
@@ -72,11 +73,12 @@ def print_config(cfg: DictConfig) -> None:
     from rich.tree import Tree
 
     tree = Tree("config", guide_style="dim")
-    keys = [k for k in FIRST if k in cfg] + [k for k in cfg if k not in FIRST]
+    shown = redact.recorded(cfg)  # a job's log is a record too: no secret in it
+    keys = [k for k in FIRST if k in shown] + [k for k in shown if k not in FIRST]
     for key in keys:
         branch = tree.add(str(key), style="bold")
-        value = cfg[key]
-        text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else str(value)
+        value = shown[key]
+        text = OmegaConf.to_yaml(OmegaConf.create(value)) if isinstance(value, dict) else str(value)
         branch.add(Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
     rich_print(tree)
 

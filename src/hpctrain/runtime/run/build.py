@@ -36,7 +36,7 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
 from hpctrain.runtime import cluster
-from hpctrain.runtime.config import targets
+from hpctrain.runtime.config import redact, targets
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
 from hpctrain.runtime.distributed.requeue import RequeueOnSignal
@@ -349,7 +349,8 @@ def callbacks(
     )
     if training:
         # what eval, predict, export and hpctrain.load rebuild the run from
-        stored = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in STORED_GROUPS if k in cfg}
+        recorded = redact.recorded(cfg)  # resolved, but no secret (hpctrain.runtime.config.redact)
+        stored = {k: recorded[k] for k in STORED_GROUPS if k in recorded}
         chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir)), _attempt_progress(cfg)]
         nan = cfg.get("nan") or {}
         if nan.get("action", "stop") == "stop":
@@ -462,7 +463,7 @@ def trainer(
         "strategy": strategy(cfg.trainer, cfg.get("dist"), asynchronous),
         "plugins": [
             launch.lightning_cluster_environment(),
-            AsyncAtomicCheckpointIO() if asynchronous else AtomicCheckpointIO(),
+            (AsyncAtomicCheckpointIO if asynchronous else AtomicCheckpointIO)(redact.environment_values(cfg)),
         ],
     }
     if cluster.one_gpu_per_task() and str(cfg.trainer.get("accelerator")) in cluster.GPU_ACCELERATORS:
@@ -477,7 +478,7 @@ def log_hyperparameters(trainer: Trainer, cfg: DictConfig) -> None:
     """Send the resolved config, and what ran it (`job`: `loggers.job_metadata`), to every logger (rank 0)."""
     if not trainer.loggers:
         return
-    params = OmegaConf.to_container(cfg, resolve=True)
+    params = redact.recorded(cfg)  # a tracker keeps its params for good: no secret in them
     assert isinstance(params, dict)
     params["num_processes"] = trainer.world_size
     params["job"] = job_metadata(cfg.paths.output_dir)

@@ -29,7 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hpctrain.runtime import cluster
-from hpctrain.runtime.config.checks import check_config
+from hpctrain.runtime.config.checks import check_config, check_hydra_env
 from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
 from hpctrain.runtime.distributed import failures, notify, positions, signals, stacks, watchdog
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
@@ -99,6 +99,7 @@ class Job:
         if cluster.launcher() == cluster.CHILD:
             failures.die_with_parent()
         check_config(cfg)
+        check_hydra_env(self.hydra_cfg, (cfg.get("notify") or {}).get("url_env"))
         if self.sweep:  # a job array's task (a sweep launched in-process is checked in run_job)
             check_sweep_has_a_metric(cfg)
         signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)  # recorded, acted on later

@@ -29,6 +29,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hpctrain.runtime import cluster, snapshot
+from hpctrain.runtime.config import redact
 from hpctrain.runtime.distributed.stacks import STACKS_DIR
 from hpctrain.runtime.errors import UserError
 
@@ -40,11 +41,17 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any]:
     if not record_file.is_file():
         return {}
     try:
-        return yaml.safe_load(record_file.read_text()) or {}
+        record = yaml.safe_load(record_file.read_text()) or {}
     except yaml.YAMLError as err:
         raise UserError(
             f"{record_file} is not valid YAML ({err.__class__.__name__}); move the run dir aside."
         ) from err
+    if not isinstance(record, dict) or not isinstance(record.get("attempts", []), list):
+        raise UserError(
+            f"{record_file} is not a run's record (it holds a {type(record).__name__} where a mapping with a list "
+            "of attempts should be); move the run dir aside, or start in a new run dir."
+        )
+    return record
 
 
 def check_writable(run_dir: str | Path) -> None:
@@ -115,18 +122,22 @@ def write_run_record(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
+    overrides = [
+        redact.override(o) for o in overrides
+    ]  # no secret in any record (hpctrain.runtime.config.redact)
     if not config_file.exists():
-        write_atomically(config_file, OmegaConf.to_yaml(cfg, resolve=True))
+        write_atomically(config_file, redact.yaml_text(cfg))
     hydra_dir = run_dir / ".hydra"
     if hydra_cfg is not None and not (hydra_dir / "config.yaml").exists():
         hydra_dir.mkdir(exist_ok=True)
-        write_atomically(hydra_dir / "config.yaml", OmegaConf.to_yaml(cfg))
-        write_atomically(hydra_dir / "overrides.yaml", yaml.safe_dump(list(overrides)))
-        write_atomically(hydra_dir / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})))
+        write_atomically(hydra_dir / "config.yaml", redact.yaml_text(cfg, resolve=False))
+        write_atomically(hydra_dir / "overrides.yaml", yaml.safe_dump(overrides))
+        hydra_record = OmegaConf.create({"hydra": hydra_cfg})
+        write_atomically(hydra_dir / "hydra.yaml", redact.yaml_text(hydra_record, resolve=False))
 
     record = read_run_record(run_dir)
     record.setdefault("command", shlex.join([Path(sys.argv[0]).name, *overrides]))
-    record.setdefault("overrides", list(overrides))
+    record.setdefault("overrides", overrides)
     record.setdefault("git", code_record(Path(code_root)))
     record.setdefault("versions", _versions())
     record.setdefault("attempts", []).append(
@@ -200,7 +211,7 @@ def outcome_recorded(
                 "metric": outcome.metric,
                 "value": outcome.value,
                 "error": outcome.error,
-                "overrides": list(overrides or []),
+                "overrides": [redact.override(o) for o in overrides or []],
                 "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
             }
             if outcome.signature:

@@ -11,6 +11,7 @@ sentence, with nothing removed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -21,8 +22,8 @@ from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 
 
 class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, environment: Mapping[str, str] | None = None) -> None:
+        super().__init__(environment)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-checkpoint-writer")
         self._in_flight: Future[None] | None = None
 

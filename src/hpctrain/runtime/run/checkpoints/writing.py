@@ -21,6 +21,7 @@ import pickle
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
@@ -31,6 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from pytorch_lightning import LightningDataModule, LightningModule
 from torch import Tensor
 
+from hpctrain.runtime.config import redact
 from hpctrain.runtime.distributed.checkpoint_folders import CheckpointNotSaved, temporary_file
 from hpctrain.runtime.run.checkpoints.reading import UnreadableCheckpoint
 
@@ -53,6 +55,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     `CheckpointNotSaved` (one sentence), the previous file untouched."""
 
     last_save: Save | None = None  # the newest save of this process
+
+    def __init__(self, environment: Mapping[str, str] | None = None) -> None:
+        super().__init__()
+        # {value: interpolation} of what the config read from the environment (redact.environment_values):
+        # put back as the interpolation wherever a class kept the value in save_hyperparameters()
+        self.environment = dict(environment or {})
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -84,6 +92,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def _plain(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         checkpoint, left_out = plain_hyperparameters(checkpoint)
+        for key in _HPARAMS:  # no secret kept there either: URLs' credentials, values from the environment
+            if key in checkpoint:
+                checkpoint[key] = redact.scrub(checkpoint[key], self.environment)
         if self._checked:
             return checkpoint
         self._checked = True

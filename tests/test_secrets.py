@@ -1,0 +1,147 @@
+"""Secrets stay out of records: a value read from the environment is recorded as its interpolation, a
+URL's credentials and an environment variable set through Hydra are hidden, in every file a run writes
+(config.yaml, .hydra/, run.yaml, outcome.yaml, checkpoints, tracker params, the log), and a code
+snapshot leaves files that hold secrets behind."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from hpctrain.runtime import snapshot
+from hpctrain.runtime.config import redact
+from hpctrain.runtime.run import records
+from tests.helpers import IMAGE_DATA, assert_ok, run_dirs, train
+
+TOKEN = "tok-3f9a1c-not-for-files"
+PASSWORD = "pw-77c2e-not-for-files"
+
+
+def test_urls_and_hydra_environment_values_are_hidden():
+    assert (
+        redact.text(f"https://alice:{PASSWORD}@mlflow.example:5000/x")
+        == "https://alice:***@mlflow.example:5000/x"
+    )
+    assert (
+        redact.text(f"postgresql://u:{PASSWORD}@db/runs?sslmode=require")
+        == "postgresql://u:***@db/runs?sslmode=require"
+    )
+    assert redact.text(f"https://h.example/x?api_key={TOKEN}&n=1") == "https://h.example/x?api_key=***&n=1"
+    assert redact.text("https://h.example/plain/path") == "https://h.example/plain/path"
+    assert (
+        redact.override(f"hydra.job.env_set.WANDB_API_KEY={TOKEN}") == "hydra.job.env_set.WANDB_API_KEY=***"
+    )
+    assert redact.override("model.optimizer.lr=0.1") == "model.optimizer.lr=0.1"
+
+
+def test_a_record_keeps_what_the_environment_gives_as_written(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HPCTRAIN_TEST_TOKEN", TOKEN)
+    cfg = OmegaConf.create(
+        {
+            "token": "${oc.env:HPCTRAIN_TEST_TOKEN}",
+            "header": "Bearer ${token}",  # depends on it: shows the interpolation, not the value
+            "uri": f"https://alice:{PASSWORD}@mlflow.example",
+            "lr": "${oc.decode:'0.1'}",
+            "width": 8,
+        }
+    )
+    recorded = redact.recorded(cfg)
+    assert recorded == {
+        "token": "${oc.env:HPCTRAIN_TEST_TOKEN}",
+        "header": "Bearer ${oc.env:HPCTRAIN_TEST_TOKEN}",
+        "uri": "https://alice:***@mlflow.example",
+        "lr": 0.1,
+        "width": 8,
+    }
+
+
+def test_the_run_dir_records_hold_no_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HPCTRAIN_TEST_TOKEN", TOKEN)
+    cfg = OmegaConf.create({"token": "${oc.env:HPCTRAIN_TEST_TOKEN}", "uri": f"https://a:{PASSWORD}@h"})
+    hydra = OmegaConf.create(
+        {
+            "job": {"env_set": {"WANDB_API_KEY": TOKEN}},
+            "overrides": {
+                "task": [f"hydra.job.env_set.WANDB_API_KEY={TOKEN}", f"+uri=https://a:{PASSWORD}@h"]
+            },
+        }
+    )
+    overrides = [f"hydra.job.env_set.WANDB_API_KEY={TOKEN}", f"+uri=https://a:{PASSWORD}@h"]
+    records.write_run_record(cfg, tmp_path, overrides, tmp_path, 1, hydra)
+    (tmp_path / "run.yaml").touch()  # this run's dir: its outcome is recorded
+    with records.outcome_recorded(tmp_path, None, overrides):
+        (tmp_path / "run.yaml").write_text((tmp_path / "run.yaml").read_text() + "\n")
+    written = {p.relative_to(tmp_path).as_posix(): p.read_text() for p in tmp_path.rglob("*") if p.is_file()}
+    assert {"config.yaml", "run.yaml", "outcome.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"} <= set(
+        written
+    )
+    assert [name for name, text in written.items() if TOKEN in text or PASSWORD in text] == []
+    assert "${oc.env:HPCTRAIN_TEST_TOKEN}" in written["config.yaml"]
+
+
+def test_a_snapshot_leaves_files_that_hold_secrets_behind(tmp_path: Path):
+    project = tmp_path / "project"
+    (project / "conf" / "local").mkdir(parents=True)
+    (project / "model.py").write_text("x = 1\n")
+    (project / ".env").write_text(f"TOKEN={TOKEN}\n")
+    (project / "conf" / "local" / "default.yaml").write_text("paths: {}\n")
+    (project / "conf" / "local" / "prod.env").write_text(f"TOKEN={TOKEN}\n")
+    (project / ".netrc").write_text(f"machine h password {PASSWORD}\n")
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    subprocess.run(["git", "-C", str(project), "add", ".netrc", "model.py"], check=True)  # tracked, even
+    assert snapshot.code_files(project) == ["conf/local/default.yaml", "model.py"]
+
+
+def test_a_value_the_environment_gave_is_scrubbed_from_kept_hyperparameters(monkeypatch: pytest.MonkeyPatch):
+    """A class that keeps its arguments (save_hyperparameters) keeps the value: the checkpoint holds the
+    interpolation in its place, and URLs' credentials hidden."""
+    from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+
+    monkeypatch.setenv("HPCTRAIN_TEST_TOKEN", TOKEN)
+    cfg = OmegaConf.create(
+        {"model": {"token": "${oc.env:HPCTRAIN_TEST_TOKEN}", "n": "${oc.env:HPCTRAIN_TEST_TOKEN,4}"}}
+    )
+    writer = AtomicCheckpointIO(redact.environment_values(cfg))
+    kept = writer._plain(
+        {"hyper_parameters": {"token": TOKEN, "uri": f"https://a:{PASSWORD}@h", "n": 4}, "state_dict": {}}
+    )
+    assert kept["hyper_parameters"] == {
+        "token": "${oc.env:HPCTRAIN_TEST_TOKEN}",
+        "uri": "https://a:***@h",
+        "n": 4,
+    }
+
+
+@pytest.mark.slow
+def test_a_run_writes_no_secret_anywhere(tmp_path: Path, data_dir: Path):
+    """A real run given a token through the environment (its data folder is named by it) and a URL with a
+    password: no file under its run dir (checkpoints, .hydra, records) and no line of its log holds either."""
+    root = tmp_path / TOKEN / "images"
+    shutil.copytree(data_dir / "digits_images", root)
+    result = train(
+        tmp_path / "logs",
+        "data=image_folder",
+        *IMAGE_DATA,
+        "data.root=${oc.env:HPCTRAIN_TEST_ROOT}",  # stored in every checkpoint (data): as written
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+        "test=false",
+        "extras.print_config=true",
+        f"tags=[quick,https://alice:{PASSWORD}@mlflow.example]",
+        f"+hydra.job.env_set.WANDB_API_KEY={PASSWORD}",
+        env={"HPCTRAIN_TEST_ROOT": str(root)},
+    )
+    assert_ok(result)
+    assert TOKEN not in result.stdout and PASSWORD not in result.stdout  # the printed config, the log
+    (run,) = run_dirs(tmp_path / "logs")
+    secret = (TOKEN.encode(), PASSWORD.encode())
+    holding = [p for p in run.rglob("*") if p.is_file() and any(s in p.read_bytes() for s in secret)]
+    assert holding == []
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["root"] == "${oc.env:HPCTRAIN_TEST_ROOT}"
+    assert (run / "checkpoints" / "last.ckpt").is_file()
