@@ -135,7 +135,9 @@ def main() -> int:
             os.environ.setdefault("MASTER_PORT", str(free.getsockname()[1]))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
-        torch.cuda.set_device(environment.local_rank() if environment else 0)
+        # one GPU per task (--gpus-per-task=1): the task's only visible GPU, whatever its local rank
+        local = environment.local_rank() if environment else 0
+        torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     except Exception as err:  # the group never forms: say so from this node

@@ -4,6 +4,7 @@ nodes, GPUs). SLURM itself is tested on a real cluster in test_slurm.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hpctrain.runtime import cluster
 from hpctrain.runtime.distributed import launch
@@ -102,9 +103,16 @@ def test_one_gpu_bound_to_each_task_is_used_whatever_its_local_id(monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     environment = launch.lightning_cluster_environment(env)
-    assert environment.local_rank() == 0  # cuda:0, the task's only GPU, not cuda:5
+    # the local rank stays SLURM_LOCALID: prepare_data (Lightning runs it where local_rank == 0) and the
+    # GPU sampler run on one task of the node, not on all eight at once into one data directory
+    assert environment.local_rank() == 5
     assert (environment.global_rank(), environment.world_size()) == (5, 8)
     environment.validate_settings(num_devices=1, num_nodes=1)  # the trainer runs with devices=1 per task
+    strategy = launch.HydraDDPStrategy(
+        parallel_devices=[torch.device("cuda", 0)], cluster_environment=environment
+    )
+    assert strategy.root_device == torch.device("cuda", 0)  # the task's only GPU, not cuda:5
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 8, "rank": 5}
 
 
 def test_a_partial_gpu_binding_that_cannot_match_tasks_is_refused():

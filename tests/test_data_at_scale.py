@@ -322,7 +322,7 @@ def test_mid_epoch_resume_with_workers_is_exact(
         assert all(torch.equal(weights[k], final[0][k]) for k in weights)
 
 
-def test_threads_and_workers_follow_the_cpus_a_process_has():
+def test_threads_and_workers_follow_the_cpus_a_process_has(tmp_path: Path):
     from hpctrain.runtime import cluster
 
     step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
@@ -332,6 +332,21 @@ def test_threads_and_workers_follow_the_cpus_a_process_has():
     assert cluster.cpus_per_process(1, torchrun, affinity=16)[0] == 4
     assert cluster.cpus_per_process(2, {}, affinity=2)[0] == 1  # Lightning's two local ranks share 2 CPUs
     assert cluster.cpus_per_process(4, {}, affinity=2)[0] == 1
+    # devices: auto on GPUs, outside Slurm and torchrun: Lightning starts one process per GPU
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"):
+        (dev / name).touch()
+    assert cluster.cpus_per_process("auto", {}, affinity=32, accelerator="gpu", dev=dev)[0] == 8
+    assert (
+        cluster.cpus_per_process(
+            -1, {"CUDA_VISIBLE_DEVICES": "0,1"}, affinity=32, accelerator="auto", dev=dev
+        )[0]
+        == 16
+    )
+    assert (
+        cluster.cpus_per_process("auto", {}, affinity=32, accelerator="cpu", dev=dev)[0] == 32
+    )  # one process
 
 
 def test_auto_gives_decoding_datamodules_workers_and_the_rest_threads(tmp_path: Path, data_dir: Path):

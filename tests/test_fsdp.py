@@ -224,7 +224,6 @@ TINY_TRANSFORMER = (
     "trainer.log_every_n_steps=1",
     "monitor.metric=null",
     "callbacks.early_stopping=null",
-    "callbacks.text_sample=null",
     "test=false",
 )
 
@@ -384,3 +383,22 @@ def test_buffers_that_differ_per_rank_are_averaged_in_what_is_saved(tmp_path: Pa
     state = torch.load(out, weights_only=True)
     assert torch.equal(state["running_mean"], torch.full((3,), 1.5))
     assert torch.equal(state["running_var"], torch.full((3,), 1 / 3))  # agreed: bit for bit, not re-averaged
+
+
+def test_the_device_meshs_groups_get_the_configured_collective_timeout(tmp_path: Path):
+    """torch gives the groups of a device mesh its own default (10 minutes on NCCL): after the first step
+    they get dist.timeout_min, as the default group does."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hpctrain.runtime.run.callbacks import _set_timeout
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        group = dist.new_group()
+        _set_timeout(7, [group])
+        for each in (dist.group.WORLD, group):
+            assert each._get_backend(torch.device("cpu")).options._timeout == timedelta(minutes=7)
+    finally:
+        dist.destroy_process_group()

@@ -47,6 +47,11 @@ def test_each_rank_s_window_and_each_node_s_summary():
     assert performance.slowest_input(per_rank, 0.7) is None
     one = performance.metrics({0: per_rank[0]}, {0: "n1"}, None, None)
     assert not [k for k in one if not k.startswith("perf/")]  # one process: the job's figures only
+    # tensor parallelism over pairs: each pair trains the same samples, each rank a half of their FLOPs
+    paired = performance.metrics(per_rank, {0: "n1", 1: "n1", 2: "n2"}, 1e9, 1e12, tensor_parallel=2)
+    assert paired["perf/samples_per_s"] == pytest.approx(found["perf/samples_per_s"] / 2)
+    assert paired["perf/tflops_per_device"] == pytest.approx(found["perf/tflops_per_device"] / 2)
+    assert paired["perf/mfu"] == pytest.approx(found["perf/mfu"] / 2)
 
 
 def test_the_flops_of_a_step_are_counted_on_a_meta_copy_and_on_the_real_step_alike():

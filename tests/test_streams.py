@@ -32,6 +32,23 @@ def test_sharded_iterable_gives_each_worker_its_share():
     assert shares_itself_out(torch.utils.data.TensorDataset(torch.zeros(3)))  # map-style: Lightning's sampler
 
 
+def test_under_tensor_parallelism_a_stream_is_shared_over_the_data_parallel_group(tmp_path: Path):
+    """The ranks of a tensor-parallel group train the same samples: they read the same share."""
+    import torch.distributed as dist
+
+    from hpctrain.runtime.distributed import job_store
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        job_store.set_data_parallel(2, 1)  # as on ranks 2 and 3 of 4 with dist.tensor_parallel=2
+        share = stream_share()
+        assert (share.index, share.count, share.rank, share.world_size) == (1, 2, 1, 2)
+        assert list(ShardedIterable(_Numbers())) == [1, 3, 5, 7, 9]
+    finally:
+        job_store._DATA_PARALLEL.clear()
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_a_stream_that_does_not_share_itself_out_is_warned_about_once(tmp_path: Path):
     result = train(

@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from hpctrain.runtime.distributed.job_store import data_parallel
 from hpctrain.runtime.distributed.streams import MARK, shares_itself_out
 
 __all__ = ["MARK", "ShardedIterable", "StreamShare", "shares_itself_out", "stream_share"]
@@ -48,10 +49,12 @@ class StreamShare:
 
 
 def stream_share() -> StreamShare:
-    """Which share of a stream the calling code reads: call it inside `__iter__` (in the loader worker)."""
+    """Which share of a stream the calling code reads: call it inside `__iter__` (in the loader worker).
+    Under tensor parallelism the ranks of a tensor-parallel group read the same share: the stream is
+    shared out over the data-parallel group."""
     world_size, rank = 1, 0
     if dist.is_available() and dist.is_initialized():
-        world_size, rank = dist.get_world_size(), dist.get_rank()
+        world_size, rank = data_parallel() or (dist.get_world_size(), dist.get_rank())
     info = get_worker_info()
     worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
     return StreamShare(

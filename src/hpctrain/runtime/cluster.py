@@ -209,11 +209,23 @@ def processes_started(env: Mapping[str, str] | None = None) -> int:
     return 1
 
 
+def gpus_on_node(env: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> int:
+    """The GPUs a process started here would see: CUDA_VISIBLE_DEVICES's, else the NVIDIA device files."""
+    if _env(env).get("CUDA_VISIBLE_DEVICES") is not None:
+        return visible_gpus(env) or 0
+    return len([p for p in dev.glob("nvidia*") if p.name[len("nvidia") :].isdigit()])
+
+
 def cpus_per_process(
-    devices: object, env: Mapping[str, str] | None = None, affinity: int | None = None
+    devices: object,
+    env: Mapping[str, str] | None = None,
+    affinity: int | None = None,
+    accelerator: object = "auto",
+    dev: Path = Path("/dev"),
 ) -> tuple[int, str]:
     """The CPUs one process of this job may use, and how that was found: its affinity mask (where Slurm
-    puts a task's --cpus-per-task), shared by the processes on this node that share the mask."""
+    puts a task's --cpus-per-task), shared by the processes on this node that share the mask. Under
+    Lightning's own launcher `devices: auto` (or -1) on GPUs starts one process per GPU, not one."""
     env = _env(env)
     cpus = affinity if affinity is not None else len(os.sched_getaffinity(0))
     kind = launcher(env)
@@ -226,6 +238,9 @@ def cpus_per_process(
         sharing, who = _int_or_none(env.get("LOCAL_WORLD_SIZE")), "torchrun worker(s)"
     else:
         sharing, who = _devices_asked(devices), "process(es)"
+        on_gpus = str(accelerator).lower() in (*GPU_ACCELERATORS, "auto")
+        if (devices in ("auto", -1, "-1") or sharing is None) and on_gpus:
+            sharing = gpus_on_node(env, dev) or 1  # one process per GPU (CPU only: one process)
     sharing = sharing or 1
     return max(1, cpus // sharing), f"{cpus} CPUs in the affinity mask / {sharing} {who} per node"
 

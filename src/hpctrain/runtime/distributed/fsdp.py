@@ -56,6 +56,7 @@ log = logging.getLogger(__package__)
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 SHARD_FILE_SUFFIX = ".distcp"
+SHARDS_FROM_CONFIG = "_hpctrain_shards_from_config"  # marks the configure_model hpctrain gives a module
 
 
 class FSDPOptionsError(UserError):
@@ -238,6 +239,9 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self._timeout is not None:  # the mesh's groups get torch's default otherwise: 10 minutes on NCCL
+            for group in self.device_mesh.get_all_groups():
+                torch.distributed.set_timeout(self._timeout, group=group)
         data = self.device_mesh["data_parallel"]
         set_data_parallel(data.size(), data.get_local_rank())  # hpctrain's loaders shard over it
         module = self.lightning_module
@@ -251,6 +255,8 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
                 f"dist.tensor_parallel={self._tensor_parallel_size}: the model's config ships no tensor-parallel plan "
                 "(dist.tensor_parallel_plan); train with dist.tensor_parallel=1, or shard it in configure_model."
             )
+        if getattr(module.configure_model, SHARDS_FROM_CONFIG, False):
+            return  # ours, installed at fit's setup: Lightning calls setup again for the test after fit
         if is_overridden("configure_model", module):
             if shard not in (None, "auto"):
                 raise FSDPOptionsError(
@@ -283,6 +289,7 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
                     ", ".join(names),
                 )
 
+        setattr(configure_model, SHARDS_FROM_CONFIG, True)  # told apart from a module's own
         module.configure_model = configure_model  # type: ignore[method-assign]
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

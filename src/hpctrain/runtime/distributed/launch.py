@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
+from typing import Any
 
 from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.strategies import DDPStrategy
@@ -102,11 +103,10 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
 class OneGPUPerTaskSLURMEnvironment(SLURMEnvironment):
     """SLURM with one GPU bound to each task (--gpus-per-task=1, --gpu-bind=...): every process sees a
     single GPU, index 0, whatever its SLURM_LOCALID. The trainer then runs with devices=1 per process
-    (see build.trainer); ranks and world size still come from SLURM, and the preflight has already
-    matched the tasks per node against trainer.devices."""
-
-    def local_rank(self) -> int:
-        return 0  # the index of this task's only visible GPU
+    (see build.trainer) and the strategy's device is that one GPU (`_HydraLaunched.root_device`); the
+    local rank stays SLURM_LOCALID, so what runs once per node (prepare_data, the GPU sampler) runs on
+    one task of each node, not on all of them. Ranks and world size come from SLURM, and the preflight
+    has already matched the tasks per node against trainer.devices."""
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         return None
@@ -124,6 +124,13 @@ class _HydraLaunched:
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         # the world size, not devices x nodes: with one GPU per task the trainer has devices=1 per process
         return {"num_replicas": self.world_size, "rank": self.global_rank}  # type: ignore[attr-defined]
+
+    @property
+    def root_device(self) -> Any:
+        # one GPU per task: the task's only device, whatever its local rank (parallel_devices has one entry)
+        if isinstance(self.cluster_environment, OneGPUPerTaskSLURMEnvironment):  # type: ignore[attr-defined]
+            return self.parallel_devices[0]  # type: ignore[attr-defined]
+        return super().root_device  # type: ignore[misc]
 
 
 class HydraDDPStrategy(_HydraLaunched, DDPStrategy):

@@ -164,20 +164,25 @@ def metrics(
     hosts: dict[int, str],
     flops_per_sample: float | None,
     peak: float | None,
+    tensor_parallel: int = 1,
 ) -> dict[str, float]:
     """What rank 0 logs for one window: the job's figures, and under several ranks each rank's and each
-    node's (see the module docstring)."""
+    node's (see the module docstring). Under tensor parallelism the `tensor_parallel` ranks of a group
+    train the same samples, each with its share of the FLOPs: the job's samples are counted once per
+    group, and each device's FLOP/s is its share."""
     if not per_rank:
         return {}
     ranks = sorted(per_rank)
     out = {
-        "perf/samples_per_s": sum(per_rank[r]["samples_per_s"] for r in ranks),
+        "perf/samples_per_s": sum(per_rank[r]["samples_per_s"] for r in ranks) / tensor_parallel,
         "perf/data_wait": statistics.fmean(per_rank[r]["data_wait"] for r in ranks),
         "perf/step_ms": statistics.median(per_rank[r]["step_ms"] for r in ranks),
         "perf/peak_mem_mib": max(per_rank[r]["peak_mem_mib"] for r in ranks),
     }
     if flops_per_sample:
-        achieved = statistics.fmean(flops_per_sample * per_rank[r]["samples_per_s"] for r in ranks)
+        achieved = (
+            statistics.fmean(flops_per_sample * per_rank[r]["samples_per_s"] for r in ranks) / tensor_parallel
+        )
         out["perf/tflops_per_device"] = achieved / 1e12
         if peak:
             out["perf/mfu"] = achieved / peak
@@ -188,6 +193,13 @@ def metrics(
             for name, spread in spreads.items():
                 out.update({f"nodes/{host}/{name}_{k}": v for k, v in spread.items()})
     return out
+
+
+def _tensor_parallel(trainer: Any) -> int:
+    """The processes of a tensor-parallel group (1 without one): the world over the data-parallel group."""
+    shared = job_store.data_parallel()
+    world = getattr(trainer, "world_size", 1) if trainer is not None else 1
+    return max(1, world // shared[0]) if shared else 1
 
 
 def node_spreads(
@@ -319,7 +331,7 @@ class PerformanceLog(Callback):
         sums = self._gathered(trainer, "/final", wait_s=FINAL_WAIT_S)
         if sums is None:
             return
-        self.summary = self._run_summary(sums)
+        self.summary = self._run_summary(sums, _tensor_parallel(trainer))
         if self.summary:
             log.info(summary_line(self.summary, trainer.strategy.root_device.type))
 
@@ -348,7 +360,7 @@ class PerformanceLog(Callback):
             if window is not None:
                 per_rank[r] = window
             self._previous[r] = now
-        found = metrics(per_rank, self._hosts, self._flops_per_sample, self._peak)
+        found = metrics(per_rank, self._hosts, self._flops_per_sample, self._peak, _tensor_parallel(trainer))
         if self.meter.device is not None:  # GPUs: every node's latest NVML sample
             found.update(gpus.read(store, self._sampler))
         if found:
@@ -365,11 +377,12 @@ class PerformanceLog(Callback):
                     input_bound_warning(r, self._hosts.get(r, "?"), share, self.data_wait_warn, several)
                 )
 
-    def _run_summary(self, sums: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    def _run_summary(self, sums: dict[int, dict[str, Any]], tensor_parallel: int = 1) -> dict[str, Any]:
         per_rank = {r: f for r, s in sums.items() if (f := figures(s, None)) is not None}
         if not per_rank:
             return {}
-        job = metrics(per_rank, {r: s["host"] for r, s in sums.items()}, self._flops_per_sample, self._peak)
+        hosts = {r: s["host"] for r, s in sums.items()}
+        job = metrics(per_rank, hosts, self._flops_per_sample, self._peak, tensor_parallel)
         summary: dict[str, Any] = {
             k.split("/", 1)[1]: _round(v) for k, v in job.items() if k.startswith("perf/")
         }

@@ -131,7 +131,10 @@ def cpu_plan(cfg: DictConfig) -> tuple[int, int | None, str]:
     (a batch is one tensor index). Threads get what is left: threads beyond a process's CPUs spin
     against each other and slow every process on them many times over. An explicit value is taken as
     given."""
-    cpus, found = cluster.cpus_per_process((cfg.get("trainer") or {}).get("devices"))
+    trainer_cfg = cfg.get("trainer") or {}
+    cpus, found = cluster.cpus_per_process(
+        trainer_cfg.get("devices"), accelerator=trainer_cfg.get("accelerator")
+    )
     asked_workers = (cfg.get("data") or {}).get("num_workers", 0)
     workers = None
     if asked_workers == "auto":

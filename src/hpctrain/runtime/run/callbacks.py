@@ -463,7 +463,7 @@ class RankWatchdog(Callback):
     ) -> None:
         self.clock.step_ended()
         if self._training_timeout is not None:  # the first step is done: from now on, dist.timeout_min
-            _set_timeout(self._training_timeout)
+            _set_timeout(self._training_timeout, mesh_groups(trainer))
             self._training_timeout = None
         report = self.report
         if report is not None and report.latest and report.latest is not self._logged:
@@ -485,15 +485,23 @@ class RankWatchdog(Callback):
         watchdog.stop()
 
 
-def _set_timeout(minutes: float) -> None:
+def mesh_groups(trainer: Trainer) -> list[Any]:
+    """The process groups of the strategy's device mesh (FSDP2, tensor parallelism), if it has one."""
+    mesh = getattr(trainer.strategy, "_device_mesh", None)
+    return list(mesh.get_all_groups()) if mesh is not None else []
+
+
+def _set_timeout(minutes: float, groups: list[Any] | None = None) -> None:
     """The process group was made with dist.init_timeout_min (startup: data preparation, the first
-    compilation); once a step has run, its collectives get dist.timeout_min."""
+    compilation); once a step has run, its collectives get dist.timeout_min: the default group's and the
+    device mesh's `groups` (which torch creates with its own default, 10 minutes on NCCL)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.set_timeout(timedelta(minutes=minutes))
+        for group in [None, *(groups or [])]:
+            dist.set_timeout(timedelta(minutes=minutes), group=group)
     failures.set_timeout_min(minutes)
 
 

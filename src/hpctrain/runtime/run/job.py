@@ -143,7 +143,9 @@ class Job:
 
             reading.check_matches_model(self.checkpoint, run.model)
         if cluster.is_rank_zero():
-            cpus = cluster.cpus_per_process(cfg.trainer.get("devices"))[0]
+            cpus = cluster.cpus_per_process(
+                cfg.trainer.get("devices"), accelerator=cfg.trainer.get("accelerator")
+            )[0]
             devices = attempts.devices_of(type(run.trainer.accelerator).__name__, cpus)
             self._write_record(cfg, run.trainer.world_size, devices)
             if training:
