@@ -16,6 +16,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from hpctrain.runtime.report import gpu_peaks
+
 log = logging.getLogger("hpctrain")
 
 HEAVY_WORDS = ("attention", "conv", "mm", "matmul", "linear", "einsum", "baddbmm")
@@ -137,8 +139,8 @@ class RealStepCounter:
 
 
 def peak_flops(trainer: Any, override: float | None) -> float | None:
-    """The device's peak FLOP/s at the run's precision: `override` where given, else Lightning's table
-    (GPUs it knows); None on CPUs."""
+    """The device's peak FLOP/s at the run's precision: `override` where given, else hpctrain's table
+    (`gpu_peaks`: the GPUs of the shipped cluster presets), else Lightning's; None on CPUs."""
     if override:
         return float(override)
     device = trainer.strategy.root_device
@@ -149,13 +151,30 @@ def peak_flops(trainer: Any, override: float | None) -> float | None:
 
     precision = str(trainer.precision)
     dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        found = get_available_flops(device, dtype)
+    name = torch.cuda.get_device_name(device)
+    found: float | None = gpu_peaks.peak_flops(name, _matmul_dtype(dtype, device))
+    if found is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = get_available_flops(device, dtype)
     if found is None:
         log.warning(
-            "the peak FLOP/s of %s is not in Lightning's table: no MFU is logged; set "
-            "callbacks.performance.peak_flops=<FLOP/s per device> for one",
-            torch.cuda.get_device_name(device),
+            "the peak FLOP/s of %s at %s is in neither hpctrain's table nor Lightning's: no MFU is logged; "
+            "set callbacks.performance.peak_flops=<FLOP/s per device> for one",
+            name,
+            precision,
         )
     return float(found) if found else None
+
+
+def _matmul_dtype(dtype: Any, device: Any) -> str:
+    """The row of `gpu_peaks` a run's matmuls run at: float32 runs on TF32 tensor cores on Ampere and
+    later unless torch's float32 matmul precision is `highest` (as Lightning's table reads it)."""
+    import torch
+
+    if dtype is torch.bfloat16:
+        return "bf16"
+    if dtype is torch.float16:
+        return "fp16"
+    ampere = torch.cuda.get_device_capability(device)[0] >= 8
+    return "tf32" if ampere and torch.get_float32_matmul_precision() != "highest" else "fp32"
