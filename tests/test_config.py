@@ -474,6 +474,27 @@ def test_emulated_bf16_is_named_with_the_override(precision: str, on_cpu: bool, 
         assert note.endswith("pass trainer.precision=32-true for a quick try on this machine.")
 
 
+@pytest.mark.parametrize(
+    ("precision", "gpu", "capability", "said"),
+    [
+        ("bf16-mixed", "Tesla V100-SXM2-32GB", (7, 0), True),
+        ("bf16-true", "Tesla T4", (7, 5), True),
+        ("bf16-mixed", "NVIDIA A100-SXM4-80GB", (8, 0), False),
+        ("bf16-mixed", "NVIDIA H200", (9, 0), False),
+        ("16-mixed", "Tesla V100-SXM2-32GB", (7, 0), False),
+        ("bf16-mixed", None, None, False),  # not on a GPU
+    ],
+)
+def test_bf16_emulated_on_a_gpu_is_named_once_with_the_override(precision, gpu, capability, said):
+    from hpctrain.runtime.report.console import emulated_bf16_gpu_note
+
+    note = emulated_bf16_gpu_note(precision, gpu, capability)
+    assert (note is not None) == said
+    if said:
+        assert note.startswith(f"trainer.precision={precision} on {gpu} (compute capability {capability[0]}.")
+        assert "pass trainer.precision=16-mixed" in note
+
+
 # Pure half precision needs an optimizer that tolerates it: Adam's eps=1e-8 rounds to 0 in float16.
 HALF_SAFE = {"16-true": ("model/optimizer=sgd", "model.optimizer.lr=0.01")}
 

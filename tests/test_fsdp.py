@@ -402,3 +402,16 @@ def test_the_device_meshs_groups_get_the_configured_collective_timeout(tmp_path:
             assert each._get_backend(torch.device("cpu")).options._timeout == timedelta(minutes=7)
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp_under_mixed_precision_gathers_in_half_precision_unless_told_otherwise():
+    from hpctrain.runtime.run.build import fsdp_dtypes
+
+    assert fsdp_dtypes({"shard": "auto"}, "bf16-mixed") == {
+        "shard": "auto",
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+    }
+    assert fsdp_dtypes({}, "16-mixed")["param_dtype"] == "float16"
+    assert fsdp_dtypes({"param_dtype": "float32"}, "bf16-mixed") == {"param_dtype": "float32"}  # as given
+    assert fsdp_dtypes({}, "32-true") == {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import init_from
+from hpctrain.runtime.run.checkpoints import init_from, reading
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 from tests.helpers import assert_ok, require_modules, run_dirs, train
 
@@ -223,18 +223,39 @@ def test_torchvision_weights_load_into_the_torchvision_net_with_a_new_head(tmp_p
     assert after["net.fc.weight"].shape == (10, 512)
 
 
+@pytest.fixture(scope="module")
+def mlp_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The MLP on digits after a few steps: weights to start from, known to the tests."""
+    logs = tmp_path_factory.mktemp("mlp")
+    common = (
+        "data=digits",
+        "model=mlp",
+        "trainer=cpu",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=2",
+    )
+    assert_ok(train(logs, *common, "trainer.limit_val_batches=1", "test=false"))
+    return run_dirs(logs)[0] / "checkpoints" / "last.ckpt"
+
+
 @pytest.mark.slow
-def test_unfreezing_under_ddp_keeps_the_ranks_in_step(tmp_path: Path):
+@pytest.mark.parametrize("strategy", ["ddp_cpu", "fsdp_cpu"])
+def test_unfreezing_keeps_the_ranks_in_step_and_the_part_frozen_until_then(
+    strategy: str, mlp_weights: Path, tmp_path: Path
+):
+    """Frozen through epoch 0 (bit for bit the weights it started from), trained from epoch 1 on, under
+    DDP and under FSDP2 (whose sharding replaces the parameters the freeze was set on)."""
     result = train(
         tmp_path,
         "data=digits",
         "model=mlp",
-        "trainer=ddp_cpu",
+        f"trainer={strategy}",
         "trainer.devices=2",
         "trainer.max_epochs=2",
         "trainer.limit_train_batches=4",
         "trainer.limit_val_batches=2",
         "test=false",
+        f"init_from.path={mlp_weights}",
         "init_from.freeze=['^net[.]layers[.][12][.]']",
         "init_from.unfreeze_at_epoch=1",
         "callbacks.model_checkpoint.save_top_k=-1",  # every epoch's checkpoint, to compare
@@ -242,9 +263,13 @@ def test_unfreezing_under_ddp_keeps_the_ranks_in_step(tmp_path: Path):
     assert_ok(result)
     assert "init_from: 4 frozen parameters are trained from epoch 1 on" in result.stdout
     (run,) = run_dirs(tmp_path)
+    start = torch.load(mlp_weights, weights_only=True)["state_dict"]
     epochs = sorted((run / "checkpoints").glob("epoch_*.ckpt"))
-    first, second = (torch.load(p, weights_only=True)["state_dict"] for p in epochs)
+    first, second = (reading.read(p)["state_dict"] for p in epochs)  # files (DDP) or folders (FSDP2)
     frozen = [k for k in first if k.startswith(("net.layers.1.", "net.layers.2."))]
+    trained = [k for k in first if k.startswith("net.") and k not in frozen and k.endswith("weight")]
+    assert frozen and all(torch.equal(first[k], start[k]) for k in frozen)  # frozen through epoch 0
+    assert not any(torch.equal(first[k], start[k]) for k in trained)  # the rest trained
     assert all(torch.equal(first[k], second[k]) is False for k in frozen if k.endswith("weight"))
 
 

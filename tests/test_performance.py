@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,42 @@ def test_a_trace_per_rank_under_ddp(tmp_path: Path):
         assert any(n.startswith("ProfilerStep#") for n in names) and "aten::addmm" in names
         assert "aten::addmm" in (traces / f"rank{rank}_top_ops.txt").read_text()
     assert "rank 0's top operations" in result.stdout
+
+
+class _Event:
+    """A CUDA event on a made-up device timeline: record() stamps the clock's time (milliseconds)."""
+
+    clock = [0.0]
+
+    def record(self) -> None:
+        self.at = self.clock[0]
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: _Event) -> float:
+        return later.at - self.at
+
+
+def test_on_a_gpu_the_data_wait_is_the_devices_idle_time_not_the_hosts():
+    """A host blocked behind a busy device (its copy queued after the last kernels) waited, but not for
+    data: the device never idled. A device that idles between steps is what a slow loader looks like."""
+    meter = performance.RankMeter(device="cuda:0", event=_Event)
+    clock = _Event.clock
+    # step 1 on the device: 0-100 ms; the host comes back at once, then blocks 90 ms behind the device
+    clock[0] = 0.0
+    meter.step_started()
+    clock[0] = 100.0
+    meter.step_ended(8)
+    time.sleep(0.05)  # the host "waits" (its clock), while on the device the next step starts at once
+    meter.step_started()
+    clock[0] = 200.0
+    meter.step_ended(8)
+    busy = meter.sums()
+    assert busy["wait_s"] == 0.0 and busy["step_s"] == pytest.approx(0.2) and meter.wait_s > 0.04
+    clock[0] = 260.0  # the device idles 60 ms before the third step: the loader was late
+    meter.step_started()
+    clock[0] = 360.0
+    meter.step_ended(8)
+    late = performance.figures(meter.sums(), busy)
+    assert late["data_wait"] == pytest.approx(60 / 160) and late["step_ms"] == pytest.approx(100.0)

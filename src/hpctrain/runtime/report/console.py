@@ -58,11 +58,31 @@ def emulated_bf16_note(precision: str, on_cpu: bool, flags: set[str] | None) -> 
     )
 
 
+def emulated_bf16_gpu_note(precision: str, gpu: str | None, capability: tuple[int, int] | None) -> str | None:
+    """A sentence when bf16 would run emulated on this GPU: before Ampere (compute capability 8.0; a V100,
+    a T4, an RTX 8000) there are no bfloat16 units, and torch emulates them, slower than float16."""
+    if gpu is None or capability is None or not precision.startswith("bf16") or capability >= (8, 0):
+        return None
+    major, minor = capability
+    return (
+        f"trainer.precision={precision} on {gpu} (compute capability {major}.{minor}), which has no bfloat16 units: "
+        "torch emulates them, slower than float16; pass trainer.precision=16-mixed (and, under FSDP2, "
+        "dist.fsdp.param_dtype=float16)."
+    )
+
+
 def warn_if_bf16_is_emulated(trainer: Any, precision: Any) -> None:
-    """Say once, at the start, when the trainer's CPU would emulate the configured bf16 precision."""
-    from pytorch_lightning.accelerators import CPUAccelerator
+    """Say once, at the start, when the trainer's CPU or GPU would emulate the configured bf16 precision."""
+    from pytorch_lightning.accelerators import CPUAccelerator, CUDAAccelerator
 
     note = emulated_bf16_note(str(precision), isinstance(trainer.accelerator, CPUAccelerator), cpu_flags())
+    if note is None and isinstance(trainer.accelerator, CUDAAccelerator):
+        import torch
+
+        device = trainer.strategy.root_device
+        note = emulated_bf16_gpu_note(
+            str(precision), torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        )
     if note is not None:
         log.warning(note)
 

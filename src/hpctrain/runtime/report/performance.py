@@ -15,6 +15,9 @@ logs the window since its last look:
 
 "Waiting for data" is the time from the end of one training step to the start of the next, validation
 and checkpointing excepted: the loader's next batch, its transfer to the device, the batch-start hooks.
+On a GPU it is the device's idle time between the two steps (CUDA events): the host runs ahead of the
+device, and a host waiting for a busy device (a full launch queue, a copy behind the last kernels) is
+no wait for data; the device idling between steps is.
 A rank whose share is above `data_wait_warn` (default 20 %) after the first window gets one warning with
 the fixes. The whole run's figures go to outcome.yaml (`performance:`) and one log line.
 """
@@ -83,16 +86,29 @@ class RankMeter:
     """This rank's running sums, kept by the training thread with host clocks (see the module
     docstring); on a GPU also the device's own time per step, from CUDA events read at the interval."""
 
-    def __init__(self, device: Any = None) -> None:
+    def __init__(self, device: Any = None, event: Any = None) -> None:
         self.device = device  # a CUDA device, or None on CPUs
         self.steps = 0
         self.samples = 0
         self.wait_s = 0.0
         self.host_step_s = 0.0
         self.device_step_s = 0.0
+        self.device_wait_s = 0.0
         self._started = 0.0
         self._ended: float | None = None
-        self._events: list[list[Any]] = []
+        self._events: list[list[Any]] = []  # [start, end] of each step not read yet
+        self._gaps: list[list[Any]] = []  # [the previous step's end, this step's start]
+        self._last_end: Any = None  # the previous step's end event
+        self._event = event  # makes a timing event; torch.cuda.Event by default (tests give their own)
+
+    def _record(self) -> Any:
+        if self._event is None:
+            import torch
+
+            self._event = lambda: torch.cuda.Event(enable_timing=True)
+        event = self._event()
+        event.record()
+        return event
 
     def step_started(self) -> None:
         now = time.perf_counter()
@@ -100,11 +116,10 @@ class RankMeter:
             self.wait_s += now - self._ended
         self._started = now
         if self.device is not None:
-            import torch
-
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._events.append([event, None])
+            start = self._record()
+            if self._ended is not None and self._last_end is not None:
+                self._gaps.append([self._last_end, start])
+            self._events.append([start, None])
 
     def step_ended(self, samples: int) -> None:
         now = time.perf_counter()
@@ -113,11 +128,7 @@ class RankMeter:
         self.samples += samples
         self._ended = now
         if self._events:
-            import torch
-
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._events[-1][1] = event
+            self._events[-1][1] = self._last_end = self._record()
 
     def paused(self) -> None:
         """Validation, checkpointing or the epoch's end follow: the next gap is not a wait for data."""
@@ -129,13 +140,18 @@ class RankMeter:
         if done:
             done[-1][1].synchronize()
             self.device_step_s += sum(start.elapsed_time(end) for start, end in done) / 1000
+            self.device_wait_s += sum(end.elapsed_time(start) for end, start in self._gaps) / 1000
             self._events = [pair for pair in self._events if pair[1] is None]
+            self._gaps = []
+        on_device = self.device is not None
         return {
             "steps": self.steps,
             "samples": self.samples,
-            "wait_s": self.wait_s,
-            "step_s": self.device_step_s if self.device is not None else self.host_step_s,
-            "wall_s": self.wait_s + self.host_step_s,
+            "wait_s": self.device_wait_s if on_device else self.wait_s,
+            "step_s": self.device_step_s if on_device else self.host_step_s,
+            "wall_s": self.device_wait_s + self.device_step_s
+            if on_device
+            else self.wait_s + self.host_step_s,
             "peak_mem_mib": peak_memory_mib(self.device),
             "host": cluster.node_name().split(".")[0],
         }

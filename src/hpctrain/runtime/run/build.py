@@ -406,6 +406,7 @@ def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None, async_save: b
         from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 
         fsdp = OmegaConf.to_container(dist_cfg.get("fsdp") or OmegaConf.create({}), resolve=True)
+        fsdp = fsdp_dtypes(fsdp, str(trainer_cfg.get("precision")))
         plan = dist_cfg.get("tensor_parallel_plan")  # shipped with the model's config
         return HydraModelParallelStrategy(
             fsdp=fsdp,
@@ -418,6 +419,29 @@ def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None, async_save: b
         # passed on to torch's DistributedDataParallel
         ddp_options = {k: True for k in ("find_unused_parameters", "static_graph") if dist_cfg.get(k)}
         return HydraDDPStrategy(**common, **ddp_options)
+    return chosen
+
+
+MIXED_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+
+
+def fsdp_dtypes(fsdp: dict[str, Any], precision: str) -> dict[str, Any]:
+    """FSDP2's mixed precision from the trainer's: under bf16-mixed (16-mixed) with `dist.fsdp.param_dtype`
+    unset, parameters are gathered and computed in bfloat16 (float16) and gradients reduced in float32.
+    Autocast alone would compute in half precision yet gather and reduce float32: twice the traffic.
+    An explicit `param_dtype` or `reduce_dtype` is kept; said once on rank 0."""
+    half = MIXED_DTYPES.get(precision)
+    if half is None or fsdp.get("param_dtype") is not None:
+        return fsdp
+    chosen = {**fsdp, "param_dtype": half, "reduce_dtype": fsdp.get("reduce_dtype") or "float32"}
+    if cluster.is_rank_zero():
+        log.info(
+            "FSDP2: trainer.precision=%s, so parameters are gathered and computed in %s and gradients reduced in "
+            "%s (dist.fsdp.param_dtype and reduce_dtype set either)",
+            precision,
+            half,
+            chosen["reduce_dtype"],
+        )
     return chosen
 
 

@@ -169,6 +169,12 @@ class FrozenParts(Callback):
             and all(f"{name}.{p}" in chosen for p, _ in m.named_parameters(recurse=False))
         ]
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The parameters by their names again: a sharded strategy (FSDP2) replaced them when it sharded the
+        # model (configure_model), and a gradient dropped on a parameter the model no longer has frees nothing.
+        named = dict(pl_module.named_parameters())
+        self._parameters = [named[name] for name in self.frozen]
+
     def _frozen_now(self, trainer: Trainer) -> bool:
         return self.unfreeze_at_epoch is None or trainer.current_epoch < self.unfreeze_at_epoch
 
