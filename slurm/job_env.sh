@@ -1,12 +1,19 @@
-# The job's setup lines, in one place: sourced by slurm/train.sbatch and slurm/sweep.sbatch (through it),
-# by every job of the SLURM launcher (hydra/launcher=slurm) and by the `srun torchrun` form that
-# scripts/torchrun_command.py --srun prints. Run from the project root, on the allocation's first node.
+# The job's setup lines, in one place: sourced by slurm/train.sbatch, slurm/sweep.sbatch (through it),
+# slurm/pack.sbatch, every job of the SLURM launcher (hydra/launcher=slurm) and the `srun torchrun` form
+# that scripts/torchrun_command.py --srun prints. Run from the project root, on the allocation's first node.
 
 # Your site's modules, environment and network settings; then a cluster preset's setup lines
 # (conf/cluster/<name>.yaml `setup:`, passed by scripts/submit.py --cluster): one home for them, not both.
 source "$(dirname "${BASH_SOURCE[0]}")/site.sh"
 if [ -n "${HPCTRAIN_CLUSTER_SETUP:-}" ]; then
     eval "${HPCTRAIN_CLUSTER_SETUP}"
+fi
+
+# srun (Slurm 22.05 and later) no longer takes --cpus-per-task from the job: without this, a step's tasks
+# may get one CPU each (data loader workers and threads all on it). A value set before (a packed job's
+# share of the node, your site.sh) stands.
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+    export SRUN_CPUS_PER_TASK="${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}"
 fi
 
 # Rank 0 runs on this node (the allocation's first). A port free here now, rather than Lightning's
