@@ -555,3 +555,25 @@ class SaveAtStep(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.path)
+
+
+class PredictOnRankZero(Callback):
+    """A plot or a sample the way one writes it under DDP: the model run on rank 0 only, at the end of each
+    validation (the sanity check's included). Under FSDP2 that forward waits for the other ranks."""
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            with torch.no_grad():
+                pl_module(torch.zeros(2, 64, device=pl_module.device))
+
+
+class HangOnRankZero(Callback):
+    """Rank 0 waits forever at the end of the sanity check, after touching $HANG_MARK (a hung callback: the
+    other ranks wait for it in their next collective). Signal handlers run; nothing they record is acted on."""
+
+    def on_sanity_check_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            Path(os.environ["HANG_MARK"]).touch()
+            import threading
+
+            threading.Event().wait()

@@ -298,6 +298,13 @@ KEYS: tuple[Key, ...] = (
         "DDP: the graph is the same every step",
     ),
     Key(
+        "requeue.stop_grace_s",
+        POSITIVE_NUMBER,
+        "a positive finite number of seconds",
+        "10",
+        "a SIGTERM or Ctrl-C that no batch follows for this long ends the run anyway",
+    ),
+    Key(
         "checkpoints.trusted_targets",
         {"type": "array", "items": {"type": "string", "pattern": r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$"}},
         "a list of dotted class or function names",

@@ -13,7 +13,7 @@ points, and if any rank was signalled, all of them act:
 
 Then `requeue_and_wait`: on the requeue signal under SLURM, rank 0 runs `scontrol requeue` and every
 rank waits for SLURM to end it (a point of a packed job ends instead, and its driver requeues); on
-SIGTERM the process exits with status 143.
+SIGTERM the process exits with status 143 (130 after Ctrl-C).
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ class RequeueOnSignal(Callback):
         else:
             (code,) = self._agree()
         if code != signals.NO_SIGNAL:
+            signals.answered()
             self._stop = self._save(trainer, int(code), "during training")
 
     def on_train_batch_start(
@@ -123,6 +124,7 @@ class RequeueOnSignal(Callback):
         """A signal recorded during the last validation (or otherwise after the last check): save and stop."""
         (code,) = self._agree()
         if code != signals.NO_SIGNAL:
+            signals.answered()
             raise self._save(trainer, int(code), "after training")
 
     def _save(self, trainer: Trainer, code: int, where: str) -> signals.Interrupted:
@@ -186,6 +188,7 @@ class RequeueOnSignal(Callback):
             return
         (code,) = self._agree()
         if code != signals.NO_SIGNAL:
+            signals.answered()
             raise signals.Interrupted(int(code), None, where)
 
 
@@ -232,7 +235,7 @@ def requeue_and_wait(interrupted: signals.Interrupted, wait_s: float = REQUEUE_W
     if not interrupted.requeue:
         if cluster.is_rank_zero():
             log.info("stopped on %s", interrupted)
-        sys.exit(128 + signal_module.SIGTERM)
+        sys.exit(signals.exit_code())  # 143 after SIGTERM, 130 after Ctrl-C
     if cluster.is_rank_zero():
         result = cluster.requeue_job()
         if result.returncode != 0:

@@ -8,16 +8,32 @@ import, so a signal during startup is recorded too) replaces both handlers with 
 remember the strongest signal seen, and `take_over_from_lightning` stops Lightning from installing
 its own and from broadcasting a SIGTERM flag at every training step. `hpctrain.runtime.distributed.requeue` acts on the
 record at points where every rank takes the same collective path.
+
+A signal that only records can go unanswered: a rank stuck in a collective, a hung callback, a loader
+that never yields never reaches the next step boundary. So a `StopGuard` thread hears SIGTERM and
+Ctrl-C (SIGINT) at once, even while the main thread is blocked in C (Python's wakeup file descriptor),
+and while a run trains, tests or predicts: if no batch completes for `GRACE_S` seconds (longer when
+batches are slow) and no step boundary has answered, it writes every rank's stacks, says in one sentence
+where each rank stood, and ends every local rank with 128 + the signal (143, 130). A second signal ends
+it at once. Outside those loops (startup, the final report) Ctrl-C is Python's KeyboardInterrupt.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 NO_SIGNAL, TERMINATE, REQUEUE = 0, 1, 2
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+GRACE_S = 10.0  # seconds without a completed batch, after a stop signal, before the run is ended anyway
 
 
 @dataclass
@@ -25,6 +41,8 @@ class _Recorded:
     received: int = NO_SIGNAL  # the strongest signal recorded so far
     requeue_signal: signal.Signals | None = None  # the one that requeues (the SLURM time-limit warning)
     early: set[int] = field(default_factory=set)  # arrived during startup, before install()
+    stop_signal: int | None = None  # the first SIGTERM or SIGINT recorded: the exit status is 128 + it
+    guard: StopGuard | None = None  # the thread that ends a run no step boundary answers
 
 
 _state = _Recorded()
@@ -46,7 +64,24 @@ class Interrupted(Exception):
 
 def _record(signum: int, frame: Any) -> None:
     code = REQUEUE if signum == _state.requeue_signal else TERMINATE
+    if code == TERMINATE and _state.stop_signal is None:
+        _state.stop_signal = signum
     _state.received = max(_state.received, code)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C: while a run trains, tests or predicts, a stop at the next step boundary (the guard ends it
+    if none comes); otherwise Python's KeyboardInterrupt."""
+    guard = _state.guard
+    if guard is not None and guard.armed and _state.requeue_signal is not None:
+        _record(signum, frame)  # acted on at the next step boundary, as SIGTERM is (requeue.enabled)
+        return
+    signal.default_int_handler(signum, frame)
+
+
+def exit_code() -> int:
+    """The exit status of a run stopped on a signal: 130 after Ctrl-C, 143 after SIGTERM."""
+    return 128 + (_state.stop_signal or signal.SIGTERM)
 
 
 EARLY = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -63,7 +98,7 @@ def _record_early(signum: int, frame: Any) -> None:
     _state.early.add(signum)
 
 
-def install(requeue_signal: str | None) -> None:
+def install(requeue_signal: str | None, stop_grace_s: float | None = None) -> None:
     """From now on record SIGTERM and `requeue_signal` (the SLURM time-limit warning, e.g. SIGUSR1),
     counting what arrived during startup. With `requeue_signal=None` (requeue disabled) the default
     actions come back, and a signal that arrived during startup ends the process now."""
@@ -71,8 +106,14 @@ def install(requeue_signal: str | None) -> None:
     chosen = signal.Signals[requeue_signal] if requeue_signal else None
     _state.requeue_signal = chosen
     _state.received = NO_SIGNAL
+    _state.stop_signal = None
     for sig in EARLY:
         signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, _interrupt)
+    if _state.guard is None and threading.current_thread() is threading.main_thread():
+        _state.guard = StopGuard()
+    if _state.guard is not None:
+        _state.guard.grace_s = float(stop_grace_s or GRACE_S)
     if chosen is None:
         for signum in early:
             signal.raise_signal(signum)
@@ -82,6 +123,137 @@ def install(requeue_signal: str | None) -> None:
     for signum in early:
         if signum in (signal.SIGTERM, chosen):
             _record(signum, None)
+
+
+def progressed(batch_s: float = 0.0) -> None:
+    """A batch completed (train, validation, test or predict; `batch_s` its host time): the run moves."""
+    guard = _state.guard
+    if guard is not None:
+        guard.progress += 1
+        guard.batch_s = max(guard.batch_s * 0.9, batch_s)
+
+
+def arm(armed: bool = True) -> None:
+    """While a run trains, tests or predicts (the template's RankWatchdog sets it): a stop signal that no
+    batch follows for the grace period ends the run (`StopGuard`)."""
+    guard = _state.guard
+    if guard is not None:
+        guard.armed = armed
+
+
+def answered() -> None:
+    """The run acts on a recorded signal (a step boundary saves and stops): the guard lets it finish."""
+    guard = _state.guard
+    if guard is not None:
+        guard.answered = True
+
+
+class StopGuard(threading.Thread):
+    """See the module docstring. Started by `install` from the main thread (which alone may set the
+    wakeup file descriptor); Python's C-level handler writes each signal's number to it at once."""
+
+    def __init__(self) -> None:
+        super().__init__(name="stop-guard", daemon=True)
+        self.armed = False
+        self.answered = False
+        self.progress = 0  # batches completed so far
+        self.batch_s = 0.0  # about the longest recent batch, in seconds
+        self.grace_s = GRACE_S
+        self._reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._writer = writer  # kept open as long as the process
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self.start()
+
+    def run(self) -> None:
+        stops = 0
+        since: float | None = None  # when the run was last seen moving, after a stop signal
+        seen = self.progress
+        first = signal.SIGTERM
+        while True:
+            self._reader.settimeout(0.5 if since is not None else None)
+            try:
+                data = self._reader.recv(64)
+            except TimeoutError:
+                data = b""
+            except OSError:
+                return
+            for signum in data:
+                if signum not in STOP_SIGNALS or (signum == signal.SIGTERM and _state.requeue_signal is None):
+                    continue  # the requeue signal; or SIGTERM without handler: its default ends the process
+                stops += 1
+                if stops == 1:
+                    first, since, seen, self.answered = signum, time.monotonic(), self.progress, False
+                else:
+                    self._end(signum, f"a second {signal.Signals(signum).name}", at_once=True)
+            if since is None or self.answered or not self.armed:
+                if since is not None and not self.armed:
+                    since = time.monotonic()  # outside the loops: the signal is acted on when they start
+                continue
+            if self.progress != seen:
+                seen, since = self.progress, time.monotonic()
+            grace = max(self.grace_s, 3 * self.batch_s)
+            if time.monotonic() - since >= grace:
+                self._end(first, f"{signal.Signals(first).name} was not answered within {grace:.0f} s")
+
+    def _end(self, signum: int, reason: str, at_once: bool = False) -> None:
+        """Every rank's stacks written, one sentence on rank 0, every local rank ended: 128 + `signum`."""
+        from hpctrain.runtime.distributed import failures, stacks
+        from hpctrain.runtime.distributed.job_store import DUMP_KEY, rank, store
+
+        code = 128 + signum
+        me = rank()
+        stacks.dump(reason)
+        places = ""
+        if not at_once:
+            job = store()
+            if job is not None:
+                _bounded(
+                    lambda: job.compare_set(DUMP_KEY, "", reason)
+                )  # every watchdog dumps within a second
+                time.sleep(1.5)
+            places = _where_ranks_stood()
+        if me == 0:
+            line = (
+                f"error: {reason}: ending every local rank at once (exit {code})."
+                if at_once
+                else f"error: {reason}, and no step boundary came{places}; ending every local rank (exit {code})."
+            )
+            print(line, file=sys.stderr, flush=True)
+        for (
+            child
+        ) in failures.STATE.children:  # the local launcher's ranks: ended before they outlive this one
+            try:
+                child.kill()
+            except OSError:
+                pass
+        sys.stdout.flush()
+        logging.shutdown()
+        os._exit(code)
+
+
+def _bounded(call: Any, timeout_s: float = 2.0) -> None:
+    """A store request that cannot hang the guard (the store's host may be the stuck process's peer)."""
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+
+
+def _where_ranks_stood() -> str:
+    """` (rank 0: all_reduce in on_validation_end at my_callback.py:12; rank 1: ...); every rank's stacks:
+    <dir>/rank<N>.txt`, from the dumps just written (empty without a stacks folder)."""
+    from hpctrain.runtime.distributed import stacks
+
+    run_dir = stacks.run_dir()
+    if run_dir is None:
+        return ""
+    places = []
+    for rank in sorted(stacks.known_ranks(run_dir)):
+        frames = stacks.main_thread_frames(stacks.latest_dump(stacks.rank_file(run_dir, rank)))
+        if frames:
+            places.append(f"rank {rank}: {stacks.where(frames)}")
+    shown = f" ({'; '.join(places)})" if places else ""
+    return f"{shown}; every rank's stacks: {run_dir / stacks.STACKS_DIR}/rank<N>.txt"
 
 
 def received() -> int:

@@ -39,6 +39,7 @@ from hpctrain.runtime import cluster
 from hpctrain.runtime.config import redact, targets
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
+from hpctrain.runtime.distributed.one_rank_calls import OneRankCalls
 from hpctrain.runtime.distributed.requeue import RequeueOnSignal
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.report.performance import PerformanceLog
@@ -275,14 +276,21 @@ def _checked_lightning_object(obj: Any, key: str) -> Any:
 
 def _instantiate_group(group: DictConfig | None, key: str) -> list[Any]:
     """Instantiate every non-null entry of a group like `callbacks` or `logger`."""
+    return list(_instantiate_named(group, key).values())
+
+
+def _instantiate_named(group: DictConfig | None, key: str) -> dict[str, Any]:
+    """`_instantiate_group`, each object under its name in the group."""
     if not group:
-        return []
-    built = [
-        _checked_lightning_object(_instantiate(entry), f"{key}.{name}")
+        return {}
+    built = {
+        str(name): _checked_lightning_object(_instantiate(entry), f"{key}.{name}")
         for name, entry in group.items()
         if entry is not None and "_target_" in entry
-    ]
-    return [obj for obj in built if obj is not None]  # a factory may decline on this rank (mlflow_logger)
+    }
+    return {
+        name: obj for name, obj in built.items() if obj is not None
+    }  # a factory may decline (mlflow_logger)
 
 
 def loggers(cfg: DictConfig) -> list[Logger]:
@@ -336,7 +344,10 @@ def callbacks(
     """The config's callbacks and the template's own (see the module docstring), in the order they run."""
     if training:
         check_checkpoint_entry(cfg.get("callbacks"), run_dir)
-    chosen = _instantiate_group(cfg.get("callbacks"), "callbacks")
+    named = _instantiate_named(cfg.get("callbacks"), "callbacks")
+    chosen = list(named.values())
+    if cfg.trainer.get("strategy") == "fsdp":  # a callback that runs the model on one rank: one sentence
+        chosen.append(OneRankCalls({id(obj): name for name, obj in named.items()}))
     if not has_logger:
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
     for performance in (c for c in chosen if isinstance(c, PerformanceLog)):

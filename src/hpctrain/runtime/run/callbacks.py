@@ -22,7 +22,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from hpctrain.runtime.distributed import failures, launch, positions, watchdog
+from hpctrain.runtime.distributed import failures, launch, positions, signals, watchdog
 from hpctrain.runtime.distributed.requeue import RequeueOnSignal
 from hpctrain.runtime.distributed.stragglers import StepClock, StragglerReport
 from hpctrain.runtime.distributed.streams import shares_itself_out
@@ -399,9 +399,11 @@ class RankWatchdog(Callback):
         self.init_timeout_min = self.timeout_min if init_timeout_min is None else float(init_timeout_min)
         self._training_timeout: float | None = None
         self._several = False
+        self._batch_started = 0.0
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         watchdog.start()
+        signals.arm()  # a stop signal no batch follows for the grace period ends the run (StopGuard)
         if failures.STATE.children:  # rank 0 of the local launcher: its children are the watchdog's now
             launch.leave_children_to_the_watchdog()
         self._several = trainer.world_size > 1
@@ -420,6 +422,7 @@ class RankWatchdog(Callback):
             positions.follow(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        signals.arm(False)
         positions.follow(None)
         positions.watch_steps(None, self.report)  # the clock stops; rank 0's totals stay for outcome.yaml
 
@@ -442,9 +445,16 @@ class RankWatchdog(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._batch_started = time.perf_counter()
         if self._several:
             positions.note_phase(0)
             self.clock.step_started()
+
+    def _progressed(self, *args: Any, **kwargs: Any) -> None:
+        """A validation, test or predict batch completed: the run moves (signals.StopGuard)."""
+        signals.progressed()
+
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _progressed
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
         if self._several:
@@ -462,6 +472,7 @@ class RankWatchdog(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.clock.step_ended()
+        signals.progressed(time.perf_counter() - self._batch_started)
         if self._training_timeout is not None:  # the first step is done: from now on, dist.timeout_min
             _set_timeout(self._training_timeout, mesh_groups(trainer))
             self._training_timeout = None

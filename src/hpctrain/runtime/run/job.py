@@ -102,7 +102,9 @@ class Job:
         check_hydra_env(self.hydra_cfg, (cfg.get("notify") or {}).get("url_env"))
         if self.sweep:  # a job array's task (a sweep launched in-process is checked in run_job)
             check_sweep_has_a_metric(cfg)
-        signals.install(cfg.requeue.signal if cfg.requeue.enabled else None)  # recorded, acted on later
+        requeue = cfg.get("requeue") or {}
+        # recorded, acted on later; a stop nothing answers ends the run after requeue.stop_grace_s
+        signals.install(requeue.signal if requeue.get("enabled") else None, requeue.get("stop_grace_s"))
         if self.one_process:
             cluster.preflight_one_process(cfg.task_name, cfg.trainer.num_nodes, cfg.trainer.devices)
         cluster.preflight(
@@ -251,7 +253,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     try:
         return task(cfg)
     except SystemExit as err:
-        if err.code == 128 + signal.SIGTERM:
+        if err.code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
             raise  # the sweep itself was told to stop
         if err.code not in (0, None):
             log.error("job %s failed (exit status %s); the sweep goes on", job, err.code)
