@@ -20,6 +20,7 @@ it at once. Outside those loops (startup, the final report) Ctrl-C is Python's K
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -223,10 +224,8 @@ class StopGuard(threading.Thread):
         for (
             child
         ) in failures.STATE.children:  # the local launcher's ranks: ended before they outlive this one
-            try:
+            with contextlib.suppress(OSError):
                 child.kill()
-            except OSError:
-                pass
         sys.stdout.flush()
         logging.shutdown()
         os._exit(code)
