@@ -186,11 +186,51 @@ def _timed_out(summary: str) -> bool:
     )
 
 
-def _who_did_not_arrive(job: Any, wait_s: float = 3.0) -> str | None:
-    """After a collective timed out on this rank: every rank dumps its stacks (DUMP_KEY), and the ranks
-    whose last recorded position lags the others' are named, with where their stacks say they were."""
+def declare_hang(stalled_s: float) -> None:
+    """From the watchdog thread, when no batch has completed on this rank for most of the collective
+    timeout: say which rank the job waits for, and end, before NCCL's own watchdog tears the process
+    down at the timeout (it leaves no stacks and no sentence, and every rank then blames rank 0, whose
+    process served the store). Every rank that finds the job stalled gets here; the first verdict wins."""
+    job = store()
+    if job is None or STATE.stopping:
+        return
+    timeout = STATE.timeout_min
+    within = f"dist.timeout_min={timeout:g}" if timeout else "the collective timeout"
+    reason = f"no batch completed on rank {rank()} for {stalled_s:.0f} s, most of {within}"
+    line = _who_did_not_arrive(job, reason=reason) or _where_every_rank_stands(job, reason)
+    announce(job, line, notify.HUNG)
+    exit_with(f"error: {_recorded(job) or line}.")
+
+
+def _recorded(job: Any) -> str | None:
+    try:
+        return job.get(FAILED_KEY).decode(errors="replace") if job.check([FAILED_KEY]) else None
+    except Exception:
+        return None
+
+
+def _where_every_rank_stands(job: Any, reason: str) -> str:
+    """The sentence when no rank lags by position: where each one's stacks say it is."""
+    run_dir = stacks.run_dir()
+    places = {}
+    if run_dir is not None:
+        for other in sorted(stacks.known_ranks(run_dir)):
+            frames = stacks.main_thread_frames(stacks.latest_dump(stacks.rank_file(run_dir, other)))
+            if frames:
+                places[other] = stacks.where(frames)
+    where = f" ({stacks.summary(places)})" if places else ""
+    folder = (
+        f"; every rank's stacks: {run_dir / stacks.STACKS_DIR}/rank<N>.txt" if run_dir is not None else ""
+    )
+    return f"the job hung: {reason}{where}{folder}"
+
+
+def _who_did_not_arrive(job: Any, wait_s: float = 3.0, reason: str | None = None) -> str | None:
+    """After a collective timed out on this rank (or the job stalled, `declare_hang`): every rank dumps
+    its stacks (DUMP_KEY), and the ranks whose last recorded position lags the others' are named, with
+    where their stacks say they were."""
     me = rank()
-    reason = f"a collective timed out on rank {me}"
+    reason = reason or f"a collective timed out on rank {me}"
     try:
         job.compare_set(DUMP_KEY, "", reason)
     except Exception:

@@ -134,6 +134,12 @@ def progressed(batch_s: float = 0.0) -> None:
         guard.batch_s = max(guard.batch_s * 0.9, batch_s)
 
 
+def progress() -> tuple[int, bool]:
+    """(batches completed so far, whether the run is in its train, test or predict loops) for the watchdog."""
+    guard = _state.guard
+    return (guard.progress, guard.armed) if guard is not None else (0, False)
+
+
 def arm(armed: bool = True) -> None:
     """While a run trains, tests or predicts (the template's RankWatchdog sets it): a stop signal that no
     batch follows for the grace period ends the run (`StopGuard`)."""

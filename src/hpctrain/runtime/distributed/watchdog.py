@@ -11,6 +11,9 @@ may wait out its whole collective timeout (30 minutes by default). Three mechani
   finds one, it prints who failed and exits. If the store itself stops answering (rank 0's process is
   gone), it exits too, saying so. It also ends the job when another rank's training data ran out
   before this one's, and dumps this rank's stacks when asked (`stacks`).
+- When no batch has completed for most of the collective timeout (`Stall`: 80 %, or the timeout less a
+  minute), the job is hung: the watchdog names the rank it waits for, with every rank's stacks, and ends
+  it before the timeout, where NCCL's own watchdog would tear the processes down with no sentence.
 - Under the template's own local launcher, rank 0 also watches the processes it started (a child
   killed by SIGKILL or the OOM killer never records anything), and each child dies with its parent.
 
@@ -26,12 +29,13 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from hpctrain.runtime.distributed import failures, positions, stacks
+from hpctrain.runtime.distributed import failures, positions, signals, stacks
 from hpctrain.runtime.distributed.failures import STORE_LOST, announce, dead_child, exit_with
 from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, rank, store
 
@@ -44,6 +48,7 @@ class Watchdog(threading.Thread):
         super().__init__(name="rank-watchdog", daemon=True)
         self.rank = rank
         self._stopped = threading.Event()
+        self._stall = Stall()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -73,10 +78,40 @@ class Watchdog(threading.Thread):
                 continue
             if failed and not self._stopped.is_set():
                 exit_with(f"error: {failed}; rank {self.rank} stops too.")
+            stalled = self._stall.seconds()
+            if stalled is not None and not self._stopped.is_set() and not failures.STATE.stopping:
+                failures.declare_hang(stalled)
             uneven = positions.ran_past_another_ranks_data(job, self.rank)
             if uneven and not self._stopped.is_set() and not failures.STATE.stopping:
                 announce(job, uneven)
                 exit_with(f"error: {uneven}.")
+
+
+HANG_SHARE = 0.8  # a job whose batches stopped for this share of the collective timeout is declared hung
+HANG_MARGIN_S = 60.0  # ... or for the timeout less this, whichever is later: ahead of NCCL's own watchdog
+
+
+class Stall:
+    """How long this rank has gone without completing a batch (train, validation, test or predict) while a
+    run is in those loops, once that is most of the collective timeout (`seconds`); else None."""
+
+    def __init__(self) -> None:
+        self._seen = -1
+        self._since = time.monotonic()
+
+    def seconds(self) -> float | None:
+        progress, armed = signals.progress()
+        now = time.monotonic()
+        if progress != self._seen or not armed:
+            self._seen, self._since = progress, now
+            return None
+        timeout = failures.STATE.timeout_min
+        if not timeout:
+            return None
+        # declared (and the dumps gathered, 3 s) before the timeout itself, whatever it is
+        limit = min(max(HANG_SHARE * timeout * 60, timeout * 60 - HANG_MARGIN_S), timeout * 60 - 5)
+        stalled = now - self._since
+        return stalled if stalled >= limit else None
 
 
 @dataclass
