@@ -4,6 +4,7 @@ version without touching a file of the user's. (This file stays in the template:
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -109,6 +110,7 @@ def test_a_generated_project_is_the_users_and_carries_hpctrain_untouched(
     assert tests == ["conftest.py", "contract/__init__.py", "contract/test_contract.py", "test_project.py"]
     for template_only in ("scripts/dev", "docs", ".copier", "copier.yml"):
         assert not (project / template_only).exists(), template_only
+    assert (project / "scripts" / "gpu_checks.py").is_file()  # what only a GPU node shows, for the user
     assert "slurm-wlm munge\n" in (project / ".ci" / "run").read_text()
     log = _run(["git", "log", "--oneline"], project).stdout.splitlines()
     assert len(log) == 1 and "Start Deep Sea from the template" in log[0]  # a fresh history, one commit
@@ -123,6 +125,11 @@ def test_a_generated_project_is_the_users_and_carries_hpctrain_untouched(
     if examples == "false":  # its quick tier: hpctrain as recorded
         quick = _run([PYTHON, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider"], project, env)
         assert " passed" in quick.stdout and "failed" not in quick.stdout
+        # the GPU checks, a user's tool: here in their dry form (no GPU), every check skipped or passed
+        checks = tmp_path / "gpu_checks"
+        _run([PYTHON, "scripts/gpu_checks.py", "--out", str(checks)], project, env)
+        rows = json.loads((checks / "gpu_checks.json").read_text())["checks"]
+        assert len(rows) > 1 and {r["status"] for r in rows} == {"passed", "skipped"}
 
 
 def test_copier_update_brings_hpctrains_changes_and_keeps_every_edit_of_the_user(

@@ -1,0 +1,261 @@
+"""scripts/gpu_checks.py, the checks only a GPU node can run, as a tool that always finishes and loses
+nothing: its dry form on this CPU machine (every check skipped or passed), and stand-in checks that pass,
+crash and hang, each in a process of its own (the hang, and what it started, ended at its limit, every
+earlier result on disk while it ran). The checks' own training runs need GPUs; what of them a CPU can
+show (the Slurm environment of one GPU per task, the callbacks they add to a run) is checked here too."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from tests.helpers import PYTHON, ROOT, local_env
+
+SCRIPT = ROOT / "scripts" / "gpu_checks.py"
+# What issue 37 asks a GPU node to show: each item, the check that shows it
+ITEMS = {
+    "nccl hang names the rank (3)": "nccl_hang_named",
+    "one GPU per task (4)": "one_gpu_per_task",
+    "tensor-parallel counts (5)": "tensor_parallel",
+    "CUDA wheel vs driver (7)": "cuda_driver",
+    "bf16 support (8)": "bf16",
+    "MFU on this GPU (8)": "mfu",
+    "FSDP2 bf16, the character Transformer's text sample on (1)": "fsdp2",
+}
+
+
+@pytest.fixture(scope="module")
+def tool() -> Iterator[ModuleType]:
+    spec = importlib.util.spec_from_file_location("gpu_checks_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def _stand_in(tool: ModuleType, name: str, code: str, gpus: int = 0, timeout_s: float = 60):
+    """A check whose process runs `code` (its folder is sys.argv[1]) instead of one of the tool's."""
+
+    @dataclass(frozen=True)
+    class StandIn(tool.Check):
+        code: str = ""
+
+        def command(self, folder: Path, gpus: int) -> list[str]:
+            return [PYTHON, "-c", self.code, str(folder)]
+
+    return StandIn(name, gpus, timeout_s, None, code)
+
+
+def _result(status: str, **details: object) -> str:
+    """Code that leaves a check's result, as the tool's own checks do."""
+    payload = json.dumps({"status": status, "summary": f"stand-in {status}", "details": details})
+    return f"import sys, pathlib; pathlib.Path(sys.argv[1], 'result.json').write_text({payload!r})"
+
+
+def test_a_crash_and_a_hang_are_rows_and_every_result_is_on_disk_as_it_comes(
+    tool: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    out = tmp_path / "out"
+    hang = (
+        "import os, shutil, subprocess, sys, time, pathlib; folder = pathlib.Path(sys.argv[1])\n"
+        "shutil.copy(folder.parent / 'gpu_checks.json', folder / 'seen.json')\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        "(folder / 'child.pid').write_text(str(child.pid)); time.sleep(300)"
+    )
+    monkeypatch.setattr(
+        tool,
+        "CHECKS",
+        [
+            _stand_in(tool, "environment", _result("passed", gpus=0, gpu_devices=0)),
+            _stand_in(tool, "passes", _result("passed")),
+            _stand_in(tool, "needs_a_gpu", "raise SystemExit('never run')", gpus=1),
+            _stand_in(tool, "crashes", "raise SystemExit('something broke in the check')"),
+            _stand_in(tool, "hangs", hang, timeout_s=2),
+            _stand_in(tool, "after_the_hang", _result("passed")),
+        ],
+    )
+    started = time.monotonic()
+    assert tool.main(["--out", str(out)]) == 1  # a check failed
+    assert time.monotonic() - started < 60
+
+    report = json.loads((out / "gpu_checks.json").read_text())
+    rows = {r["name"]: r for r in report["checks"]}
+    assert report["finished"] is True and list(rows) == [c.name for c in tool.CHECKS]
+    assert {n: r["status"] for n, r in rows.items()} == {
+        "environment": "passed",
+        "passes": "passed",
+        "needs_a_gpu": "skipped",
+        "crashes": "failed",
+        "hangs": "timed out",
+        "after_the_hang": "passed",
+    }
+    assert rows["needs_a_gpu"]["summary"] == "no GPU"
+    assert rows["crashes"]["summary"] == "its process ended with exit status 1: something broke in the check"
+    assert rows["hangs"]["summary"].startswith("timed out after 2 s")
+
+    # while the hang ran, the results before it were on disk, and it was marked as running
+    seen = json.loads((out / "hangs" / "seen.json").read_text())
+    assert seen["finished"] is False
+    assert [(r["name"], r["status"]) for r in seen["checks"]] == [
+        ("environment", "passed"),
+        ("passes", "passed"),
+        ("needs_a_gpu", "skipped"),
+        ("crashes", "failed"),
+        ("hangs", "running"),
+    ]
+    # what the hung check started ended with it (its own process group)
+    child = int((out / "hangs" / "child.pid").read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "zombie" not in _state(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "zombie" in _state(child)
+
+    printed = capsys.readouterr().out
+    table = (out / "gpu_checks.txt").read_text()
+    assert "hangs              timed out" in table and table.strip() in printed
+    assert table.strip().endswith("3 passed, 1 skipped, 1 failed, 1 timed out")
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
+def test_a_bad_argument_is_one_sentence_and_exit_status_2(
+    tool: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    assert tool.main(["--only", "nccl_hangs", "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: --only nccl_hangs is not a check; choose from environment, cuda_driver")
+    assert error.count("\n") == 1
+    assert tool.main(["--timeout", "0", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "error: --timeout 0 must be a number of seconds above 0.\n"
+    assert not (tmp_path / "gpu_checks.json").exists()
+
+
+def test_the_checks_cover_what_only_a_gpu_shows_of_issue_37(tool: ModuleType):
+    names = [c.name for c in tool.CHECKS]
+    assert names[0] == "environment" and len(set(names)) == len(names)
+    missing = {item: name for item, name in ITEMS.items() if name not in names}
+    assert not missing
+    assert all(c.gpus >= 1 and c.timeout_s > 0 for c in tool.CHECKS[1:])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_one_gpu_per_task_check_starts_tasks_as_slurm_does(
+    tool: ModuleType, monkeypatch: pytest.MonkeyPatch, rank: int
+):
+    """Its two processes get what `srun --ntasks-per-node=2 --gpus-per-task=1` gives: one GPU each, which
+    the preflight accepts and Lightning's SLURM environment reads as two ranks of one node."""
+    from lightning_fabric.plugins.environments import SLURMEnvironment
+
+    from hpctrain.runtime import cluster
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # the allocation's GPUs, as the tool finds them
+    env = tool.slurm_task_env(rank, 2, 29512)
+    assert env["CUDA_VISIBLE_DEVICES"] == ["4", "5"][rank]
+    assert cluster.launcher(env) == cluster.SLURM and cluster.one_gpu_per_task(env)
+    cluster.preflight(1, 2, "gpu", env=env)  # trainer.devices=2: the tasks per node
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    slurm = SLURMEnvironment(auto_requeue=False)
+    assert SLURMEnvironment.detect()
+    assert (slurm.world_size(), slurm.global_rank(), slurm.local_rank(), slurm.node_rank()) == (
+        2,
+        rank,
+        rank,
+        0,
+    )
+    assert (slurm.main_address, slurm.main_port) == ("127.0.0.1", 29512)
+
+
+def test_the_launchers_variables_of_the_tools_own_shell_do_not_reach_its_runs(
+    tool: ModuleType, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SRUN_CPUS_PER_TASK", "8")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("SLURM_TMPDIR", "/scratch/job")
+    env = tool.clean_env()
+    assert not {"SLURM_JOB_ID", "SLURM_NTASKS", "SRUN_CPUS_PER_TASK", "RANK"} & set(env)
+    assert env["SLURM_TMPDIR"] == "/scratch/job"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT / "scripts")  # its runs' callbacks
+    assert tool.slurm_task_env(0, 2, 1)["SLURM_JOB_ID"] == "42"  # scontrol knows the tool's own job
+
+
+def test_the_callbacks_the_checks_add_to_a_run_compose_and_act_only_where_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    from hydra.utils import instantiate
+    from pytorch_lightning import Callback
+
+    from hpctrain.runtime.config.compose import compose
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as the tool's clean_env puts it on PYTHONPATH
+    cfg = compose(
+        "train",
+        [
+            "experiment=quickstart",
+            "+callbacks.stall._target_=gpu_checks.StallRank",
+            "+callbacks.stall.rank=1",
+            "+callbacks.stall.at_step=3",
+            "+callbacks.stall.seconds=600",
+            "+callbacks.sync_window._target_=gpu_checks.SyncWindow",
+            f"+callbacks.sync_window.out={tmp_path / 'places.json'}",
+        ],
+    )
+    stall = instantiate(cfg.callbacks.stall)
+    assert isinstance(stall, Callback) and isinstance(instantiate(cfg.callbacks.sync_window), Callback)
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    for rank, step in [(0, 3), (1, 2), (1, 4), (1, 3)]:
+        stall.on_before_backward(SimpleNamespace(global_rank=rank, global_step=step), None, None)
+    assert slept == [600]
+
+
+@pytest.mark.slow
+def test_the_dry_form_on_a_machine_without_a_gpu_skips_or_passes_every_check(tmp_path: Path):
+    """As a user runs it (and as a Slurm step runs it: the step's variables stay out of its runs), and by
+    its old name in scripts/dev/ where the template has it."""
+    env = {**local_env(), "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    for script in ("scripts/gpu_checks.py", "scripts/dev/gpu_checks.py"):
+        if not (ROOT / script).is_file():
+            continue
+        out = tmp_path / Path(script).parent.name
+        started = time.monotonic()
+        result = subprocess.run(
+            [PYTHON, script, "--out", str(out)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert time.monotonic() - started < 120
+        report = json.loads((out / "gpu_checks.json").read_text())
+        rows = {r["name"]: r for r in report["checks"]}
+        assert report["finished"] and set(ITEMS.values()) <= set(rows)
+        assert rows.pop("environment")["status"] == "passed"
+        assert {(r["status"], r["summary"]) for r in rows.values()} == {("skipped", "no GPU")}
+        assert (out / "gpu_checks.txt").read_text().strip() in result.stdout
