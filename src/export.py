@@ -33,7 +33,7 @@ def main(cfg: DictConfig) -> str | None:
         path = export.output_path(chosen, cfg.export.output, job.run_dir)
         checkpoint = existing_checkpoint(cfg.ckpt_path)
         # model(preprocess(raw inputs)), built from the classes this project's configs name, as the checkpoint's config says
-        trusted = (cfg.get("checkpoints") or {}).get("trusted_targets")
+        trusted = job.settings.checkpoints.trusted_targets
         predictor = loaded.load(checkpoint, trusted, from_config=True)
         # one sample more than the traced batch: the export is checked at a batch size it was not traced with
         inputs = export.sample_inputs(predictor, cfg.paths.data_dir, rows=cfg.export.batch_size + 1)

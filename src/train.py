@@ -31,10 +31,11 @@ def train(cfg: DictConfig) -> float | None:
 
     with Job(cfg) as job:  # preflight: config, launcher vs trainer, run dir (one sentence if wrong)
         # fresh, a checkpoint to continue, or this job's own when SLURM requeued it
-        start = start_point(cfg.ckpt_path, job.run_dir, cfg.paths.runs_dir, init_from=cfg.init_from.path)
-        start.check_readable(cfg.init_from.path)  # a checkpoint is data: read as such before anything heavy
+        init = job.settings.init_from  # hpctrain's own settings, typed and checked in the preflight
+        start = start_point(cfg.ckpt_path, job.run_dir, cfg.paths.runs_dir, init_from=init.path)
+        start.check_readable(init.path)  # a checkpoint is data: read as such before anything heavy
         run = job.build()  # data (checked on every rank), model, callbacks, loggers, trainer
-        start.prepare(run, cfg)  # the checkpoint checked, or init_from's weights; where the run starts
+        start.prepare(run, cfg, init)  # the checkpoint checked, or init_from's weights; where the run starts
         with job.running(run):  # a signal: checkpoint where every rank agrees, then requeue or stop
             if cfg.train:
                 run.fit(start.checkpoint)

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from hpctrain.runtime.config.checks import LOGGER_PACKAGES, check_config
 from hpctrain.runtime.config.compose import compose, config_groups, group_options
 from hpctrain.runtime.config.schema import PRECISIONS
+from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import build
 from tests.helpers import IMAGE_DATA, PYTHON, ROOT, compose_train, local_env
@@ -151,7 +152,9 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
                 if package in target and importlib.util.find_spec(package) is None:
                     pytest.skip(f"logger={option} needs {package}, an optional extra that is not installed")
     if group == "trainer" and option.startswith("fsdp"):  # FSDP2, on GPUs and on CPU alike
-        assert type(build.strategy(cfg.trainer, cfg.dist)).__name__ == "HydraModelParallelStrategy"
+        assert (
+            type(build.strategy(cfg.trainer, Settings.of(cfg).dist)).__name__ == "HydraModelParallelStrategy"
+        )
     check_config(cfg)
     if group in ("trainer", "callbacks", "debug", "extras"):
         trainer = build.trainer(cfg, tmp_path, logger=False)

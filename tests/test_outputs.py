@@ -178,7 +178,8 @@ def test_eval_takes_the_checkpoints_config_and_reads_this_commands_data_dir(
         }
     )
     with caplog.at_level("INFO"):
-        cfg = config_from_checkpoint(cfg, tmp_path / "last.ckpt", ["model.width=16"])
+        # classes not of this project: trusted by name (checkpoints.trusted_targets)
+        cfg = config_from_checkpoint(cfg, tmp_path / "last.ckpt", ["model.width=16"], ["my.Model", "my.Data"])
     assert cfg.model.width == 16 and cfg.data.data_dir == "/laptop/data"
     assert (cfg.monitor.metric, cfg.monitor.mode) == ("val_loss", "min")
     assert (

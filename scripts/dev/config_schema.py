@@ -38,6 +38,7 @@ FILES = {
     "model": ["conf/model/*.yaml"],
     "model/optimizer": ["conf/model/optimizer/*.yaml"],
     "paths": ["conf/paths/*.yaml", f"{PACKAGE_CONF}/paths/*.yaml"],
+    "cluster": ["conf/cluster/*.yaml", f"{PACKAGE_CONF}/cluster/*.yaml"],
 }
 
 

@@ -43,6 +43,7 @@ from torchmetrics import Metric
 from hpctrain.runtime.config.checks import check_config
 from hpctrain.runtime.config.compose import CODE_ROOT, compose
 from hpctrain.runtime.config.hydra_errors import describe_hydra_error
+from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import build
@@ -113,7 +114,9 @@ class Contract:
 
     def build(self, cfg: DictConfig, training: bool = True) -> build.Run:
         """Datamodule (its data checked), model and trainer, after the seeding train.py does."""
-        console.apply_extras(cfg)  # as train.py: Lightning's notices that the template replaces are dropped
+        console.apply_extras(
+            cfg, Settings.of(cfg).extras
+        )  # as train.py: Lightning's notices that the template replaces are dropped
         with template_errors_fail(self.pair):
             build.configure_process(cfg)
             return build.run_objects(cfg, cfg.paths.output_dir, training=training)

@@ -25,7 +25,10 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config.schema import KEYS, validate
+from hpctrain.runtime.config.settings import SECTIONS, Settings
 from hpctrain.runtime.errors import UserError
+
+SETTINGS_SECTIONS = {*SECTIONS, "cluster"}
 
 # packages an optional logger needs, recognised in its _target_ (TensorBoardLogger, mlflow_logger, ...)
 LOGGER_PACKAGES = ("tensorboard", "mlflow", "wandb")
@@ -188,10 +191,15 @@ def check_hydra_env(hydra_cfg: DictConfig, url_env: str | None) -> None:
             raise notify_url_refused(f"hydra.job.env_set.{name}")
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Raise UserError for the first problem found (see the module docstring)."""
+def check_config(cfg: DictConfig, where: Any = None) -> Settings:
+    """Raise UserError for the first problem found (see the module docstring); hpctrain's own settings,
+    typed and checked (`where`: which file set a key, for the sentence; `settings.Sources`)."""
     _check_notify(cfg)  # first: the schema's sentence would repeat the value
+    _resolve_everything(cfg)
+    settings = Settings.of(cfg, where)  # hpctrain's keys: an unknown one or a wrong value, naming its file
     for key in KEYS:
+        if key.path.split(".", 1)[0] in SETTINGS_SECTIONS:
+            continue
         value = _value(cfg, key.path)
         if value is _ABSENT:
             continue
@@ -200,7 +208,6 @@ def check_config(cfg: DictConfig) -> None:
         if not validate(value, key.schema):
             shown = value if not isinstance(value, str) else f"'{value}'"
             raise UserError(f"{key.path}={shown} is not {key.expected}; pass e.g. {key.path}={key.example}.")
-    _resolve_everything(cfg)
     if OmegaConf.select(cfg, "trainer.precision") is not None:
         _check_precision(cfg)
     _check_loggers(cfg)
@@ -208,6 +215,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_outputs(cfg)
     _check_init_from(cfg)
     _check_signals(cfg)
+    return settings
 
 
 def check_folds(num_folds: Any, fold: Any) -> int | None:

@@ -9,11 +9,13 @@ Keys the table does not name are Lightning's or your classes' own and are checke
 
 from __future__ import annotations
 
-import math
-import re
-import signal
 from dataclasses import dataclass
 from typing import Any
+
+from hpctrain.runtime.config import settings
+from hpctrain.runtime.config.validation import validate
+
+__all__ = ["KEYS", "Key", "json_schema", "validate"]
 
 # Lightning's precision values (lightning_fabric's _PRECISION_INPUT, without transformer-engine, which
 # needs NVIDIA's library); tests/test_schema.py fails if Lightning's list changes.
@@ -32,8 +34,7 @@ PRECISIONS = (
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 EXPORT_FORMATS = ("torch_export", "onnx", "safetensors")  # src/export.py (hpctrain.runtime.inference.export)
 INTERPOLATION = {"type": "string", "pattern": r"^\$\{.*\}$"}  # ${...}: resolved later, checked then
-# hpctrain.runtime.distributed.notify's events (tests/test_notify.py checks they are the same)
-NOTIFY_EVENTS = ("completed", "failed", "nan", "hung", "budget", "sweep")
+NOTIFY_EVENTS = settings.NOTIFY_EVENTS  # hpctrain.runtime.distributed.notify's events (tests/test_notify.py)
 
 
 def _int(minimum: int | None = None) -> dict[str, Any]:
@@ -52,7 +53,7 @@ class Key:
     description: str = ""
 
 
-KEYS: tuple[Key, ...] = (
+_OTHER_KEYS: tuple[Key, ...] = (
     Key(
         "seed",
         {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},  # numpy's seeds are 32-bit
@@ -71,42 +72,6 @@ KEYS: tuple[Key, ...] = (
     ),
     Key("snapshot", {"type": "boolean"}, "true or false", "false", "launcher jobs run from a code snapshot"),
     Key(
-        "init_from.path",
-        {"type": ["string", "null"]},
-        "a checkpoint, a .pt/.pth state dict, a .safetensors file, or null",
-        "logs/train/runs/<run>/checkpoints/last.ckpt",
-        "start a new run from these weights",
-    ),
-    Key("init_from.strict", {"type": "boolean"}, "true or false", "false", "false: load what fits"),
-    Key(
-        "init_from.prefix",
-        {"type": "string"},
-        "a string put in front of every key",
-        "net.",
-        "maps a bare network",
-    ),
-    Key(
-        "init_from.exclude",
-        {"type": "array", "items": {"type": "string"}},
-        "a list of regular expressions (in brackets)",
-        "['^net[.]fc[.]']",
-        "keys left out of the weights loaded",
-    ),
-    Key(
-        "init_from.freeze",
-        {"type": "array", "items": {"type": "string"}},
-        "a list of regular expressions (in brackets)",
-        "['^net[.]features[.]']",
-        "parameters not trained",
-    ),
-    Key(
-        "init_from.unfreeze_at_epoch",
-        {"type": ["integer", "null"], "minimum": 0},
-        "a non-negative integer or null",
-        "3",
-        "the frozen parameters train too from this epoch on",
-    ),
-    Key(
         "skip_completed",
         {"type": "boolean"},
         "true or false",
@@ -116,14 +81,6 @@ KEYS: tuple[Key, ...] = (
     Key("compile", {"type": "boolean"}, "true or false", "true", "torch.compile the model's networks"),
     Key("compile_backend", {"type": "string"}, "a torch.compile backend", "inductor"),
     Key("channels_last", {"type": "boolean"}, "true or false", "true", "channels-last memory order for CNNs"),
-    Key("monitor.metric", {"type": ["string", "null"]}, "a metric name the model logs", "val/acc"),
-    Key(
-        "monitor.mode",
-        {"enum": ["min", "max"]},
-        "min or max",
-        "max",
-        "whether a larger monitored value is better",
-    ),
     Key("trainer.num_nodes", _int(1), "a positive integer", "2", "nodes (SLURM: --nodes)"),
     Key(
         "trainer.devices",
@@ -206,179 +163,6 @@ KEYS: tuple[Key, ...] = (
     ),
     Key("data.fold_seed", _int(0), "a non-negative integer", "0", "k-fold: which samples fall in which fold"),
     Key("model.optimizer.lr", POSITIVE_NUMBER, "a positive number", "0.001", "learning rate"),
-    Key("requeue.enabled", {"type": "boolean"}, "true or false", "true"),
-    Key(
-        "requeue.signal",
-        {"enum": sorted(s.name for s in signal.Signals)},
-        "a signal name such as SIGUSR1",
-        "SIGUSR1",
-        "must match #SBATCH --signal",
-    ),
-    Key(
-        "requeue.check_every_n_steps",
-        {"anyOf": [_int(1), {"const": "auto"}]},
-        "a positive integer or auto",
-        "auto",
-        "how often ranks agree on signals; auto: about once a second",
-    ),
-    Key(
-        "requeue.max_attempts",
-        {"type": ["integer", "null"], "minimum": 1},
-        "a positive integer or null (no cap)",
-        "10",
-        "attempt N of a SLURM job stops instead of requeueing again",
-    ),
-    Key(
-        "requeue.signal_lead_s",
-        POSITIVE_NUMBER,
-        "a positive number of seconds",
-        "90",
-        "how long before the time limit the signal comes: the N of #SBATCH --signal=SIGUSR1@N",
-    ),
-    Key(
-        "nan.action", {"enum": ["stop", "off"]}, "stop or off", "off", "what a non-finite training loss does"
-    ),
-    Key("nan.check_every_n_steps", _int(1), "a positive integer", "100", "steps between looks at the loss"),
-    Key(
-        "notify.url_env",
-        {"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_]*$"},
-        "the name of an environment variable (the URL itself stays in the environment)",
-        "HPCTRAIN_NOTIFY_URL",
-        "the variable holding the webhook URL; notifications are on where it is set",
-    ),
-    Key(
-        "notify.timeout_s",
-        POSITIVE_NUMBER,
-        "a positive finite number of seconds",
-        "5",
-        "the longest a notification may delay the end of a process",
-    ),
-    Key(
-        "notify.events",
-        {"type": "array", "items": {"enum": list(NOTIFY_EVENTS)}},
-        f"a list of {', '.join(NOTIFY_EVENTS)}",
-        "[failed,hung]",
-        "the events posted to the webhook",
-    ),
-    Key(
-        "diagnostics.stacks_signal",
-        {"enum": [None, "SIGURG", "SIGWINCH", "SIGUSR1", "SIGUSR2", "SIGQUIT"]},
-        "a signal name (SIGURG or SIGWINCH: ignored by processes that do not register it) or null",
-        "SIGURG",
-        "scripts/stacks.py sends it; each rank writes its stacks",
-    ),
-    Key(
-        "diagnostics.straggler_every_s",
-        {"type": "number", "minimum": 0},
-        "a number of seconds, 0 or more",
-        "60",
-    ),
-    Key("diagnostics.straggler_factor", {"type": "number", "exclusiveMinimum": 1}, "a number above 1", "2"),
-    Key("dist.backend", {"enum": [None, "nccl", "gloo", "mpi"]}, "nccl, gloo, mpi or null", "gloo"),
-    Key("dist.timeout_min", POSITIVE_NUMBER, "a positive finite number of minutes", "30"),
-    Key(
-        "dist.init_timeout_min",
-        POSITIVE_NUMBER,
-        "a positive finite number of minutes",
-        "30",
-        "the collective timeout until the first training step is done",
-    ),
-    Key(
-        "dist.find_unused_parameters",
-        {"type": "boolean"},
-        "true or false",
-        "true",
-        "DDP: parameters may go unused in a step (manual optimization, GANs)",
-    ),
-    Key(
-        "dist.static_graph",
-        {"type": "boolean"},
-        "true or false",
-        "true",
-        "DDP: the graph is the same every step",
-    ),
-    Key(
-        "requeue.stop_grace_s",
-        POSITIVE_NUMBER,
-        "a positive finite number of seconds",
-        "10",
-        "a SIGTERM or Ctrl-C that no batch follows for this long ends the run anyway",
-    ),
-    Key(
-        "checkpoints.trusted_targets",
-        {"type": "array", "items": {"type": "string", "pattern": r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$"}},
-        "a list of dotted class or function names",
-        "[mypackage.models.Net]",
-        "classes a checkpoint's stored config may name besides those of the project's configs",
-    ),
-    Key(
-        "checkpoints.async_save",
-        {"type": "boolean"},
-        "true or false",
-        "true",
-        "write checkpoints while training goes on",
-    ),
-    Key(
-        "dist.tensor_parallel",
-        {"type": "integer", "minimum": 1},
-        "a whole number, 1 or more",
-        "2",
-        "FSDP2: processes per tensor-parallel group",
-    ),
-    Key(
-        "dist.tensor_parallel_plan",
-        {
-            "anyOf": [
-                {"type": "null"},
-                {
-                    "type": "object",
-                    "properties": {
-                        "colwise": {"type": "array", "items": {"type": "string"}},
-                        "rowwise": {"type": "array", "items": {"type": "string"}},
-                    },
-                    "additionalProperties": False,
-                },
-            ]
-        },
-        "null or {colwise: [module patterns], rowwise: [module patterns]}",
-        "{colwise: [blocks.*.q], rowwise: [blocks.*.proj]}",
-        "FSDP2: how dist.tensor_parallel splits the network's layers",
-    ),
-    Key(
-        "dist.fsdp.shard",
-        {"anyOf": [{"const": "auto"}, {"type": "array", "items": {"type": "string"}}]},
-        "auto or a list of module class names",
-        "[Block]",
-        "FSDP2: the modules sharded one by one",
-    ),
-    Key(
-        "dist.fsdp.param_dtype",
-        {"enum": [None, "bfloat16", "float16", "float32"]},
-        "bfloat16, float16, float32 or null",
-        "bfloat16",
-        "FSDP2 mixed precision: compute dtype",
-    ),
-    Key(
-        "dist.fsdp.reduce_dtype",
-        {"enum": [None, "bfloat16", "float16", "float32"]},
-        "bfloat16, float16, float32 or null",
-        "float32",
-        "FSDP2 mixed precision: gradient reduction dtype",
-    ),
-    Key(
-        "dist.fsdp.activation_checkpointing",
-        {"type": "boolean"},
-        "true or false",
-        "true",
-        "FSDP2: recompute each sharded block's activations",
-    ),
-    Key(
-        "dist.fsdp.cpu_offload",
-        {"type": "boolean"},
-        "true or false",
-        "true",
-        "FSDP2: parameters and optimizer states in host memory",
-    ),
     Key(
         "predict.split",
         {"enum": ["test", "val", "train"]},
@@ -414,49 +198,11 @@ KEYS: tuple[Key, ...] = (
     Key("paths.data_dir", {"type": "string"}, "a directory", "/shared/datasets"),
     Key("paths.log_dir", {"type": "string"}, "a directory", "/shared/logs"),
 )
-
-
-def _type_ok(value: Any, name: str) -> bool:
-    if name == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if name == "number":  # finite: an infinite timeout is a hang with extra steps, NaN compares as nothing
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return {
-        "string": isinstance(value, str),
-        "boolean": isinstance(value, bool),
-        "null": value is None,
-        "array": isinstance(value, (list, tuple)),
-        "object": isinstance(value, dict),
-    }[name]
-
-
-def validate(value: Any, schema: dict[str, Any]) -> bool:
-    """Whether `value` satisfies `schema` (the JSON Schema keywords used in KEYS)."""
-    if "anyOf" in schema:
-        return any(validate(value, option) for option in schema["anyOf"])
-    if "const" in schema and value != schema["const"]:
-        return False
-    if "enum" in schema and not any(value == v and type(value) is type(v) for v in schema["enum"]):
-        return False
-    if "type" in schema:
-        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        if not any(_type_ok(value, t) for t in types):
-            return False
-    numeric = _type_ok(value, "number")
-    if numeric and "minimum" in schema and value < schema["minimum"]:
-        return False
-    if numeric and "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
-        return False
-    if numeric and "maximum" in schema and value > schema["maximum"]:
-        return False
-    if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
-        return False
-    if isinstance(value, (list, tuple)):
-        if len(value) < schema.get("minItems", 0):
-            return False
-        if "items" in schema and not all(validate(v, schema["items"]) for v in value):
-            return False
-    return True
+# hpctrain's own keys come from its typed settings (hpctrain.runtime.config.settings): one definition
+KEYS: tuple[Key, ...] = _OTHER_KEYS + tuple(
+    Key(path, meta["schema"], meta["expected"], meta["example"], meta["description"])
+    for path, meta in settings.all_keys()
+)
 
 
 # ------------------------------------------------------------------------------------------ JSON Schema
@@ -470,6 +216,7 @@ FILE_PREFIXES = {
     "model": "model.",
     "model/optimizer": "model.optimizer.",
     "paths": "paths.",
+    "cluster": "cluster.",
 }
 
 

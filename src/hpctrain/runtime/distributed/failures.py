@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpctrain.runtime.distributed import notify, stacks
+from hpctrain.runtime.distributed import notify, signals, stacks
 from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, POSITION_KEY, rank, store
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # a terminal colour or style code
@@ -99,6 +99,7 @@ def die_with_parent() -> None:
 def watch_children(procs: list[Any]) -> None:
     """Rank 0 of the local launcher: the child processes (local ranks 1..N-1) to watch."""
     STATE.children = procs
+    signals.local_ranks(procs)  # a stop that nothing answers ends them too
 
 
 def dead_child() -> str | None:

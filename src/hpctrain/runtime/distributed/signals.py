@@ -134,6 +134,13 @@ def progressed(batch_s: float = 0.0) -> None:
         guard.batch_s = max(guard.batch_s * 0.9, batch_s)
 
 
+def local_ranks(procs: list[Any]) -> None:
+    """Rank 0 of the local launcher: the processes it started, which a forced end ends too."""
+    guard = _state.guard
+    if guard is not None:
+        guard.children = list(procs)
+
+
 def progress() -> tuple[int, bool]:
     """(batches completed so far, whether the run is in its train, test or predict loops) for the watchdog."""
     guard = _state.guard
@@ -166,6 +173,7 @@ class StopGuard(threading.Thread):
         self.progress = 0  # batches completed so far
         self.batch_s = 0.0  # about the longest recent batch, in seconds
         self.grace_s = GRACE_S
+        self.children: list[Any] = []  # the local launcher's processes of ranks 1..N-1 (`local_ranks`)
         self._reader, writer = socket.socketpair()
         writer.setblocking(False)
         self._writer = writer  # kept open as long as the process
@@ -205,7 +213,7 @@ class StopGuard(threading.Thread):
 
     def _end(self, signum: int, reason: str, at_once: bool = False) -> None:
         """Every rank's stacks written, one sentence on rank 0, every local rank ended: 128 + `signum`."""
-        from hpctrain.runtime.distributed import failures, stacks
+        from hpctrain.runtime.distributed import stacks
         from hpctrain.runtime.distributed.job_store import DUMP_KEY, rank, store
 
         code = 128 + signum
@@ -227,9 +235,7 @@ class StopGuard(threading.Thread):
                 else f"error: {reason}, and no step boundary came{places}; ending every local rank (exit {code})."
             )
             print(line, file=sys.stderr, flush=True)
-        for (
-            child
-        ) in failures.STATE.children:  # the local launcher's ranks: ended before they outlive this one
+        for child in self.children:  # the local launcher's ranks: ended before they outlive this one
             with contextlib.suppress(OSError):
                 child.kill()
         sys.stdout.flush()

@@ -12,18 +12,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config import redact
+from hpctrain.runtime.config.settings import Extras
 
 log = logging.getLogger("hpctrain")
 
 FIRST = ("data", "model", "trainer", "callbacks", "logger", "paths")
 
 
-def apply_extras(cfg: DictConfig) -> None:
+def apply_extras(cfg: DictConfig, extras: Extras) -> None:
     quiet_lightning()
-    extras = cfg.get("extras") or {}
-    if extras.get("ignore_warnings"):
+    if extras.ignore_warnings:
         warnings.filterwarnings("ignore")
-    if extras.get("print_config") and cluster.is_rank_zero():
+    if extras.print_config and cluster.is_rank_zero():
         print_config(cfg)
 
 

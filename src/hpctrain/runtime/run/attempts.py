@@ -41,13 +41,13 @@ from typing import Any
 import yaml
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.config.settings import Requeue
 from hpctrain.runtime.distributed.endings import Stopped, ending
 from hpctrain.runtime.run import records
 
 log = logging.getLogger("hpctrain")
 
 HEARTBEAT_S = 60.0  # how often rank 0 records a sign of life in run.yaml: how late a killed attempt's end is
-DEFAULT_MAX_ATTEMPTS = 10  # requeue.max_attempts where a config (eval, predict) does not set it
 GPU, CPU_CORE = "GPU", "CPU core"
 UNITS = {GPU: "GPU-hours", CPU_CORE: "CPU-core-hours"}
 
@@ -193,13 +193,13 @@ def budget_spent(
 
 
 def stop_if_budget_spent(
-    requeue_cfg: Any, run_dir: str | Path, step: int, checkpoint: str | Path | None
+    requeue: Requeue, run_dir: str | Path, step: int, checkpoint: str | Path | None
 ) -> None:
     """On every rank, before a requeue: raise the budget's `Stopped` (its sentence) when one is spent.
     Every rank decides alike: from SLURM's restart count, the config, the step and run.yaml's earlier
     attempts (on the run dir every rank shares)."""
     restart = cluster.restart_count()
-    max_attempts = (requeue_cfg or {}).get("max_attempts", DEFAULT_MAX_ATTEMPTS)
+    max_attempts = requeue.max_attempts
     attempts = records.read_run_record(run_dir).get("attempts") or []
     previous = previous_requeue_step(attempts, cluster.run_id(), restart)
     spent = budget_spent(restart + 1, step, previous, max_attempts, checkpoint)

@@ -13,6 +13,7 @@ the trainer always gets:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -37,6 +38,7 @@ from torchmetrics import Metric
 
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config import redact, targets
+from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
 from hpctrain.runtime.distributed.one_rank_calls import OneRankCalls
@@ -108,9 +110,10 @@ def _sharded_strategy(trainer: Trainer) -> bool:
     return isinstance(trainer.strategy, ModelParallelStrategy)
 
 
-def configure_process(cfg: DictConfig) -> None:
+def configure_process(cfg: DictConfig, settings: Settings | None = None) -> None:
     """The process-wide settings a run makes, in one visible place: seeds, CPU threads and loader
     workers, float32 matmul precision."""
+    settings = settings or Settings.of(cfg)
     # Seeds torch, numpy, python and (through PL_SEED_WORKERS) every dataloader worker.
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     threads, _, why = cpu_plan(cfg)  # the workers are the datamodule's (`datamodule`)
@@ -120,7 +123,7 @@ def configure_process(cfg: DictConfig) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     if cluster.is_rank_zero():
         log.info("CPU: %s", why)
-    precision = (cfg.get("extras") or {}).get("float32_matmul_precision")
+    precision = settings.extras.float32_matmul_precision
     if precision:
         torch.set_float32_matmul_precision(precision)
 
@@ -158,14 +161,22 @@ def _data_class_has(node: DictConfig, flag: str) -> bool:
         return False
 
 
-def run_objects(cfg: DictConfig, run_dir: str | Path, training: bool = True, sweep: bool = False) -> Run:
+def run_objects(
+    cfg: DictConfig,
+    run_dir: str | Path,
+    training: bool = True,
+    sweep: bool = False,
+    settings: Settings | None = None,
+) -> Run:
     """Datamodule (its data checked, on every rank, before any process group), model, callbacks,
-    loggers and trainer for `cfg`; with `training=False` (eval) no training-only callbacks; `sweep`:
-    a point of a sweep, which needs the monitored value."""
-    data = datamodule(cfg)
+    loggers and trainer for `cfg` (hpctrain's own keys read from `settings`, typed, checked in the
+    preflight); with `training=False` (eval) no training-only callbacks; `sweep`: a point of a sweep,
+    which needs the monitored value."""
+    settings = settings or Settings.of(cfg)
+    data = datamodule(cfg, settings)
     check_data_available(data)
     module = tune_model(model(cfg), cfg)
-    built = trainer(cfg, run_dir, training=training, sweep=sweep)
+    built = trainer(cfg, run_dir, training=training, sweep=sweep, settings=settings)
     monitor = next((c for c in built.callbacks if isinstance(c, MonitoredMetric)), None)
     requeue = next((c for c in built.callbacks if isinstance(c, RequeueOnSignal)), None)
     return Run(data, module, built, monitor, requeue)
@@ -211,25 +222,25 @@ def _import_failure(err: InstantiationException) -> str | None:
     )
 
 
-def datamodule(cfg: DictConfig) -> LightningDataModule:
+def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDataModule:
     node = cfg.data
     if node.get("num_workers") == "auto":
         node = OmegaConf.merge(node, {"num_workers": cpu_plan(cfg)[1]})
-    preset = cfg.get("cluster") or {}
-    if preset.get("offline") and node.get("download"):
+    preset = (settings or Settings.of(cfg)).cluster or Cluster()
+    if preset.offline and node.get("download"):
         # conf/cluster/<name>.yaml says the compute nodes have no internet: fail at once on missing data
         # (the datamodule's own sentence) instead of trying a download that can only time out
         node = OmegaConf.merge(node, {"download": False})
         if cluster.is_rank_zero():
-            log.info("cluster=%s: compute nodes are offline, so data.download=false", preset.get("name"))
-    scratch = preset.get("scratch_dir")
+            log.info("cluster=%s: compute nodes are offline, so data.download=false", preset.name)
+    scratch = preset.scratch_dir
     if scratch and "stage_dir" in node and node.stage_dir is None and _data_class_has(node, "can_stage"):
         # the preset's node-local scratch: data that can be staged (data=shards) is copied there per node
         node = OmegaConf.merge(node, {"stage_dir": scratch})
         if cluster.is_rank_zero():
             log.info(
                 "cluster=%s: data staged to its node-local scratch, data.stage_dir=%s",
-                preset.get("name"),
+                preset.name,
                 scratch,
             )
     return _checked_lightning_object(_instantiate(node), "data")
@@ -298,14 +309,14 @@ def loggers(cfg: DictConfig) -> list[Logger]:
 
 
 def own_callbacks(
-    cfg: DictConfig, run_dir: str | Path, training: bool, sweep: bool = False
+    settings: Settings, run_dir: str | Path, training: bool, sweep: bool = False
 ) -> tuple[MonitoredMetric | None, RequeueOnSignal | None]:
     """The two template callbacks an entry point asks about: the monitored metric (training only) and
     the requeue on a signal (when `requeue.enabled`)."""
-    monitor, requeue = cfg.get("monitor"), cfg.get("requeue")
+    monitor, requeue = settings.monitor, settings.requeue
     monitored = (
-        MonitoredMetric(monitor.metric, monitor.get("mode", "max"), sweep=sweep)
-        if training and monitor is not None and monitor.get("metric")
+        MonitoredMetric(monitor.metric, monitor.mode, sweep=sweep)
+        if training and monitor is not None and monitor.metric
         else None
     )
     if training and monitored is None and cluster.is_rank_zero():
@@ -314,24 +325,19 @@ def own_callbacks(
         RequeueOnSignal(
             checkpoint_dir(run_dir) / REQUEUE_CHECKPOINT,
             check_every_n_steps=requeue.check_every_n_steps,
-            timeout_min=_timeout_min(cfg),
+            timeout_min=settings.dist.timeout_min,
         )
-        if requeue is not None and requeue.enabled
+        if requeue.enabled
         else None
     )
     return monitored, on_signal
 
 
-def _attempt_progress(cfg: DictConfig) -> AttemptProgress:
+def _attempt_progress(requeue: Requeue) -> AttemptProgress:
     """This attempt's progress in run.yaml; with requeue on, the check of a save against the signal's lead."""
-    requeue = cfg.get("requeue") or {}
-    if not requeue.get("enabled"):
+    if not requeue.enabled:
         return AttemptProgress()
-    return AttemptProgress(requeue.get("signal_lead_s", 90), str(requeue.get("signal", "SIGUSR1")))
-
-
-def _timeout_min(cfg: DictConfig) -> float:
-    return (cfg.get("dist") or {}).get("timeout_min", 30)
+    return AttemptProgress(requeue.signal_lead_s, requeue.signal)
 
 
 def callbacks(
@@ -340,8 +346,10 @@ def callbacks(
     has_logger: bool,
     training: bool = True,
     sweep: bool = False,
+    settings: Settings | None = None,
 ) -> list[Callback]:
     """The config's callbacks and the template's own (see the module docstring), in the order they run."""
+    settings = settings or Settings.of(cfg)
     if training:
         check_checkpoint_entry(cfg.get("callbacks"), run_dir)
     named = _instantiate_named(cfg.get("callbacks"), "callbacks")
@@ -352,24 +360,26 @@ def callbacks(
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
     for performance in (c for c in chosen if isinstance(c, PerformanceLog)):
         performance.model_config = cfg.get("model")  # its FLOPs are counted on a meta copy built from it
-    diagnostics = cfg.get("diagnostics") or {}
     chosen.append(
         RankWatchdog(
-            _timeout_min(cfg),
-            (cfg.get("dist") or {}).get("init_timeout_min"),
-            straggler_every_s=diagnostics.get("straggler_every_s", 30),
-            straggler_factor=diagnostics.get("straggler_factor", 1.5),
+            settings.dist.timeout_min,
+            settings.dist.init_timeout_min,
+            straggler_every_s=settings.diagnostics.straggler_every_s,
+            straggler_factor=settings.diagnostics.straggler_factor,
         )
     )
     if training:
         # what eval, predict, export and hpctrain.load rebuild the run from
         recorded = redact.recorded(cfg)  # resolved, but no secret (hpctrain.runtime.config.redact)
         stored = {k: recorded[k] for k in STORED_GROUPS if k in recorded}
-        chosen += [CheckpointExtras(stored), SharedRunDirCheck(str(run_dir)), _attempt_progress(cfg)]
-        nan = cfg.get("nan") or {}
-        if nan.get("action", "stop") == "stop":
-            chosen.append(NonFiniteLoss(run_dir, nan.get("check_every_n_steps", 50)))
-    own = [c for c in own_callbacks(cfg, run_dir, training, sweep) if c is not None]
+        chosen += [
+            CheckpointExtras(stored),
+            SharedRunDirCheck(str(run_dir)),
+            _attempt_progress(settings.requeue),
+        ]
+        if settings.nan.action == "stop":
+            chosen.append(NonFiniteLoss(run_dir, settings.nan.check_every_n_steps))
+    own = [c for c in own_callbacks(settings, run_dir, training, sweep) if c is not None]
     # the monitored metric first: at each validation it decides before the checkpoint and early
     # stopping look at the metric (Lightning runs callbacks in list order, ModelCheckpoint last)
     monitors = [c for c in own if isinstance(c, MonitoredMetric)]
@@ -406,29 +416,27 @@ def _processes(trainer_cfg: DictConfig) -> int | None:
         return None
 
 
-def strategy(trainer_cfg: DictConfig, dist_cfg: DictConfig | None, async_save: bool = False) -> Any:
+def strategy(trainer_cfg: DictConfig, dist: Dist, async_save: bool = False) -> Any:
     """DDP and FSDP2 with the Hydra-aware launcher and the configured collective timeout; else as given."""
     chosen = trainer_cfg.get("strategy", "auto")
-    dist_cfg = dist_cfg or OmegaConf.create({})
     # Created with the startup timeout; RankWatchdog sets dist.timeout_min once the first step is done.
-    startup = dist_cfg.get("init_timeout_min") or dist_cfg.get("timeout_min", 30)
-    common = {"process_group_backend": dist_cfg.get("backend"), "timeout": timedelta(minutes=float(startup))}
+    common = {
+        "process_group_backend": dist.backend,
+        "timeout": timedelta(minutes=float(dist.startup_timeout_min)),
+    }
     if chosen == "fsdp":  # FSDP2 (distributed/fsdp.py: why FSDP1 is gone)
         from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 
-        fsdp = OmegaConf.to_container(dist_cfg.get("fsdp") or OmegaConf.create({}), resolve=True)
-        fsdp = fsdp_dtypes(fsdp, str(trainer_cfg.get("precision")))
-        plan = dist_cfg.get("tensor_parallel_plan")  # shipped with the model's config
         return HydraModelParallelStrategy(
-            fsdp=fsdp,
+            fsdp=fsdp_dtypes(dataclasses.asdict(dist.fsdp), str(trainer_cfg.get("precision"))),
             async_save=async_save,
-            tensor_parallel_size=int(dist_cfg.get("tensor_parallel") or 1),
-            tensor_parallel_plan=OmegaConf.to_container(plan, resolve=True) if plan else None,
+            tensor_parallel_size=dist.tensor_parallel,
+            tensor_parallel_plan=dist.tensor_parallel_plan,  # shipped with the model's config
             **common,
         )
     if chosen == "ddp" or (chosen == "auto" and _processes(trainer_cfg) not in (None, 1)):
         # passed on to torch's DistributedDataParallel
-        ddp_options = {k: True for k in ("find_unused_parameters", "static_graph") if dist_cfg.get(k)}
+        ddp_options = {k: True for k in ("find_unused_parameters", "static_graph") if getattr(dist, k)}
         return HydraDDPStrategy(**common, **ddp_options)
     return chosen
 
@@ -488,17 +496,19 @@ def trainer(
     run_dir: str | Path,
     training: bool = True,
     sweep: bool = False,
+    settings: Settings | None = None,
     **overrides: Any,
 ) -> Trainer:
     """The Trainer for `cfg.trainer`; keyword arguments replace config entries (e.g. logger=False)."""
-    asynchronous = bool((cfg.get("checkpoints") or {}).get("async_save", False))
+    settings = settings or Settings.of(cfg)
+    asynchronous = settings.checkpoints.async_save
     chosen_loggers = overrides.pop("logger", None)
     if chosen_loggers is None:
         chosen_loggers = loggers(cfg)
     kwargs: dict[str, Any] = {
         "logger": chosen_loggers or False,
-        "callbacks": callbacks(cfg, run_dir, has_logger=bool(chosen_loggers), training=training, sweep=sweep),
-        "strategy": strategy(cfg.trainer, cfg.get("dist"), asynchronous),
+        "callbacks": callbacks(cfg, run_dir, bool(chosen_loggers), training, sweep, settings),
+        "strategy": strategy(cfg.trainer, settings.dist, asynchronous),
         "plugins": [
             launch.lightning_cluster_environment(),
             (AsyncAtomicCheckpointIO if asynchronous else AtomicCheckpointIO)(redact.environment_values(cfg)),

@@ -472,6 +472,7 @@ class RankWatchdog(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.clock.step_ended()
+        positions.note_phase(0)  # before the next step's backward pass, whatever hook it stalls in first
         signals.progressed(time.perf_counter() - self._batch_started)
         if self._training_timeout is not None:  # the first step is done: from now on, dist.timeout_min
             _set_timeout(self._training_timeout, mesh_groups(trainer))

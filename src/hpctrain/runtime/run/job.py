@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config.checks import check_config, check_hydra_env
 from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
+from hpctrain.runtime.config.settings import Settings, Sources
 from hpctrain.runtime.distributed import failures, notify, positions, signals, stacks, watchdog
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
@@ -49,6 +50,8 @@ class Job:
         self.sweep = in_multirun() or cluster.array_task()[1] is not None  # a point of a sweep
         self.outcome: records.Outcome | None = None
         self.checkpoint: Path | None = None  # the trained checkpoint an eval or predict job starts from
+        self.settings: Settings = Settings()  # hpctrain's own, typed: checked in the preflight
+        self.where = Sources(self.hydra_cfg, self.overrides)  # which file set a key, for its sentence
         self._stack = ExitStack()
 
     def __enter__(self) -> Job:
@@ -82,6 +85,7 @@ class Job:
     def _ending_posted(self) -> Iterator[None]:
         """Notifications (`notify`) set up on every rank; rank 0 posts how the job ended (a crash: the rank
         that reports it)."""
+        # read as far as it goes before the preflight checks it, so that a refusal can be posted too
         notify.configure(self.cfg.get("notify"), self.run_dir, self.hydra_cfg.mode == RunMode.MULTIRUN)
         ended: BaseException | None = None
         try:
@@ -98,17 +102,17 @@ class Job:
         cfg = self.cfg
         if cluster.launcher() == cluster.CHILD:
             failures.die_with_parent()
-        check_config(cfg)
-        check_hydra_env(self.hydra_cfg, (cfg.get("notify") or {}).get("url_env"))
+        settings = self.settings = check_config(cfg, self.where)  # hpctrain's own keys, typed from here on
+        check_hydra_env(self.hydra_cfg, settings.notify.url_env)
         if self.sweep:  # a job array's task (a sweep launched in-process is checked in run_job)
             check_sweep_has_a_metric(cfg)
-        requeue = cfg.get("requeue") or {}
+        requeue = settings.requeue
         # recorded, acted on later; a stop nothing answers ends the run after requeue.stop_grace_s
-        signals.install(requeue.signal if requeue.get("enabled") else None, requeue.get("stop_grace_s"))
+        signals.install(requeue.signal if requeue.enabled else None, requeue.stop_grace_s)
         if self.one_process:
             cluster.preflight_one_process(cfg.task_name, cfg.trainer.num_nodes, cfg.trainer.devices)
         cluster.preflight(
-            cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, cfg.requeue.enabled
+            cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, requeue.enabled
         )
         if cluster.is_rank_zero():
             records.check_writable(self.run_dir)
@@ -118,8 +122,9 @@ class Job:
         the checkpoint was trained with, checked again (eval, predict)."""
         from hpctrain.runtime.run.checkpoints import reading
 
-        cfg = self.cfg = reading.config_from_checkpoint(self.cfg, checkpoint, self.overrides)
-        check_config(cfg)
+        trusted = self.settings.checkpoints.trusted_targets
+        cfg = self.cfg = reading.config_from_checkpoint(self.cfg, checkpoint, self.overrides, trusted)
+        self.settings = check_config(cfg, self.where)
         self.checkpoint = checkpoint
         if self.outcome is not None and "monitor" in cfg:
             self.outcome.metric = cfg.monitor.metric  # the one the checkpoint was trained with
@@ -130,16 +135,16 @@ class Job:
         from hpctrain.runtime.run import build
 
         cfg = self.cfg
-        stacks_signal = (cfg.get("diagnostics") or {}).get("stacks_signal")
+        stacks_signal = self.settings.diagnostics.stacks_signal
         if stacks_signal:  # scripts/stacks.py: where every rank is, from now on, even when it hangs
             stacks.register(self.run_dir, stacks_signal)
         if str(cfg.trainer.get("accelerator")) in cluster.GPU_ACCELERATORS:
             cluster.flight_recorder_dumps_into(self.run_dir)  # NCCL's record of a timed-out collective
-        console.apply_extras(cfg)
+        console.apply_extras(cfg, self.settings.extras)
         if not training:
             console.quiet_training_callbacks()
-        build.configure_process(cfg)
-        run = build.run_objects(cfg, self.run_dir, training=training, sweep=self.sweep)
+        build.configure_process(cfg, self.settings)
+        run = build.run_objects(cfg, self.run_dir, training, self.sweep, self.settings)
         if self.checkpoint is not None:  # weights of another model: one sentence before anything runs
             from hpctrain.runtime.run.checkpoints import reading
 
@@ -160,7 +165,7 @@ class Job:
     def record(self) -> None:
         """What `build` does for a job without a trainer (one process): the config printed if `extras`
         asks, and the run's record (config.yaml, run.yaml, .hydra/) written."""
-        console.apply_extras(self.cfg)
+        console.apply_extras(self.cfg, self.settings.extras)
         self._write_record(self.cfg, 1, attempts.devices_of("cpu", cluster.cpus_per_process(1)[0]))
 
     def _write_record(self, cfg: DictConfig, world_size: int, devices: dict[str, Any]) -> None:
@@ -185,7 +190,7 @@ class Job:
             attempts.note_end(step, saved)
             if interrupted.requeue:
                 last = saved or newest_checkpoint(self.run_dir)
-                attempts.stop_if_budget_spent(self.cfg.get("requeue"), self.run_dir, step, last)
+                attempts.stop_if_budget_spent(self.settings.requeue, self.run_dir, step, last)
                 attempts.record_requeue(step, saved)
             requeue_and_wait(interrupted)  # SLURM requeues the job and ends every rank; SIGTERM: exit 143
         finally:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.config.settings import InitFrom
 from hpctrain.runtime.distributed.checkpoint_folders import committed, recover
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.records import read_run_record
@@ -52,23 +53,21 @@ class StartPoint:
     reason: str
     run_dir: Path | None = None
 
-    def prepare(self, run: Any, cfg: Any) -> None:
+    def prepare(self, run: Any, cfg: Any, init: InitFrom | None = None) -> None:
         """Before fit, in order: check the checkpoint the run continues from (or load `init_from`'s
         weights into a fresh start), freeze what `init_from.freeze` names, remove partial saves of an
         earlier attempt, and say (rank 0) where the run starts and what a resumed checkpoint overrides."""
-        settings = cfg.get("init_from") or {}
+        init = init or InitFrom()
         lines: list[str] = []
         warning = None
         if self.checkpoint is not None:
             warning = self._check_checkpoint(run, cfg)
-            if settings.get("path"):
-                lines.append(
-                    f"init_from.path={settings.path} skipped: the run continues from {self.checkpoint}"
-                )
-        elif settings.get("path"):
-            lines.append(_load_init_weights(run, settings))
-        if settings.get("freeze"):
-            lines.append(_freeze(run, settings))
+            if init.path:
+                lines.append(f"init_from.path={init.path} skipped: the run continues from {self.checkpoint}")
+        elif init.path:
+            lines.append(_load_init_weights(run, init))
+        if init.freeze:
+            lines.append(_freeze(run, init))
         if cluster.is_rank_zero():
             if self.run_dir is not None:
                 remove_partial_saves(self.run_dir)
@@ -111,25 +110,19 @@ class StartPoint:
         )
 
 
-def _load_init_weights(run: Any, settings: Any) -> str:
+def _load_init_weights(run: Any, init: InitFrom) -> str:
     """A fresh run starts from `init_from.path`'s weights; the line that says what was loaded."""
     from hpctrain.runtime.run.checkpoints import init_from
 
-    return init_from.apply(
-        run.model,
-        settings.path,
-        strict=bool(settings.get("strict", True)),
-        exclude=list(settings.get("exclude") or []),
-        prefix=str(settings.get("prefix") or ""),
-    )
+    return init_from.apply(run.model, init.path, strict=init.strict, exclude=init.exclude, prefix=init.prefix)
 
 
-def _freeze(run: Any, settings: Any) -> str:
+def _freeze(run: Any, init: InitFrom) -> str:
     """Freeze what `init_from.freeze` names (a callback unfreezes it at `unfreeze_at_epoch`)."""
     from hpctrain.runtime.run.checkpoints import init_from
 
-    until = settings.get("unfreeze_at_epoch")
-    frozen = init_from.FrozenParts(run.model, list(settings.freeze), None if until is None else int(until))
+    until = init.unfreeze_at_epoch
+    frozen = init_from.FrozenParts(run.model, list(init.freeze), until)
     run.trainer.callbacks.append(frozen)
     return (
         f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"

@@ -158,12 +158,15 @@ def resume_overrides(
     )
 
 
-def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
+def config_from_checkpoint(
+    cfg: DictConfig, checkpoint: Path, overrides: list[str], trusted_targets: list[str] | None = None
+) -> DictConfig:
     """`cfg` with `model` and `data` replaced by the checkpoint's, unless the command line chose them.
 
     `model=...` / `data=...` keep the eval config's choice; `model.<key>=...` / `data.<key>=...` are
     applied on top of the checkpoint's config, and so is `monitor` (the metric it was trained to
-    watch). The data directory is this command's `paths.data_dir` (said in the log), and
+    watch). Every class it names must be the project's or in `trusted_targets` (checkpoints.trusted_targets).
+    The data directory is this command's `paths.data_dir` (said in the log), and
     the training job's node-local staging directory (`data.stage_dir`) is not reused unless given again.
     """
     chosen = [
@@ -171,9 +174,8 @@ def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[st
         for group in ("model", "data", "monitor")
         if any(o.lstrip("+~").startswith((f"{group}=", f"{group}/")) for o in overrides)
     ]
-    trusted = (cfg.get("checkpoints") or {}).get("trusted_targets")
     kept = tuple(g for g in ("model", "data", "monitor") if g not in chosen)
-    stored = stored_config(checkpoint, kept, trusted)
+    stored = stored_config(checkpoint, kept, trusted_targets)
     for group in kept:
         if group not in stored:
             continue
