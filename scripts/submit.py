@@ -141,9 +141,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Fill what the command line left open from conf/cluster/<name>.yaml, and pass cluster=<name> on to
     the job (its config records it; offline compute nodes make datamodules not download)."""
-    from omegaconf import OmegaConf
-
     from hpctrain.runtime.config.compose import group_options
+    from hpctrain.runtime.config.settings import Cluster
 
     presets = group_options("cluster")  # the project's conf/cluster/ and hpctrain's
     if args.cluster not in presets:
@@ -151,26 +150,25 @@ def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             f"--cluster {args.cluster}: there is no conf/cluster/{args.cluster}.yaml; the presets are "
             f"{', '.join(presets)}"
         )
-    preset = OmegaConf.load(presets[args.cluster])
-    gpus = int(preset.get("gpus_per_node") or 0)
-    if gpus == 0:
+    preset = Cluster.load(presets[args.cluster])  # typed and checked: a typo is one sentence naming the file
+    if preset.gpus_per_node == 0:
         args.cpu = True
-        args.processes_per_node = args.processes_per_node or int(preset.get("tasks_per_node") or 1)
+        args.processes_per_node = args.processes_per_node or preset.tasks_per_node
     elif not args.cpu:
-        args.gpus_per_node = args.gpus_per_node or gpus
-        args.gpu_type = preset.get("gpu_type")
+        args.gpus_per_node = args.gpus_per_node or preset.gpus_per_node
+        args.gpu_type = preset.gpu_type
     tasks = args.processes_per_node if args.cpu else args.gpus_per_node
     for flag, value in (
-        ("partition", preset.get("partition")),
-        ("account", preset.get("account")),
-        ("qos", preset.get("qos")),
-        ("time", preset.get("time_min")),
-        ("cpus_per_task", preset.get("cpus_per_task")),
-        ("mem", f"{int(preset.mem_per_task_gb) * tasks}G" if preset.get("mem_per_task_gb") else None),
+        ("partition", preset.partition),
+        ("account", preset.account),
+        ("qos", preset.qos),
+        ("time", preset.time_min),
+        ("cpus_per_task", preset.cpus_per_task),
+        ("mem", f"{int(preset.mem_per_task_gb * tasks)}G"),
     ):
         if getattr(args, flag) is None and value is not None:
             setattr(args, flag, str(value) if flag != "cpus_per_task" else int(value))
-    args.setup = list(preset.get("setup") or [])
+    args.setup = list(preset.setup)
     args.overrides = [f"cluster={args.cluster}", *args.overrides]
 
 

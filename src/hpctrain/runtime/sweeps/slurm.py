@@ -50,6 +50,7 @@ from omegaconf import OmegaConf, open_dict, read_write
 
 from hpctrain.runtime import cluster
 from hpctrain.runtime.cluster import GPU_ACCELERATORS
+from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import records
 from hpctrain.runtime.sweeps import pack as packed
@@ -98,6 +99,11 @@ def refuse_swept_topology(job_overrides: Sequence[Sequence[str]]) -> None:
 
 
 class SlurmLauncher(SubmititSlurmLauncher):
+    @property
+    def settings(self) -> Settings:
+        """hpctrain's own settings of the sweep's config (the cluster preset and the requeue signal), checked."""
+        return Settings.of(self.config)
+
     def _allocation(self) -> dict[str, Any]:
         trainer = self.config.trainer
         try:
@@ -116,10 +122,10 @@ class SlurmLauncher(SubmititSlurmLauncher):
                     f"hydra.launcher.{key}={given} disagrees with the trainer ({value}); drop it: it is "
                     "derived from trainer.num_nodes and trainer.devices."
                 )
-        preset = OmegaConf.select(self.config, "cluster") or {}
-        if self.params.get("mem_gb") is None and preset.get("mem_per_task_gb"):
-            wanted["mem_gb"] = int(preset.mem_per_task_gb) * per_node
-        if gpus and preset.get("gpu_type"):  # the site names GPU types in its GRES
+        preset = self.settings.cluster
+        if preset is not None and self.params.get("mem_gb") is None:
+            wanted["mem_gb"] = int(preset.mem_per_task_gb * per_node)
+        if gpus and preset is not None and preset.gpu_type:  # the site names GPU types in its GRES
             wanted["gpus_per_node"] = None
             wanted["gres"] = f"gpu:{preset.gpu_type}:{gpus}"
         return wanted
@@ -137,8 +143,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
         for key in ("gpus_per_node", "mem_gb"):
             if params.get(key) is None:
                 params.pop(key, None)
-        requeue_signal = str(OmegaConf.select(self.config, "requeue.signal", default="SIGUSR1"))
-        lead_s = math.ceil(float(OmegaConf.select(self.config, "requeue.signal_lead_s", default=90)))
+        requeue_signal = self.settings.requeue.signal
+        lead_s = math.ceil(self.settings.requeue.signal_lead_s)
         extra = dict(params.pop("additional_parameters", None) or {})
         extra.setdefault("signal", f"{requeue_signal}@{lead_s}")  # the template's, replacing submitit's USR2
         extra.setdefault("requeue", True)
@@ -284,8 +290,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
     ) -> str:
         """sbatch slurm/pack.sbatch --array=0-<packs - 1> --pack=<size> --jobs=<file>; the array's job id."""
         params = self.params
-        requeue_signal = str(OmegaConf.select(self.config, "requeue.signal", default="SIGUSR1"))
-        lead_s = math.ceil(float(OmegaConf.select(self.config, "requeue.signal_lead_s", default=90)))
+        requeue_signal = self.settings.requeue.signal
+        lead_s = math.ceil(self.settings.requeue.signal_lead_s)
         extra: dict[str, Any] = {"signal": f"{requeue_signal}@{lead_s}", "requeue": True}
         extra.update(params.get("additional_parameters") or {})
         gpus, gres = allocation.get("gpus_per_node"), allocation.get("gres")
