@@ -47,19 +47,16 @@ RTOL, ATOL = 1e-4, 1e-5
 
 @dataclass(frozen=True)
 class Format:
+    """One export format, whole: its file, what it needs installed, how it is written, how it is run back
+    (the check), and how its model card says to load it. FORMATS, at the end of this module, is the one
+    registry; the config schema lists the same names (`schema.EXPORT_FORMATS`, tests/test_export.py)."""
+
     name: str
     suffix: str
     packages: tuple[str, ...]  # beyond torch: what pyproject.toml's `export` extra installs for it
-
-
-FORMATS = {
-    f.name: f
-    for f in (
-        Format("torch_export", ".pt2", ()),
-        Format("onnx", ".onnx", ("onnx", "onnxscript", "onnxruntime")),  # torch's exporter imports onnxscript
-        Format("safetensors", ".safetensors", ("safetensors",)),
-    )
-}
+    write: Callable[[Any, Any, Path], None]  # (predictor, example inputs, path)
+    run: Callable[[Path, Any, Any, Any], Any]  # (path, inputs, predictor, rebuild overrides) -> outputs
+    card: Callable[[Any, Any], list[str]]  # (exported, predictor) -> the card's Python lines
 
 
 @dataclass
@@ -211,7 +208,7 @@ def write(
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    WRITERS[chosen.name](predictor, inputs[:traced_rows], path)
+    chosen.write(predictor, inputs[:traced_rows], path)
     seconds = time.perf_counter() - started
     with torch.no_grad():
         outputs = predictor(inputs)
@@ -219,28 +216,27 @@ def write(
     return Exported(path, chosen, seconds, traced_rows, inputs, outputs, difference, rebuild)
 
 
-def _traced(predictor: Predictor, example: Tensor, chosen: Format) -> Any:
+def _traced(predictor: Predictor, example: Tensor, name: str) -> Any:
     """torch.export's program of the predictor, its batch dimension dynamic."""
     import torch
 
     batch = torch.export.Dim("batch", min=1)
-    with reported(chosen.name):
+    with reported(name):
         return torch.export.export(predictor, (example,), dynamic_shapes=({0: batch},), strict=False)
 
 
 def _write_torch_export(predictor: Predictor, example: Tensor, path: Path) -> None:
     import torch
 
-    torch.export.save(_traced(predictor, example, FORMATS["torch_export"]), path)
+    torch.export.save(_traced(predictor, example, "torch_export"), path)
 
 
 def _write_onnx(predictor: Predictor, example: Tensor, path: Path) -> None:
     import torch
 
-    chosen = FORMATS["onnx"]
-    program = _traced(predictor, example, chosen)
+    program = _traced(predictor, example, "onnx")
     single = isinstance(predictor(example), torch.Tensor)
-    with reported(chosen.name):
+    with reported("onnx"):
         onnx_program = torch.onnx.export(
             program,
             (example,),
@@ -257,13 +253,6 @@ def _write_safetensors(predictor: Predictor, example: Tensor, path: Path) -> Non
     from safetensors.torch import save_model
 
     save_model(predictor.model, str(path), metadata=safetensors_metadata(predictor, example))
-
-
-WRITERS: dict[str, Callable[[Any, Any, Path], None]] = {
-    "torch_export": _write_torch_export,
-    "onnx": _write_onnx,
-    "safetensors": _write_safetensors,
-}
 
 
 def safetensors_metadata(predictor: Predictor, example: Tensor) -> dict[str, str]:
@@ -309,13 +298,6 @@ def _run_safetensors(path: Path, inputs: Tensor, predictor: Predictor, rebuild: 
     return model(predictor.preprocess(inputs))
 
 
-RUNNERS: dict[str, Callable[[Path, Any, Any, Any], Any]] = {
-    "torch_export": _run_torch_export,
-    "onnx": _run_onnx,
-    "safetensors": _run_safetensors,
-}
-
-
 def _check(
     path: Path, chosen: Format, predictor: Predictor, inputs: Tensor, outputs: Any, rebuild: list[str] | None
 ) -> float:
@@ -326,7 +308,7 @@ def _check(
     rows = len(inputs)
     where = f"export.format={chosen.name} wrote {path}, but loaded back and run on a batch of {rows}"
     try:
-        got = tensors(RUNNERS[chosen.name](path, inputs, predictor, rebuild))
+        got = tensors(chosen.run(path, inputs, predictor, rebuild))
     except Exception as err:
         raise UserError(
             f"{where} it fails ({reason(err)}); if the forward fixes the batch size (a view or reshape "
@@ -362,3 +344,89 @@ def report(exported: Exported, card: Path, run_dir: Path) -> None:
     )
     log.info("model card: %s", card)
     log.info("run dir: %s", run_dir)
+
+
+# ------------------------------------------------------------------------------- how a model card loads it
+
+
+def _torch_export_card(exported: Exported, predictor: Predictor) -> list[str]:
+    return [
+        "import torch",
+        "",
+        f'model = torch.export.load("{exported.path.name}").module()',
+        f"outputs = model(inputs)  # inputs: a torch tensor, {describe_tensor(exported.inputs)}",
+    ]
+
+
+def _onnx_card(exported: Exported, predictor: Predictor) -> list[str]:
+    return [
+        "import onnxruntime",
+        "",
+        f'session = onnxruntime.InferenceSession("{exported.path.name}")',
+        f'outputs = session.run(None, {{"{input_name(exported.inputs)}": inputs}})'
+        f"  # inputs: a numpy array, {describe_tensor(exported.inputs)}",
+    ]
+
+
+def _safetensors_card(exported: Exported, predictor: Predictor) -> list[str]:
+    """The model as the project's own configs build it (the file's metadata describes it, and is never
+    built from: a file anyone can send must not choose the code that runs)."""
+    from torch import nn
+
+    from hpctrain.data.images import Normalise
+
+    preprocess = predictor.preprocess
+    if exported.rebuild is None:
+        overrides = ["model=<the option it was trained with>"]
+        said = "# its run.yaml was not found: pass the model= (or experiment=) options it was trained with"
+    else:
+        overrides = exported.rebuild
+        said = "# the overrides of the run that trained it (its run.yaml)"
+    lines = [
+        "# In the project that trained it (its code and conf/), with its environment: the model is built",
+        "# from the project's own configs, never from the file's metadata (which only describes it).",
+        "from pathlib import Path",
+        "",
+        "import torch",
+        "from hydra import compose, initialize_config_dir",
+        "from hydra.utils import instantiate",
+        "from safetensors.torch import load_model",
+        "",
+        'with initialize_config_dir(config_dir=str(Path("conf").resolve()), version_base="1.3"):',
+        f'    cfg = compose("train", overrides={overrides!r})  {said}',
+        'model = instantiate(cfg.model, _convert_="all").eval()',
+        f'load_model(model, "{exported.path.name}")',
+    ]
+    inputs = describe_tensor(exported.inputs)
+    if isinstance(preprocess, Normalise):
+        return [
+            *lines,
+            f"mean = torch.tensor({list(preprocess.mean)}).view(1, -1, 1, 1)",
+            f"std = torch.tensor({list(preprocess.std)}).view(1, -1, 1, 1)",
+            "with torch.no_grad():",
+            f"    outputs = model((images.float() / 255 - mean) / std)  # images: {inputs}",
+        ]
+    if isinstance(preprocess, nn.Identity):
+        call = f"model(inputs)  # inputs: {inputs}"
+    else:
+        call = f"model(preprocess(inputs))  # preprocess: {preprocess!r}, as the Input line above says"
+    return [*lines, "with torch.no_grad():", f"    outputs = {call}"]
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        Format("torch_export", ".pt2", (), _write_torch_export, _run_torch_export, _torch_export_card),
+        Format(  # torch's exporter imports onnxscript
+            "onnx", ".onnx", ("onnx", "onnxscript", "onnxruntime"), _write_onnx, _run_onnx, _onnx_card
+        ),
+        Format(
+            "safetensors",
+            ".safetensors",
+            ("safetensors",),
+            _write_safetensors,
+            _run_safetensors,
+            _safetensors_card,
+        ),
+    )
+}

@@ -21,7 +21,6 @@ from hpctrain.runtime.inference.export import (
     describe,
     describe_tensor,
     file_size,
-    input_name,
     tensors,
 )
 from hpctrain.runtime.run import records
@@ -61,7 +60,7 @@ def text(exported: Exported, predictor: Predictor, checkpoint: Path) -> str:
             f"## Load it ({'with the project that trained it' if exported.format.name == 'safetensors' else 'no template code'})",
             "",
             "```python",
-            *LOADERS[exported.format.name](exported, predictor),
+            *exported.format.card(exported, predictor),
             "```",
             "",
             "## Metrics",
@@ -145,73 +144,6 @@ def _input_and_output(exported: Exported, predictor: Predictor) -> list[str]:
         f"- Output: {shown}{meaning}.",
         checked,
     ]
-
-
-def _torch_export_loader(exported: Exported, predictor: Predictor) -> list[str]:
-    return [
-        "import torch",
-        "",
-        f'model = torch.export.load("{exported.path.name}").module()',
-        f"outputs = model(inputs)  # inputs: a torch tensor, {describe_tensor(exported.inputs)}",
-    ]
-
-
-def _onnx_loader(exported: Exported, predictor: Predictor) -> list[str]:
-    return [
-        "import onnxruntime",
-        "",
-        f'session = onnxruntime.InferenceSession("{exported.path.name}")',
-        f'outputs = session.run(None, {{"{input_name(exported.inputs)}": inputs}})'
-        f"  # inputs: a numpy array, {describe_tensor(exported.inputs)}",
-    ]
-
-
-def _safetensors_loader(exported: Exported, predictor: Predictor) -> list[str]:
-    """The model as the project's own configs build it (the file's metadata describes it, and is never
-    built from: a file anyone can send must not choose the code that runs)."""
-    from torch import nn
-
-    from hpctrain.data.images import Normalise
-
-    preprocess = predictor.preprocess
-    if exported.rebuild is None:
-        overrides = ["model=<the option it was trained with>"]
-        said = "# its run.yaml was not found: pass the model= (or experiment=) options it was trained with"
-    else:
-        overrides = exported.rebuild
-        said = "# the overrides of the run that trained it (its run.yaml)"
-    lines = [
-        "# In the project that trained it (its code and conf/), with its environment: the model is built",
-        "# from the project's own configs, never from the file's metadata (which only describes it).",
-        "from pathlib import Path",
-        "",
-        "import torch",
-        "from hydra import compose, initialize_config_dir",
-        "from hydra.utils import instantiate",
-        "from safetensors.torch import load_model",
-        "",
-        'with initialize_config_dir(config_dir=str(Path("conf").resolve()), version_base="1.3"):',
-        f'    cfg = compose("train", overrides={overrides!r})  {said}',
-        'model = instantiate(cfg.model, _convert_="all").eval()',
-        f'load_model(model, "{exported.path.name}")',
-    ]
-    inputs = describe_tensor(exported.inputs)
-    if isinstance(preprocess, Normalise):
-        return [
-            *lines,
-            f"mean = torch.tensor({list(preprocess.mean)}).view(1, -1, 1, 1)",
-            f"std = torch.tensor({list(preprocess.std)}).view(1, -1, 1, 1)",
-            "with torch.no_grad():",
-            f"    outputs = model((images.float() / 255 - mean) / std)  # images: {inputs}",
-        ]
-    if isinstance(preprocess, nn.Identity):
-        call = f"model(inputs)  # inputs: {inputs}"
-    else:
-        call = f"model(preprocess(inputs))  # preprocess: {preprocess!r}, as the Input line above says"
-    return [*lines, "with torch.no_grad():", f"    outputs = {call}"]
-
-
-LOADERS = {"torch_export": _torch_export_loader, "onnx": _onnx_loader, "safetensors": _safetensors_loader}
 
 
 def _metrics(run_dir: Path | None) -> list[str]:
