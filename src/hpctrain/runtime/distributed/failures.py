@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpctrain.runtime.distributed import notify, signals, stacks
-from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, POSITION_KEY, rank, store
+from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, POSITION_KEY, POSTED_KEY, rank, store
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # a terminal colour or style code
 PARENT_DIED = "error: rank 0 (the process that started rank {rank}) has died; ending rank {rank} too."
@@ -136,9 +136,13 @@ def announce(job: Any | None, line: str, event: str = notify.FAILED) -> None:
     """Record `line` as the job's failure, unless another rank recorded one first; the rank that records it
     posts it (`notify`: failed, or hung), so a job posts one failure (a single process, its own)."""
     if job is not None:
+        me = str(rank())
         try:
             if job.compare_set(FAILED_KEY, "", line) != line.encode():
                 return  # another rank's failure came first
+            # ranks that judge a hang alike record the same line: the first of them posts it
+            if job.compare_set(POSTED_KEY, "", me) != me.encode():
+                return
         except Exception:
             return
     notify.post(event, line)
