@@ -232,6 +232,7 @@ def run_lightning(setup: Setup) -> list[float]:
 
 def run_template(setup: Setup) -> list[float]:
     """The template's own path: config -> build -> Trainer.fit, as src/train.py does it (loggers off)."""
+    from hpctrain.runtime.distributed import watchdog
     from hpctrain.runtime.report.progress import ThroughputLog
     from hpctrain.runtime.run import build
 
@@ -248,6 +249,9 @@ def run_template(setup: Setup) -> list[float]:
     trainer = build.trainer(setup.cfg, setup.out, logger=[])
     trainer.callbacks = [recorder if isinstance(c, ThroughputLog) else c for c in trainer.callbacks]
     trainer.fit(build.model(setup.cfg), build.datamodule(setup.cfg))
+    # as src/train.py's end does (end_distributed_job): the rank watchdog the run started stops before
+    # the next variant or the process group's end; left inside a store request it can abort the process
+    watchdog.stop()
     return recorder.rates
 
 
