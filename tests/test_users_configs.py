@@ -1,0 +1,108 @@
+"""A user who clones the template and adds configs of their own keeps the template's suite green.
+
+The tests that iterate over conf/ judge only what every option must satisfy (it composes, it builds, a
+datamodule gives a batch, a model fits some data, an experiment runs a batch); what the template's own
+batches hold is checked on its options by name. Here a copy of the project gets three pairs whose batches
+are not `(inputs, targets)` (tests/batch_shapes.py, as src/myproject/batch_shapes.py), and those tests
+run in the copy."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, ROOT, local_env
+
+pytestmark = pytest.mark.slow
+
+PACKAGE = "myproject.batch_shapes"
+
+# conf/<group>/<name>.yaml of the user's: for each batch shape a datamodule, its model and an experiment.
+USERS_CONFIGS = {
+    "data/points.yaml": f"_target_: {PACKAGE}.PointsDataModule\ndim: 8\nbatch_size: 16\n",
+    "data/two_views.yaml": f"_target_: {PACKAGE}.TwoViewsDataModule\ndim: 8\nnum_classes: 3\nbatch_size: 16\n",
+    # keys a template model also reads (num_classes, image_shape): it "fits" by its keys, not by its batches
+    "data/labelled_images.yaml": (
+        f"_target_: {PACKAGE}.LabelledImagesDataModule\nnum_classes: 4\nimage_shape: [1, 8, 8]\nbatch_size: 16\n"
+    ),
+    "model/points_autoencoder.yaml": (
+        "# @package _global_\n"
+        f"model:\n  _target_: {PACKAGE}.PointsAutoEncoder\n  dim: ${{data.dim}}\n"
+        "monitor:\n  metric: val/loss\n  mode: min\n"
+    ),
+    "model/two_views_classifier.yaml": (
+        f"_target_: {PACKAGE}.TwoViewsClassifier\ndim: ${{data.dim}}\nnum_classes: ${{data.num_classes}}\n"
+    ),
+    "model/labelled_images_classifier.yaml": (
+        f"_target_: {PACKAGE}.LabelledImagesClassifier\n"
+        "num_classes: ${data.num_classes}\nimage_shape: ${data.image_shape}\n"
+    ),
+    **{
+        f"experiment/{model}.yaml": (
+            "# @package _global_\ndefaults:\n"
+            f"  - override /data: {data}\n  - override /model: {model}\n  - override /trainer: cpu\n"
+        )
+        for data, model in [
+            ("points", "points_autoencoder"),
+            ("two_views", "two_views_classifier"),
+            ("labelled_images", "labelled_images_classifier"),
+        ]
+    },
+}
+USERS_OPTIONS = sorted({Path(name).stem for name in USERS_CONFIGS})
+
+# The template's tests that iterate over conf/: those that look at every option at once run whole, those
+# parametrized by option run on the user's options.
+AT_ONCE = [
+    "tests/test_config.py::test_the_object_graph_has_its_groups",
+    "tests/test_config.py::test_every_model_fits_some_data",
+    "tests/test_matrix.py::test_the_cells_are_the_shipped_experiments_the_combinations_page_lists",
+    "tests/test_schema.py::test_every_config_file_validates_against_its_editor_schema",
+]
+BY_OPTION = [
+    "tests/test_config.py::test_option_composes_and_passes_the_checks",
+    "tests/test_config.py::test_data_option_yields_a_batch",
+    "tests/test_config.py::test_template_model_runs_a_batch_of_each_template_data_it_fits",
+    "tests/test_config.py::test_experiment_runs_a_batch",
+]
+
+
+def _project_with_users_configs(project: Path) -> Path:
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "local")
+    for part in ("conf", "src", "tests", "docs"):
+        shutil.copytree(ROOT / part, project / part, ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", project)
+    shutil.copy(ROOT / "tests" / "batch_shapes.py", project / "src" / "myproject" / "batch_shapes.py")
+    for name, text in USERS_CONFIGS.items():
+        (project / "conf" / name).write_text(text)
+    return project
+
+
+def test_the_template_tests_that_iterate_conf_pass_beside_users_configs_of_three_batch_shapes(tmp_path: Path):
+    project = _project_with_users_configs(tmp_path / "project")
+    env = {
+        **local_env(),
+        "PYTHONPATH": str(project / "src"),  # the copy's hpctrain and myproject, not this checkout's
+        "HPCTRAIN_CODE_ROOT": str(project),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    by_option = " or ".join(test.split("::")[1] for test in BY_OPTION)
+    keyword = f"not ({by_option}) or {' or '.join(USERS_OPTIONS)}"
+    result = subprocess.run(
+        [PYTHON, "-m", "pytest", *AT_ONCE, *BY_OPTION, "-k", keyword, "-v", "-p", "no:cacheprovider"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report[-6000:]
+    passed = set(re.findall(r"^(tests/\S+) PASSED", report, re.MULTILINE))
+    assert set(AT_ONCE) <= passed, report[-3000:]
+    for option in USERS_OPTIONS:  # each of the user's options was judged, and passed
+        assert any(re.search(rf"[\[=]{option}\]", test) for test in passed), (option, report[-3000:])
