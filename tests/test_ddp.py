@@ -52,7 +52,9 @@ def test_multirun_with_ddp_runs_each_job_once(tmp_path: Path):
         assert yaml.safe_load((sweep / job / "run.yaml").read_text())["attempts"][0]["world_size"] == 2
     assert not (tmp_path / "train" / "runs").exists()  # children did not write elsewhere
     summary = (sweep / "summary.csv").read_text().splitlines()
-    assert summary[0].startswith("job,status,overrides,metric,value,run_dir,slurm_log,error,")  # then groups, cost
+    assert summary[0].startswith(
+        "job,status,overrides,metric,value,run_dir,slurm_log,error,"
+    )  # then groups, cost
     assert [line.split(",")[:3] for line in summary[1:]] == [
         ["0", "completed", "seed=1"],
         ["1", "completed", "seed=2"],
