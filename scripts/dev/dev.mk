@@ -6,8 +6,10 @@ benchmark: install
 	$(PYTHON) scripts/dev/data_benchmark.py
 	$(PYTHON) scripts/dev/fsdp_benchmark.py
 
-# The quick tier against the oldest and the newest releases of hpctrain's support window (fresh venvs)
+# The quick tier against the oldest and the newest releases of hpctrain's support window (fresh venvs);
+# PRE=1 adds the newest with the next Hydra and OmegaConf release candidates
 .PHONY: versions
 versions: install
 	bash scripts/dev/versions.sh oldest
 	bash scripts/dev/versions.sh newest
+	$(if $(PRE),bash scripts/dev/versions.sh newest --pre)
