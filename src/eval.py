@@ -17,7 +17,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
+@hydra.main(config_path="../conf", config_name="eval", **entry.main_args())  # Hydra 1.3 and 1.4 alike
 def main(cfg: DictConfig) -> dict[str, float]:
     from hpctrain.runtime.run.checkpoints import existing_checkpoint  # here: --help and --cfg never run a job
     from hpctrain.runtime.run.job import Job

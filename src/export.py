@@ -18,7 +18,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="export")
+@hydra.main(config_path="../conf", config_name="export", **entry.main_args())  # Hydra 1.3 and 1.4 alike
 def main(cfg: DictConfig) -> str | None:
     from hpctrain.runtime.inference import (  # here: --help and --cfg never run a job
         export,

@@ -18,7 +18,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(config_path="../conf", config_name="train", **entry.main_args())  # Hydra 1.3 and 1.4 alike
 def main(cfg: DictConfig) -> float | None:
     from hpctrain.runtime.run.job import run_job  # imported here: --help and --cfg never run a job
 

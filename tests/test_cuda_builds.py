@@ -21,7 +21,8 @@ from hpctrain.runtime import cluster
 from hpctrain.runtime.errors import UserError
 from tests.helpers import PYTHON, ROOT, require_programs
 
-UV = str(Path(PYTHON).with_name("uv"))
+# the running environment's uv, else the locked .venv's (make versions tests in venvs without one)
+UV = next((str(p) for p in (Path(PYTHON).with_name("uv"), ROOT / ".venv" / "bin" / "uv") if p.exists()), "uv")
 PYTORCH_INDEX = "download.pytorch.org"
 
 

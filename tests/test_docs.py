@@ -956,8 +956,8 @@ def test_the_code_the_guides_show_runs(tmp_path: Path, monkeypatch: pytest.Monke
     predict, export run at the end of test_the_getting_started_commands_run, on its checkpoint.)"""
     import numpy as np
     import torch
-    from hydra.utils import instantiate
 
+    from hpctrain.runtime.config.targets import instantiate  # the configs' targets allowed (Hydra 1.4)
     from hpctrain.runtime.errors import UserError
 
     searchpath, env = install_readers_files(PAGES, tmp_path / "readers")

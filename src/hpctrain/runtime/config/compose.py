@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.config.versions import VERSION_BASE
 
 MARKER = Path("conf") / "train.yaml"  # what makes a directory a project's code root
 
@@ -83,7 +84,7 @@ def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictCo
     running = GlobalHydra.instance().hydra  # inside @hydra.main (an export's check, an error report)
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), **VERSION_BASE):
             return hydra_compose(config_name, overrides=list(overrides))
     finally:
         GlobalHydra.instance().hydra = running  # the running app's, as it was

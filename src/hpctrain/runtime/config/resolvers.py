@@ -20,6 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.config import versions
 
 
 @functools.cache
@@ -40,4 +41,4 @@ def register_resolvers(project_root: Path) -> None:
     }
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name) or name == "project_root":
-            OmegaConf.register_new_resolver(name, resolver, replace=True)
+            versions.register_resolver(name, resolver)

@@ -10,8 +10,12 @@ any other is refused in one sentence before anything is imported. Its
 strings are literals: an interpolation in them (`${...}`) is not resolved, so no resolver runs on them.
 
 Hydra 1.4 adds a call-site execution whitelist (`instantiate(..., _execution_whitelist_=...)`; without
-one it warns, and Hydra 1.5 will refuse): `instantiate` passes the targets it was given as that
-whitelist where the installed Hydra has one, so Hydra enforces the same rule. No torch here.
+one it warns, and Hydra 1.5 will refuse): `instantiate` passes the targets it was given, hpctrain's and the
+project's packages, where the installed Hydra has one. Hydra 1.4 also checks a factory's result when it
+is callable, by its class's name: an nn.Module is, so a function of the project's that returns
+torchvision's ResNet needs `torchvision.*`. The packages of the template's stack (RESULT_PACKAGES) are
+therefore allowed too; the node's targets themselves were decided above (composed by the project, or a
+file's checked by `check_stored`). No torch here.
 """
 
 from __future__ import annotations
@@ -146,6 +150,10 @@ def literal(node: Any) -> Any:
     return node
 
 
+# What the template's factories return (modules, metrics): Hydra 1.4 checks a callable result by its class
+RESULT_PACKAGES = ("torch", "torchvision", "torchmetrics", "pytorch_lightning", "lightning")
+
+
 def whitelist_supported() -> bool:
     """Whether the installed Hydra takes a call-site execution whitelist (1.4 and later)."""
     import hydra.utils
@@ -162,6 +170,7 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     if not whitelist_supported():
         return hydra_instantiate(node, *args, **kwargs)
     plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig | ListConfig) else node
-    names = sorted({t for _, t in targets_in(plain) if isinstance(t, str)})
-    names += sorted({t for _, t in targets_in(kwargs) if isinstance(t, str)} - set(names))
-    return hydra_instantiate(node, *args, _execution_whitelist_=tuple(names), **kwargs)
+    names = {t for _, t in targets_in(plain) if isinstance(t, str)}
+    names |= {t for _, t in targets_in(kwargs) if isinstance(t, str)}
+    packages = {f"{package}.*" for package in ("hpctrain", *project_packages(), *RESULT_PACKAGES)}
+    return hydra_instantiate(node, *args, _execution_whitelist_=tuple(sorted(names | packages)), **kwargs)

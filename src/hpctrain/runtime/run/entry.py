@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
-from hpctrain.runtime.config import answers, checks, command_line
+from hpctrain.runtime.config import answers, checks, command_line, versions
+from hpctrain.runtime.config.targets import project_packages
 from hpctrain.runtime.distributed import signals
 from hpctrain.runtime.errors import reported_as_one_sentence
 
@@ -19,6 +21,15 @@ def start(task: str) -> None:
         checks.check_command_line(sys.argv[1:])
     answers.replay()
     command_line.install(task)
+
+
+def main_args() -> dict[str, Any]:
+    """`@hydra.main`'s arguments besides the config's folder and name (`**entry.main_args()`): Hydra 1.3's
+    version_base, or Hydra 1.4's allowlist for the callbacks Hydra itself builds from `hydra.callbacks`,
+    hpctrain's and the project's packages (hpctrain.runtime.config.versions)."""
+    if not versions.HYDRA_1_4:
+        return dict(versions.VERSION_BASE)
+    return {"execution_whitelist": tuple(f"{package}.*" for package in ("hpctrain", *project_packages()))}
 
 
 def end() -> None:
