@@ -21,6 +21,12 @@ class Internal:
 
 INTERNALS = (
     Internal(
+        "torch.distributed.distributed_c10d:_set_pg_timeout",
+        "runtime/run/callbacks.py",
+        "torch 2.6 has no public torch.distributed.set_timeout: dist.timeout_min after the first step",
+        "tests/test_fsdp.py::test_the_device_meshs_groups_get_the_configured_collective_timeout",
+    ),
+    Internal(
         "hydra._internal.utils:run_and_report",
         "runtime/config/command_line.py",
         "Hydra reports composition errors through it; wrapped so a mistake is one sentence, exit 2",

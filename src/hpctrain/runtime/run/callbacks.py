@@ -512,8 +512,10 @@ def _set_timeout(minutes: float, groups: list[Any] | None = None) -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # public in later torch; torch 2.6, the oldest of the window, has only the private name
+        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
         for group in [None, *(groups or [])]:
-            dist.set_timeout(timedelta(minutes=minutes), group=group)
+            set_timeout(timedelta(minutes=minutes), group=group)
     failures.set_timeout_min(minutes)
 
 
