@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hpctrain.runtime import cluster
 from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger("hpctrain")
@@ -202,12 +203,4 @@ def _holder_is_gone(lock: Path) -> bool:
             return time.time() - lock.stat().st_mtime > 30
         except OSError:
             return False
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return cluster.process_is_gone(host, pid)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -717,3 +718,17 @@ def in_queue(job: str) -> bool:
     if result.returncode != 0:
         return "invalid job id" not in result.stderr.lower()  # gone from the queue long enough to be unknown
     return bool(result.stdout.strip())
+
+
+def process_is_gone(host: str, pid: str) -> bool:
+    """Whether process `pid` of `host` has ended: only a process of this host can be asked, and one this
+    user may not signal, or this very process, counts as running (its files are not to be taken)."""
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

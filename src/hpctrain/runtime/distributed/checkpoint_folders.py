@@ -119,15 +119,7 @@ def _abandoned(name: str, env: dict[str, str] | None = None) -> bool:
     if tag.startswith("slurm"):
         return job is not None and tag == f"slurm{job}"
     host, _, pid = tag.rpartition(".") if not tag.isdigit() else (socket.gethostname(), "", tag)
-    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return cluster.process_is_gone(host, pid)
 
 
 def recover(folder: Path, env: dict[str, str] | None = None) -> None:
