@@ -1,5 +1,16 @@
-"""The monitored metric (`monitor.metric`, `monitor.mode`): checked as soon as metrics exist, tracked
-for sweepers, and the checkpoint and early-stopping callbacks that follow it.
+"""The callbacks of a run's machinery:
+
+- `ModelCheckpoint` and `EarlyStopping` (the `callbacks` group's model_checkpoint and early_stopping):
+  Lightning's, following the monitored metric, the checkpoint one with hpctrain's commit protocol (the
+  old best is removed only once the new one is saved);
+
+and those every run gets from `build`:
+
+- `MonitoredMetric`: the monitored metric (`monitor.metric`, `monitor.mode`), checked as soon as metrics
+  exist and tracked for sweepers;
+- `SharedRunDirCheck`: every rank of a multi-node fit writes to one shared run dir;
+- `AttemptProgress`: this attempt's progress in run.yaml (checkpoints, heartbeat, the signal lead);
+- `RankWatchdog`: the rank watchdog, the stop guard, where each rank is, collective timeouts, streams.
 
 A module that never logs the monitored metric (or a typo in `monitor.metric`) would otherwise train a
 whole epoch and then crash inside ModelCheckpoint or EarlyStopping; here the run stops at the end of

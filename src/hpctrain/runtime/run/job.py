@@ -201,7 +201,9 @@ class Job:
             launch.end_distributed_job(run.trainer, completed)
 
     def finish(self, run: Any, best: str | None = None) -> Any:
-        """Report where everything went; the value sweepers get is the best of `monitor.metric`."""
+        """Report where everything went and record the run's outcome; return the run's scalar metrics by
+        name (Lightning's callback metrics: the test results after a test). A sweeper's value is not
+        among them: it is the best of `monitor.metric` (`run.best_value`, which src/train.py returns)."""
         from hpctrain.runtime.report.performance import PerformanceLog  # torch is imported by now
 
         results = console.report(self.run_dir, run.trainer, best)
