@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import hydra
+from importlib.metadata import version
+
 import omegaconf
 from omegaconf import OmegaConf
 
@@ -25,7 +26,9 @@ def _minor(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-HYDRA_1_4 = _minor(hydra.__version__) >= (1, 4)
+# read from the installed distribution: `import hydra` imports most of Hydra, which a replayed answer
+# (hpctrain.runtime.config.answers) and the preflight never need
+HYDRA_1_4 = _minor(version("hydra-core")) >= (1, 4)
 OMEGACONF_2_4 = _minor(omegaconf.__version__) >= (2, 4)
 
 VERSION_BASE: dict[str, str] = {} if HYDRA_1_4 else {"version_base": "1.3"}
