@@ -248,7 +248,9 @@ def test_template_model_runs_a_batch_of_each_template_data_it_fits(
     """Fitting by its keys promises no batch shape: a user's model runs with its own data in its experiment
     (below) and in the contract tests."""
     overrides = (f"model={model}", f"data={data}", *data_values(data), "debug=fdr", "trainer=cpu")
-    overrides += ("data.batch_size=8",) if model == "resnet18" else ()  # seconds, not tens of seconds, a batch
+    overrides += (
+        ("data.batch_size=8",) if model == "resnet18" else ()
+    )  # seconds, not tens of seconds, a batch
     cfg = compose_train(tmp_path, data_dir, *overrides)
     _one_batch_of_everything(cfg, tmp_path)
 

@@ -13,9 +13,8 @@ Hydra 1.3 and 1.4, OmegaConf 2.3 and 2.4 (`make versions PRE=1` runs the quick t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
 from importlib.metadata import version
+from typing import Any
 
 import omegaconf
 from omegaconf import OmegaConf
