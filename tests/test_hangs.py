@@ -153,7 +153,9 @@ def test_a_rank_slowed_by_a_sleeping_callback_is_named_as_a_straggler(tmp_path: 
     assert "straggler: rank 0" not in output
     line = next(x for x in output.splitlines() if "straggler: rank 1" in x)
     share = int(line.split("), ")[1].split("%")[0])
-    assert share > 60, line  # the sleep is in a batch-start hook: mostly between steps (76 % seen on a loaded CI core)
+    assert share > 60, (
+        line
+    )  # the sleep is in a batch-start hook: mostly between steps (76 % seen on a loaded CI core)
     with open(run / "metrics.csv", newline="") as file:
         rows = [r for r in csv.DictReader(file) if r.get("ranks/own_ms/1")]
     assert rows and all(float(r["ranks/own_ms/1"]) > 40 > float(r["ranks/own_ms/0"]) for r in rows)
