@@ -316,7 +316,7 @@ def test_eval_config_composes(tmp_path: Path):
 # conf/callbacks/default.yaml composes one file per callback; these are the values each file holds.
 DEFAULT_CALLBACKS = {
     "model_checkpoint": {
-        "_target_": "hpctrain.runtime.run.callbacks.ModelCheckpoint",
+        "_target_": "hpctrain.callbacks.model_checkpoint.ModelCheckpoint",
         "dirpath": "${paths.output_dir}/checkpoints",
         "filename": "epoch_{epoch:03d}",
         "monitor": "${monitor.metric}",
@@ -326,7 +326,7 @@ DEFAULT_CALLBACKS = {
         "auto_insert_metric_name": False,
     },
     "early_stopping": {
-        "_target_": "hpctrain.runtime.run.callbacks.EarlyStopping",
+        "_target_": "hpctrain.callbacks.early_stopping.EarlyStopping",
         "monitor": "${monitor.metric}",
         "mode": "${monitor.mode}",
         "patience": 5,
@@ -338,14 +338,14 @@ DEFAULT_CALLBACKS = {
     },
     "model_summary": {"_target_": "pytorch_lightning.callbacks.ModelSummary", "max_depth": 2},
     "progress": {
-        "_target_": "hpctrain.runtime.report.progress.progress_bar",
+        "_target_": "hpctrain.callbacks.progress_bar.progress_bar",
         "mode": "auto",
         "refresh_rate": 5,
         "log_every_n_s": 30,
     },
-    "throughput": {"_target_": "hpctrain.runtime.report.progress.ThroughputLog"},
+    "throughput": {"_target_": "hpctrain.callbacks.throughput_log.ThroughputLog"},
     "performance": {
-        "_target_": "hpctrain.runtime.report.performance.PerformanceLog",
+        "_target_": "hpctrain.callbacks.performance_log.PerformanceLog",
         "data_wait_warn": 0.2,
         "every_n_steps": None,
         "flops": True,

@@ -392,7 +392,7 @@ def test_the_device_meshs_groups_get_the_configured_collective_timeout(tmp_path:
 
     import torch.distributed as dist
 
-    from hpctrain.runtime.run.callbacks import _set_timeout
+    from hpctrain.callbacks.rank_watchdog import _set_timeout
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpctrain.callbacks.frozen_parts import FrozenParts
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import init_from, reading
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
@@ -82,10 +83,10 @@ def test_non_strict_with_exclude_loads_the_rest_and_says_what_was_left_out(tmp_p
 
 def test_frozen_parts_keep_weights_and_batchnorm_statistics(tmp_path: Path):
     model = _Classifier()
-    frozen = init_from.FrozenParts(model, [r"^net\.[01]\."])
+    frozen = FrozenParts(model, [r"^net\.[01]\."])
     assert frozen.norms == ["net.1"] and not model.net[0].weight.requires_grad
     with pytest.raises(UserError, match="matches no parameter"):
-        init_from.FrozenParts(_Classifier(), ["^nothing"])
+        FrozenParts(_Classifier(), ["^nothing"])
 
 
 @pytest.mark.slow
@@ -156,7 +157,7 @@ class _Module(__import__("pytorch_lightning").LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.1, weight_decay=0.1)
 
 
-def _fit(module: _Module, callback: init_from.FrozenParts, epochs: int) -> None:
+def _fit(module: _Module, callback: FrozenParts, epochs: int) -> None:
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -176,13 +177,13 @@ def test_unfreezing_at_an_epoch_trains_the_frozen_part_from_then_on():
     module = _Module()
     start = {k: v.clone() for k, v in module.state_dict().items()}
     frozen_keys = [k for k in start if k.startswith(("net.0.", "net.1."))]  # a linear and its BatchNorm
-    frozen = init_from.FrozenParts(module, [r"^net\.[01]\."], unfreeze_at_epoch=2)
+    frozen = FrozenParts(module, [r"^net\.[01]\."], unfreeze_at_epoch=2)
     assert module.net[0].weight.requires_grad  # requires_grad never changes: DDP's buckets stay right
     _fit(module, frozen, epochs=2)
     after_two = module.state_dict()
     assert all(torch.equal(start[k], after_two[k]) for k in frozen_keys)  # weights and BatchNorm statistics
     assert not torch.equal(start["net.2.weight"], after_two["net.2.weight"])
-    _fit(module, init_from.FrozenParts(module, [r"^net\.[01]\."], unfreeze_at_epoch=2), epochs=3)
+    _fit(module, FrozenParts(module, [r"^net\.[01]\."], unfreeze_at_epoch=2), epochs=3)
     after_three = module.state_dict()
     assert not torch.equal(start["net.0.weight"], after_three["net.0.weight"])
     assert not torch.equal(start["net.1.running_mean"], after_three["net.1.running_mean"])

@@ -35,7 +35,14 @@ def test_private_name_still_exists(entry):
 
 @pytest.mark.parametrize("entry", INTERNALS, ids=[i.name for i in INTERNALS])
 def test_each_entry_names_real_files(entry):
-    assert (ROOT / "src" / "hpctrain" / entry.used_in).is_file(), entry.used_in
+    used_in = ROOT / "src" / "hpctrain" / entry.used_in
+    assert used_in.is_file(), entry.used_in
+    # the name itself, or the private attributes its `why` names (instance attributes torch cannot resolve)
+    names = {entry.name.rpartition(":")[2].rpartition(".")[2], *re.findall(r"\.(_\w+)", entry.why)}
+    text = used_in.read_text()
+    assert any(name in text for name in names), (
+        f"{entry.used_in} no longer uses {entry.name}: where is it now?"
+    )
     test_file = Path(ROOT / entry.test.split("::")[0])
     if not EXAMPLES and not test_file.exists():
         pytest.skip(f"{test_file.name} tests the examples, which this project was generated without")

@@ -3,8 +3,9 @@ the machinery, and entry points that repeat no code.
 
     the user's package   src/<yours>/ (here myproject): models, networks, datasets   (yours to edit)
     the machinery        src/hpctrain/, carried untouched:
-                         errors, cluster < config < distributed < report, data < run
-                         < sweeps, inference (what comes after training) < testing
+                         errors, cluster < config < distributed < report, data
+                         < run, callbacks, loggers < sweeps, inference (what comes after training)
+                         < testing
 
 hpctrain imports nothing of the user's package (its extension points take the user's classes from
 config), and the user's package imports hpctrain only through its public API: the names of
@@ -34,6 +35,7 @@ LAYERS = [
         "hpctrain.runtime.errors",
         "hpctrain.runtime.cluster",
         "hpctrain.runtime.internals",
+        "hpctrain.runtime.moved",
         "hpctrain.runtime.snapshot",
         "hpctrain.runtime.remote",
         "hpctrain.conf",
@@ -41,7 +43,7 @@ LAYERS = [
     {"hpctrain.runtime.config"},
     {"hpctrain.runtime.distributed"},
     {"hpctrain.runtime.report", "hpctrain.data"},
-    {"hpctrain.runtime.run"},
+    {"hpctrain.runtime.run", "hpctrain.callbacks", "hpctrain.loggers"},
     {"hpctrain.runtime.sweeps", "hpctrain.runtime.inference"},
     {"hpctrain.testing"},
 ]
@@ -146,10 +148,15 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def layer_of(module: str) -> int | None:
-    for depth, layer in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in layer):
-            return depth
-    return None
+    """The layer of the longest entry that is `module` or a package above it (a module may sit above
+    the rest of its package: hpctrain.callbacks.sweep_summary is a sweep's)."""
+    naming = [
+        (len(entry), depth)
+        for depth, layer in enumerate(LAYERS)
+        for entry in layer
+        if module == entry or module.startswith(entry + ".")
+    ]
+    return max(naming)[1] if naming else None
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:

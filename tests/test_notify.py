@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hpctrain.loggers import job_metadata
 from hpctrain.runtime.config import schema
 from hpctrain.runtime.config.checks import check_command_line, check_config, notify_url_refused
 from hpctrain.runtime.distributed import notify
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.loggers import job_metadata
 from hpctrain.runtime.sweeps.summary import Summary
 from tests.helpers import (
     ROOT,

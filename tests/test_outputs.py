@@ -10,9 +10,9 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from hpctrain.loggers import ResumableCSVLogger, stable_run_key
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import checkpoints, records
-from hpctrain.runtime.run.loggers import ResumableCSVLogger, stable_run_key
 from tests.helpers import read_metrics
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from hpctrain.runtime.report import flops, gpus, performance, plots, trace
+from hpctrain.callbacks import trace_steps as trace
+from hpctrain.runtime.report import flops, gpus, performance, plots
 from tests.differential.cases import user_overrides
 from tests.differential.user_code import LitClassifier
 from tests.helpers import ROOT, assert_ok, read_metrics, run_dirs, train

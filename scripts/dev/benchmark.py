@@ -232,8 +232,8 @@ def run_lightning(setup: Setup) -> list[float]:
 
 def run_template(setup: Setup) -> list[float]:
     """The template's own path: config -> build -> Trainer.fit, as src/train.py does it (loggers off)."""
+    from hpctrain.callbacks.throughput_log import ThroughputLog
     from hpctrain.runtime.distributed import watchdog
-    from hpctrain.runtime.report.progress import ThroughputLog
     from hpctrain.runtime.run import build
 
     class EpochRates(ThroughputLog):
@@ -352,9 +352,9 @@ def diagnostics_cost(steps: int) -> dict[str, float]:
 
     import torch
 
-    from hpctrain.runtime.report.performance import PerformanceLog
-    from hpctrain.runtime.run.callbacks import RankWatchdog
-    from hpctrain.runtime.run.nonfinite import NonFiniteLoss
+    from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
+    from hpctrain.callbacks.performance_log import PerformanceLog
+    from hpctrain.callbacks.rank_watchdog import RankWatchdog
 
     watchdog = RankWatchdog()
     watchdog._several = True

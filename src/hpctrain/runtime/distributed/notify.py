@@ -12,7 +12,7 @@ Who posts what, once (a process posts at most one ending: completed, failed, nan
   (`hpctrain.runtime.run.job`);
 - failed (a crash), hung (a collective that timed out): the rank that records the job's failure
   (`failures.announce`; the job's store lets one rank do it);
-- nan: rank 0, as the NaN stop raises (`hpctrain.runtime.run.nonfinite`);
+- nan: rank 0, as the NaN stop raises (`hpctrain.callbacks.non_finite_loss`);
 - budget: a job that has used its last requeue: rank 0 as the job ends on its one-sentence stop
   (`endings.Stopped`), or whoever finds it first with `notify.post(notify.BUDGET, sentence)`;
 - sweep: the sweep's summary as the sweep ends (`sweep_ended`, from `hpctrain.runtime.sweeps.summary`);

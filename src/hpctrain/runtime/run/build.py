@@ -36,29 +36,26 @@ from pytorch_lightning.loggers import Logger
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
+from hpctrain.callbacks.attempt_progress import AttemptProgress
+from hpctrain.callbacks.checkpoint_extras import CheckpointExtras
+from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
+from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
+from hpctrain.callbacks.one_rank_calls import OneRankCalls
+from hpctrain.callbacks.performance_log import PerformanceLog
+from hpctrain.callbacks.rank_watchdog import RankWatchdog
+from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
+from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
+from hpctrain.loggers import job_metadata, tag_runs
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config import redact, targets
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
-from hpctrain.runtime.distributed.one_rank_calls import OneRankCalls
-from hpctrain.runtime.distributed.requeue import RequeueOnSignal
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.report.performance import PerformanceLog
-from hpctrain.runtime.run.callbacks import (
-    AttemptProgress,
-    MonitoredMetric,
-    RankWatchdog,
-    SharedRunDirCheck,
-    no_monitor_note,
-)
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpointIO
-from hpctrain.runtime.run.checkpoints.extras import CheckpointExtras
 from hpctrain.runtime.run.checkpoints.sharded import consolidate
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
-from hpctrain.runtime.run.loggers import job_metadata, tag_runs
-from hpctrain.runtime.run.nonfinite import NonFiniteLoss
 
 log = logging.getLogger(__package__)
 STORED_GROUPS = ("model", "data", "monitor")  # the config a checkpoint keeps (CheckpointExtras)

@@ -204,7 +204,7 @@ class Job:
         """Report where everything went and record the run's outcome; return the run's scalar metrics by
         name (Lightning's callback metrics: the test results after a test). A sweeper's value is not
         among them: it is the best of `monitor.metric` (`run.best_value`, which src/train.py returns)."""
-        from hpctrain.runtime.report.performance import PerformanceLog  # torch is imported by now
+        from hpctrain.callbacks.performance_log import PerformanceLog  # torch is imported by now
 
         results = console.report(self.run_dir, run.trainer, best)
         if self.outcome is not None:

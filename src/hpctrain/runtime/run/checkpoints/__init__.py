@@ -119,10 +119,10 @@ def _load_init_weights(run: Any, init: InitFrom) -> str:
 
 def _freeze(run: Any, init: InitFrom) -> str:
     """Freeze what `init_from.freeze` names (a callback unfreezes it at `unfreeze_at_epoch`)."""
-    from hpctrain.runtime.run.checkpoints import init_from
+    from hpctrain.callbacks.frozen_parts import FrozenParts
 
     until = init.unfreeze_at_epoch
-    frozen = init_from.FrozenParts(run.model, list(init.freeze), until)
+    frozen = FrozenParts(run.model, list(init.freeze), until)
     run.trainer.callbacks.append(frozen)
     return (
         f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"

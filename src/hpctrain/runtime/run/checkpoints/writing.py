@@ -8,7 +8,7 @@ cut short). It keeps only the plain values of what `save_hyperparameters()` reco
 with `weights_only=True`, and hpctrain rebuilds every model from its config, never from those. The
 first checkpoint of a process is checked whole (`check_readable`) before it is written. Each save is
 timed (`last_save`): the run warns when a save does not fit in the requeue signal's lead
-(hpctrain.runtime.run.callbacks.AttemptProgress).
+(hpctrain.callbacks.attempt_progress.AttemptProgress).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from hpctrain.runtime.distributed.job_store import rank, store
 from hpctrain.runtime.errors import UserError
 
 WAIT_S = 10.0
-KEY = f"{__package__}/one-rank-call"
+KEY = "hpctrain/one-rank-call"  # a key of the job store
 
 
 class OneRankCall(UserError):

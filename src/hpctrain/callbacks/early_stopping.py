@@ -1,0 +1,32 @@
+"""`EarlyStopping` (the `callbacks` group's early_stopping): Lightning's, following the monitored metric."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning import Trainer
+
+from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing
+from hpctrain.callbacks.state_key import CachedStateKey
+
+
+class EarlyStopping(CachedStateKey, pl.callbacks.EarlyStopping):
+    """Lightning's EarlyStopping; a monitored metric that is missing is one sentence. With no monitored
+    metric (`monitor: null`, or a model that logs none) it never stops a run."""
+
+    def stop_monitoring(self) -> None:
+        self.monitor = None  # type: ignore[assignment]
+
+    def _run_early_stopping_check(self, trainer: Trainer) -> None:
+        if self.monitor is not None:
+            super()._run_early_stopping_check(trainer)
+
+    def _validate_condition_metric(self, logs: dict[str, Any]) -> bool:
+        if self.strict and self.monitor not in logs:
+            if not logs:
+                return (
+                    False  # nothing logged at all: MonitoredMetric decides (it stops monitoring or refuses)
+                )
+            raise MonitoredMetricMissing(self.monitor, logs)
+        return super()._validate_condition_metric(logs)

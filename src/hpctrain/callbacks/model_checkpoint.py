@@ -1,0 +1,109 @@
+"""`ModelCheckpoint` (the `callbacks` group's model_checkpoint): Lightning's, following the monitored
+metric, with hpctrain's commit protocol (the old best is removed only once the new one is saved)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning import LightningModule, Trainer
+
+from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing
+from hpctrain.callbacks.state_key import CachedStateKey
+
+
+class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
+    """Lightning's ModelCheckpoint, with `last.ckpt` always the newest state, and a monitored metric that
+    is missing after validation as one sentence. With no monitored metric (`monitor: null`) and the
+    default `save_top_k: 1`, it keeps last.ckpt only: Lightning's newest-epoch copy would be the same
+    state twice (`save_top_k: -1` still keeps every epoch).
+
+    pytorch-lightning 2.6 writes `last.ckpt` only in a step where a top-k checkpoint was saved too
+    ("Only save last checkpoint if a checkpoint was actually saved"): with `save_top_k: 1` it is a copy
+    of the best epoch, and `ckpt_path=last` or a restart after a node failure would silently redo every
+    epoch since the last improvement. Here, wherever Lightning considers saving (the end of each
+    validation or training epoch) and when fit ends, `last.ckpt` is brought up to the current step.
+    """
+
+    _last_saved_at: int | None = None  # the global step last.ckpt holds
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.monitor is None and self.save_top_k == 1:
+            self.save_top_k = 0
+        self._pending_removals: list[str] = []
+
+    def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        """Lightning removes the previous best right after saving the new one, while last.ckpt (what a
+        restart resumes from) still names the previous best as the run's best: a kill before last.ckpt is
+        saved again would leave it naming a checkpoint that is gone. The removal waits until last.ckpt is
+        up to date, at the end of the same hook (`_removals_done`)."""
+        if self.save_last:
+            self._pending_removals.append(filepath)
+        else:
+            super()._remove_checkpoint(trainer, filepath)
+
+    def _removals_done(self, trainer: Trainer) -> None:
+        pending, self._pending_removals = self._pending_removals, []
+        kept = {self.best_model_path, self.last_model_path, *self.best_k_models}
+        for filepath in pending:
+            if filepath not in kept:
+                super()._remove_checkpoint(trainer, filepath)
+
+    def stop_monitoring(self) -> None:
+        """Keep last.ckpt only from now on (the model logs no metric: see MonitoredMetric)."""
+        self.monitor = None
+        if self.save_top_k == 1:
+            self.save_top_k = 0
+
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.save_last:
+            self._last_saved_at = trainer.global_step
+
+    def _bring_last_up_to_date(self, trainer: Trainer) -> None:
+        if (
+            not self.save_last
+            or trainer.fast_dev_run
+            or trainer.sanity_checking
+            or trainer.state.fn != "fit"
+            or self._last_saved_at == trainer.global_step
+        ):
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._bring_last_up_to_date(trainer)
+        self._removals_done(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._bring_last_up_to_date(trainer)
+        self._removals_done(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._bring_last_up_to_date(trainer)
+        self._removals_done(trainer)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        # Lightning's version works out at every step whether to save by step count or by time; when
+        # neither is configured (checkpoints at validation), that answer is always no.
+        if self._every_n_train_steps >= 1 or self._train_time_interval is not None:
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+            self._removals_done(trainer)
+
+    def _save_topk_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
+        if (
+            self.monitor is not None
+            and self.save_top_k != 0
+            and self.monitor not in monitor_candidates
+            and trainer.fit_loop.epoch_loop.val_loop._has_run
+        ):
+            raise MonitoredMetricMissing(self.monitor, monitor_candidates)
+        super()._save_topk_checkpoint(trainer, monitor_candidates)

@@ -1,0 +1,68 @@
+"""`ThroughputLog` (the `callbacks` group's throughput): samples per second and step times, logged."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from pytorch_lightning import Callback, LightningModule, Trainer
+
+from hpctrain.runtime.report.progress import batch_size_of, seconds_since_process_start
+
+log = logging.getLogger("hpctrain")
+
+
+class ThroughputLog(Callback):
+    """Logs `train/samples_per_s` once per epoch: the samples all ranks trained on per second of
+    training steps (validation, and the checkpointing that follows it, are not counted), and once
+    per run how long after the process started the first training step began.
+    """
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.seconds = 0.0
+        self._started: float | None = None
+        self._first_step_logged = True
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._first_step_logged = False
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.samples, self.seconds, self._started = 0, 0.0, time.perf_counter()
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._started is None:  # resuming after a validation inside the epoch
+            self._started = time.perf_counter()
+        if not self._first_step_logged:
+            self._first_step_logged = True
+            age = seconds_since_process_start()
+            if age is not None and trainer.is_global_zero:
+                log.info("first training step %.2f s after the process started", age)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.samples += batch_size_of(batch)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+        if self.seconds > 0:
+            # Summed over ranks at the epoch end, where every rank already synchronises.
+            pl_module.log(
+                "train/samples_per_s",
+                self.samples / self.seconds,
+                on_epoch=True,
+                sync_dist=True,
+                reduce_fx="sum",
+            )
+
+    def _pause(self) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
