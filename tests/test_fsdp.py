@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from hpctrain.runtime.distributed import checkpoint_folders, fsdp
+from hpctrain.runtime.distributed import fsdp
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.checkpoints import folders as checkpoint_folders
 from hpctrain.runtime.run.checkpoints import sharded
 from tests.helpers import ROOT, assert_ok, metrics_without_timing, run_dirs, run_entry, run_script, train
 

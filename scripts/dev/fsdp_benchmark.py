@@ -138,8 +138,8 @@ def _saves(trainer, out: Path, found: dict) -> None:
     for kind in ("sync", "async"):
         strategy, io = trainer.strategy, trainer.strategy.checkpoint_io
         asynchronous = kind == "async"
-        if hasattr(strategy, "async_save"):
-            strategy.async_save = asynchronous
+        if hasattr(strategy, "saves"):  # FSDP2: run.checkpoints.folder_saves
+            strategy.saves.asynchronous = asynchronous
         elif asynchronous:
             from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpointIO
 

@@ -15,7 +15,7 @@ module that has no `configure_model` is sharded here instead, from the config (`
 
 A module with its own `configure_model` is left alone (with `dist.fsdp.shard` set explicitly, the two
 would disagree: refused). Checkpoints are folders, one shard file per rank, committed atomically
-(see `save_checkpoint`); nothing gathers the whole model on one rank.
+(`hpctrain.runtime.run.checkpoints.folder_saves`); nothing gathers the whole model on one rank.
 
 Why FSDP1 (Lightning's `FSDPStrategy`) is gone: PyTorch keeps it in maintenance in favour of
 `fully_shard`, it ran on GPUs only, and its full-state checkpoints gathered every shard on rank 0.
@@ -25,13 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
-import threading
-import time
-import uuid
 from collections.abc import Iterable
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -39,18 +33,9 @@ from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
 
-from hpctrain.runtime.distributed.checkpoint_folders import (
-    CheckpointNotSaved,
-    commit_folder,
-    record_shards,
-    staging_path,
-    writer_tag,
-)
 from hpctrain.runtime.distributed.job_store import set_data_parallel
 from hpctrain.runtime.distributed.launch import _HydraLaunched
 from hpctrain.runtime.errors import UserError
-
-META_FILE = "meta.pt"  # Lightning's name for its part of a sharded checkpoint
 
 log = logging.getLogger(__package__)
 
@@ -207,18 +192,15 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
 
     def __init__(
         self,
+        saves: Any,
         fsdp: dict[str, Any] | None = None,
-        async_save: bool = False,
         tensor_parallel_plan: dict[str, list[str]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(save_distributed_checkpoint=True, **kwargs)
+        self.saves = saves  # how checkpoints are committed: run.checkpoints.folder_saves.FolderSaves
         self.fsdp_options = dict(fsdp or {})
         self.tensor_parallel_plan = dict(tensor_parallel_plan or {})
-        self.async_save = bool(async_save)
-        self._in_flight: Any = None  # the asynchronous save being written
-        self._save_group: Any = None  # its own gloo process group (on the default one, DCP's save hangs)
-        self.last_save: Any = None  # the newest save: path, step, at, seconds (for the requeue signal's lead)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
@@ -297,95 +279,24 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
         return _agreed_buffers(state, self.lightning_module, self.root_device)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Every rank writes its shard into a new folder beside the target; once all have, rank 0 moves
-        the folder into place (checkpoint_folders). With `checkpoints.async_save`, the state is copied
-        to host memory, training goes on while a thread writes it, and the folder is moved into place
-        when the write completed; one save is in flight at a time. A failed write or commit stops the
-        run in one sentence (`CheckpointNotSaved`), every committed checkpoint as it was."""
-        path = Path(self.broadcast(str(filepath)))
-        token, tag = self.broadcast((uuid.uuid4().hex[:8], writer_tag()))  # rank 0's: one folder for all
-        staging = staging_path(path, token, tag)
-        if not self.async_save:
-            started, step = time.perf_counter(), checkpoint.get("global_step")
-            try:
-                super().save_checkpoint(checkpoint, staging, storage_options)
-                self.barrier("hpctrain-sharded-save")
-                if self.global_rank == 0:
-                    record_shards(staging)
-                    commit_folder(staging, path, token)
-            except OSError as err:
-                raise CheckpointNotSaved(path, err) from err
-            self.barrier("hpctrain-sharded-commit")
-            seconds = time.perf_counter() - started
-            self.last_save = SimpleNamespace(path=str(path), step=step, at=time.time(), seconds=seconds)
-            return
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
+        """A folder committed whole (`saves`, hpctrain.runtime.run.checkpoints.folder_saves); the write
+        into it is Lightning's: one shard per rank."""
+        write = super().save_checkpoint
+        self.saves.save(self, checkpoint, filepath, lambda folder: write(checkpoint, folder, storage_options))
 
-        self.wait_for_saves()
-        if self._save_group is None:
-            self._save_group = dist.new_group(backend="gloo")
-        staging.mkdir(parents=True, exist_ok=True)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        if self.global_rank == 0:
-            torch.save(checkpoint, staging / META_FILE)
-        future = dcp.async_save(state, checkpoint_id=staging, process_group=self._save_group)
-        commit = _Commit(path)
-        if self.global_rank == 0:  # DCP's future ends after every rank's shard and the index are written
-            future.add_done_callback(functools.partial(commit.when_written, staging, token))
-        else:
-            commit.done.set()
-        self._in_flight = (future, commit)
+    @property
+    def last_save(self) -> Any:
+        return self.saves.last_save  # the newest save's path, step and time (for the requeue signal's lead)
 
     def wait_for_saves(self) -> None:
-        """Until the asynchronous save in flight (if any) is written and, on rank 0, moved into place; its
-        failure is raised here (`CheckpointNotSaved`), before anything relies on it."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
-            return
-        future, commit = in_flight
-        try:
-            future.result()
-        except Exception as err:
-            raise CheckpointNotSaved(commit.path, err) from err
-        commit.done.wait()  # the callback may still run after result() returned
-        if commit.error is not None:
-            raise CheckpointNotSaved(commit.path, commit.error) from commit.error
+        self.saves.wait()
 
     def teardown(self) -> None:
-        self.wait_for_saves()  # the best checkpoint is tested next, and a process must not end mid-write
+        self.saves.wait()  # the best checkpoint is tested next, and a process must not end mid-write
         super().teardown()
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Lightning removes the previous best right after saving the new one: never before the new one
-        is committed (an asynchronous save is waited for, and its failure stops the run first)."""
-        self.wait_for_saves()
-        if self.global_rank == 0:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-
-
-class _Commit:
-    """Rank 0's commit of an asynchronous save, run in DCP's writer thread once the write completed."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-    def when_written(self, staging: Path, token: str, future: Any) -> None:
-        try:
-            future.result()
-            record_shards(staging)
-            commit_folder(staging, self.path, token)
-        except BaseException as err:  # raised in the training thread by wait_for_saves; the old one stays
-            self.error = err
-        finally:
-            self.done.set()
+        self.saves.remove(self.global_rank, filepath)
 
 
 def _agreed_buffers(state: dict[str, Any], module: Any, device: Any) -> dict[str, Any]:

@@ -54,6 +54,7 @@ from hpctrain.runtime.distributed.launch import HydraDDPStrategy
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpointIO
+from hpctrain.runtime.run.checkpoints.folder_saves import FolderSaves
 from hpctrain.runtime.run.checkpoints.sharded import consolidate
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 
@@ -425,8 +426,8 @@ def strategy(trainer_cfg: DictConfig, dist: Dist, async_save: bool = False) -> A
         from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 
         return HydraModelParallelStrategy(
+            FolderSaves(async_save),
             fsdp=fsdp_dtypes(dataclasses.asdict(dist.fsdp), str(trainer_cfg.get("precision"))),
-            async_save=async_save,
             tensor_parallel_size=dist.tensor_parallel,
             tensor_parallel_plan=dist.tensor_parallel_plan,  # shipped with the model's config
             **common,

@@ -21,8 +21,8 @@ from typing import Any
 
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config.settings import InitFrom
-from hpctrain.runtime.distributed.checkpoint_folders import committed, recover
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.checkpoints.folders import committed, recover
 from hpctrain.runtime.run.records import read_run_record
 
 log = logging.getLogger("hpctrain")
@@ -229,5 +229,5 @@ def existing_checkpoint(ckpt_path: str | None) -> Path:
 
 def remove_partial_saves(run_dir: str | Path) -> None:
     """Delete what checkpoint saves killed mid-write left behind (never a complete checkpoint, never a
-    write of another job or live process: `checkpoint_folders.recover`)."""
+    write of another job or live process: `folders.recover`)."""
     recover(checkpoint_dir(run_dir))

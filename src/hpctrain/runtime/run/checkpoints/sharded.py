@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from hpctrain.runtime.distributed.checkpoint_folders import SHARDS_FILE, start_digest
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.checkpoints.folders import SHARDS_FILE, start_digest
 
 META_FILE = "meta.pt"  # Lightning's name for it (pytorch_lightning.strategies.model_parallel)
 INDEX_FILE = ".metadata"

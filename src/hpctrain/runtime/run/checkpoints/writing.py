@@ -33,7 +33,7 @@ from pytorch_lightning import LightningDataModule, LightningModule
 from torch import Tensor
 
 from hpctrain.runtime.config import redact
-from hpctrain.runtime.distributed.checkpoint_folders import CheckpointNotSaved, temporary_file
+from hpctrain.runtime.run.checkpoints.folders import CheckpointNotSaved, temporary_file
 from hpctrain.runtime.run.checkpoints.reading import UnreadableCheckpoint
 
 log = logging.getLogger(__package__)
