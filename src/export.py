@@ -20,11 +20,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 @hydra.main(config_path="../conf", config_name="export", **entry.main_args())  # Hydra 1.3 and 1.4 alike
 def main(cfg: DictConfig) -> str | None:
-    from hpctrain.runtime.inference import (  # here: --help and --cfg never run a job
-        export,
-        loaded,
-        model_card,
-    )
+    from hpctrain.runtime.inference import export, model_card  # here: --help and --cfg never run a job
     from hpctrain.runtime.run.checkpoints import existing_checkpoint
     from hpctrain.runtime.run.job import Job
 
@@ -34,6 +30,8 @@ def main(cfg: DictConfig) -> str | None:
         checkpoint = existing_checkpoint(cfg.ckpt_path)
         # model(preprocess(raw inputs)), built from the classes this project's configs name, as the checkpoint's config says
         trusted = job.settings.checkpoints.trusted_targets
+        from hpctrain.runtime.inference import loaded  # torch: only once the preflight passed
+
         predictor = loaded.load(checkpoint, trusted, from_config=True)
         # one sample more than the traced batch: the export is checked at a batch size it was not traced with
         inputs = export.sample_inputs(predictor, cfg.paths.data_dir, rows=cfg.export.batch_size + 1)

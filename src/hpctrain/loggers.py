@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.loggers import CSVLogger, MLFlowLogger, WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
 
@@ -48,7 +48,6 @@ def job_metadata(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 def tag_runs(loggers: list[Any], metadata: dict[str, Any]) -> None:
     """MLflow runs get `metadata` as tags too (searchable, shown in a run's overview; a tag, unlike a param,
     may change), and the commit where MLflow's UI looks for it."""
-    from pytorch_lightning.loggers import MLFlowLogger
 
     tags = {key: str(value) for key, value in _flat(metadata).items() if value is not None}
     if metadata.get("git_commit"):
@@ -111,7 +110,6 @@ def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, tags: A
     if not cluster.is_rank_zero():
         return None
     import mlflow
-    from pytorch_lightning.loggers import MLFlowLogger
 
     key = stable_run_key(run_dir)
     client = mlflow.tracking.MlflowClient(tracking_uri=tracking_uri)
@@ -135,7 +133,6 @@ def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, tags: A
 
 def wandb_logger(save_dir: str, run_dir: str, **kwargs: Any):
     """A WandbLogger whose id is derived from the run dir, so a requeued job resumes the same run."""
-    from pytorch_lightning.loggers import WandbLogger
 
     kwargs.setdefault("id", stable_run_key(run_dir))
     kwargs.setdefault("resume", "allow")

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+import torch.distributed as dist
 from pytorch_lightning import Callback, LightningModule, Trainer
 
 from hpctrain.runtime.distributed.job_store import rank, store
@@ -95,7 +96,6 @@ class OneRankCalls(Callback):
         job = store()
         if job is None:
             return
-        import torch.distributed as dist
 
         world = dist.get_world_size()
         key = f"{KEY}/{name}/{hook}/{count}"

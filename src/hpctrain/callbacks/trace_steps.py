@@ -18,7 +18,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from pytorch_lightning import Callback, LightningModule, Trainer
+from torch.profiler import ProfilerActivity, profile, schedule
 
 log = logging.getLogger("hpctrain")
 
@@ -49,8 +51,6 @@ class TraceSteps(Callback):
         self._rank = trainer.global_rank
         if not chosen(self.ranks, self._rank):
             return
-        import torch
-        from torch.profiler import ProfilerActivity, profile, schedule
 
         self._cuda = trainer.strategy.root_device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
@@ -91,8 +91,6 @@ class TraceSteps(Callback):
         top.write_text(table + "\n")
         self.written += [trace, top]
         if self._cuda:
-            import torch
-
             snapshot = self.dirpath / f"rank{rank}_memory.pickle"
             torch.cuda.memory._dump_snapshot(str(snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -18,6 +18,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from hpctrain.runtime.errors import UserError
+from PIL import Image, ImageOps
+from PIL import Image, UnidentifiedImageError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 _MODES = {1: "L", 3: "RGB"}
@@ -55,7 +57,6 @@ def decode(source: str | Path | BinaryIO, image_shape: Sequence[int]) -> Tensor:
 
 def decode_into(source: str | Path | BinaryIO, out: np.ndarray) -> None:
     """Decode a file into `out`, a uint8 (C, H, W) array (a batch's slot: one copy, no temporaries)."""
-    from PIL import Image, ImageOps
 
     channels, height, width = out.shape
     if channels not in _MODES:
@@ -81,7 +82,6 @@ def decode_into(source: str | Path | BinaryIO, out: np.ndarray) -> None:
 def check_headers(files: Sequence[Path]) -> None:
     """Open every file's header (cheap: no pixels are decoded), so a file that is not an image is one
     sentence before the run starts rather than an error in a loader worker halfway through."""
-    from PIL import Image, UnidentifiedImageError
 
     for path in files:
         try:

@@ -32,6 +32,7 @@ import numpy as np
 from hpctrain.data.decode import UnreadableImage, decode
 from hpctrain.data.files import SPLITS, EncodedImages, FileImageDataModule, ImageFolderDataModule
 from hpctrain.runtime.errors import UserError
+from hpctrain.data.staging import stage
 
 FORMAT = "hpctrain-shards/1"
 MANIFEST = "manifest.json"
@@ -279,7 +280,6 @@ class ShardsDataModule(FileImageDataModule):
                     f"the shards in {self.root} have no {split} split; make them from a folder with {split}/."
                 )
         if self.stage_dir and not self._staged:
-            from hpctrain.data.staging import stage
 
             self.root = stage(self.root, Path(self.stage_dir), manifest_files(manifest), MANIFEST)
             self._manifest, self._staged = None, True

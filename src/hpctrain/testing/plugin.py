@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.testing.local_slurm import ClusterUnavailable, LocalSlurmCluster, missing_binaries
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -60,7 +62,6 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
 
     Skipped where Slurm is not installed, except under CI=true, where a missing cluster is an error.
     """
-    from hpctrain.testing.local_slurm import ClusterUnavailable, LocalSlurmCluster, missing_binaries
 
     missing = missing_binaries()
     reason = (

@@ -11,6 +11,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.runtime import cluster
@@ -77,9 +80,6 @@ def config_groups() -> list[str]:
 
 def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:
     """The config `python src/<config_name>.py <overrides>` would run with (Hydra's runtime keys unset)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     running = GlobalHydra.instance().hydra  # inside @hydra.main (an export's check, an error report)
     GlobalHydra.instance().clear()

@@ -9,7 +9,13 @@ import re
 import sys
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, ListConfig
+from omegaconf.errors import OmegaConfBaseException
+
 from hpctrain.runtime.config import redact
+from hpctrain.runtime.config.compose import compose, config_groups, group_options
 from hpctrain.runtime.errors import UserError
 
 
@@ -24,9 +30,6 @@ def _closest(word: str, candidates: list[str]) -> str | None:
 
 def _config_keys(config_name: str, skip: str) -> list[str]:
     """Every dotted key of the config composed without the bad override (or with none, if that fails)."""
-    from omegaconf import DictConfig, ListConfig
-
-    from hpctrain.runtime.config.compose import compose
 
     overrides = [o for o in _command_line_overrides() if not o.lstrip("+~").startswith(f"{skip}=")]
     for attempt in (overrides, []):
@@ -52,20 +55,14 @@ def _config_keys(config_name: str, skip: str) -> list[str]:
 
 
 def _groups() -> list[str]:
-    from hpctrain.runtime.config.compose import config_groups
-
     return config_groups()
 
 
 def _options(group: str) -> list[str]:
-    from hpctrain.runtime.config.compose import group_options
-
     return list(group_options(group))
 
 
 def _parses(override: str) -> bool:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
         OverridesParser.create().parse_override(override)
     except Exception:
@@ -75,7 +72,6 @@ def _parses(override: str) -> bool:
 
 def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
     """One sentence for a composition mistake, or None for anything else (reported by Hydra as usual)."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
     message = str(err).strip()
     if isinstance(err, UserError):  # raised by the template's own launcher or sweeper, in the sweep process
@@ -134,7 +130,6 @@ def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
             f"cannot create {err.filename} ({err.strerror}); set paths.log_dir (or hydra.run.dir) to a "
             "directory you can write."
         )
-    from omegaconf.errors import OmegaConfBaseException
 
     if isinstance(err, OmegaConfBaseException):
         key = getattr(err, "full_key", None)

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from hpctrain.runtime.config.compose import CONF_DIR, group_options
 from hpctrain.runtime.config.validation import validate
 from hpctrain.runtime.errors import UserError
 
@@ -468,7 +469,6 @@ class Sources:
             return "the command line"
         if self.hydra_cfg is None:
             return "the composed config"
-        from hpctrain.runtime.config.compose import CONF_DIR, group_options
 
         choices = OmegaConf.to_container(self.hydra_cfg.runtime.choices) or {}
         section = key.split(".", 1)[0]

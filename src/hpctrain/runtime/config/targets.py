@@ -26,7 +26,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import hydra.utils
 import yaml
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate as hydra_instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hpctrain.runtime.config.compose import CONF_DIR, config_dirs
 from hpctrain.runtime.errors import UserError
@@ -73,8 +77,6 @@ def _targets_of(folders: tuple[Path, ...]) -> frozenset[str]:
 def _search_path_folders() -> list[Path]:
     """The folders of the running Hydra app's config search path (file:// and pkg:// sources), if any."""
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         sources = HydraConfig.get().runtime.config_sources
     except Exception:  # not inside a Hydra app (hpctrain.load from a notebook)
         return []
@@ -156,7 +158,6 @@ RESULT_PACKAGES = ("torch", "torchvision", "torchmetrics", "pytorch_lightning", 
 
 def whitelist_supported() -> bool:
     """Whether the installed Hydra takes a call-site execution whitelist (1.4 and later)."""
-    import hydra.utils
 
     return hasattr(hydra.utils, "execution_whitelist")
 
@@ -164,8 +165,6 @@ def whitelist_supported() -> bool:
 def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     """hydra.utils.instantiate, with the node's own targets as Hydra's execution whitelist where Hydra
     has one. Only for configs the project composed (or checked with `check_stored`)."""
-    from hydra.utils import instantiate as hydra_instantiate
-    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     if not whitelist_supported():
         return hydra_instantiate(node, *args, **kwargs)

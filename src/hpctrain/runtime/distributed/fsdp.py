@@ -29,9 +29,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
 
 from hpctrain.runtime.distributed.job_store import set_data_parallel
 from hpctrain.runtime.distributed.launch import _HydraLaunched
@@ -118,7 +122,6 @@ def _outermost(module: nn.Module, chosen: set[type], found: list[nn.Module]) -> 
 
 def _checkpointed(module: nn.Module) -> None:
     """Recompute the block's activations in the backward pass (torch.utils.checkpoint, non-reentrant)."""
-    from torch.utils.checkpoint import checkpoint
 
     forward = module.forward
 
@@ -132,7 +135,6 @@ def _checkpointed(module: nn.Module) -> None:
 def apply_tensor_parallel(networks: list[nn.Module], mesh: Any, plan: dict[str, list[str]]) -> int:
     """Split the layers the plan names (patterns of module names inside each network, `*` for any one
     name) by output columns (`colwise`) or input rows (`rowwise`) over `mesh`; how many were split."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     unknown = sorted(set(plan) - set(styles))
@@ -167,7 +169,6 @@ def _matches(name: str, pattern: str) -> bool:
 
 def apply_fsdp(module: nn.Module, mesh: Any, options: dict[str, Any]) -> list[nn.Module]:
     """Shard `module`'s networks as the module docstring says; the blocks sharded one by one."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh}
     param_dtype, reduce_dtype = _dtype(options.get("param_dtype")), _dtype(options.get("reduce_dtype"))
@@ -303,7 +304,6 @@ def _agreed_buffers(state: dict[str, Any], module: Any, device: Any) -> dict[str
     """Buffers are not sharded: each rank keeps its own, and a distributed checkpoint stores one rank's.
     Those that differ between ranks (BatchNorm statistics without sync_batchnorm) are averaged over the
     ranks in what is saved; those that agree are saved as they are, bit for bit."""
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return state

@@ -16,10 +16,18 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_fabric.plugins.environments import SLURMEnvironment
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_original_cwd, to_absolute_path
+from lightning_fabric.plugins.environments import (
+    LightningEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+import __main__
 from hpctrain.runtime import cluster
 
 # Hydra flags that are not overrides but choose the config; children need them too.
@@ -59,10 +67,6 @@ def _config_flags(argv: list[str]) -> list[str]:
 
 def child_command() -> tuple[list[str], str]:
     """The command line and cwd that rerun this Hydra job (and only it) in its output dir."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.utils import get_original_cwd, to_absolute_path
-
-    import __main__
 
     hydra_cfg = HydraConfig.get()
     if getattr(__main__, "__spec__", None) is not None:
@@ -81,8 +85,6 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
     """Lightning's subprocess launcher, with the child command from `child_command`."""
 
     def _call_children_scripts(self) -> None:
-        from hydra.core.hydra_config import HydraConfig
-
         if not HydraConfig.initialized():
             super()._call_children_scripts()
             return
@@ -145,7 +147,6 @@ def end_distributed_job(trainer, completed: bool = True) -> None:
     group, a process that exits with a live process group can abort in a C++ destructor ("terminate
     called without an active exception"), failing a job that trained fine.
     """
-    import torch.distributed as dist
 
     watchdog.stop()
     if dist.is_available() and dist.is_initialized():
@@ -184,11 +185,6 @@ def lightning_cluster_environment(env: Mapping[str, str] | None = None):
     and a version that uses the task's one GPU when SLURM binds one GPU to each task.
     A bare sbatch script or salloc shell is treated as a plain local run.
     """
-    from lightning_fabric.plugins.environments import (
-        LightningEnvironment,
-        SLURMEnvironment,
-        TorchElasticEnvironment,
-    )
 
     kind = cluster.launcher(env)
     if kind == cluster.TORCHRUN:

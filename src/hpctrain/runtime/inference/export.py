@@ -30,9 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import OmegaConf
+
+from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.describe import describe, describe_tensor, file_size, input_name, tensors
 from hpctrain.runtime.inference.exporter_errors import reason, reported
+from hpctrain.runtime.run import records
+from hpctrain.runtime.run.checkpoints import CHECKPOINT_DIR
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -122,7 +127,6 @@ def sample_inputs(predictor: Predictor, data_dir: str, rows: int) -> Tensor:
 
 def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
     """The inputs of the first batch of the checkpoint's data: its test split, else validation, else train."""
-    from omegaconf import OmegaConf
     from pytorch_lightning.utilities.model_helpers import is_overridden
     from torch import Tensor
 
@@ -160,8 +164,6 @@ def rebuild_overrides(checkpoint: Path) -> list[str] | None:
     """The overrides of the run that trained `checkpoint` (its run.yaml, when the checkpoint is in its run
     dir's checkpoints/) that say which model the project's configs build: not where it wrote, nor how it
     started. None when no record is found."""
-    from hpctrain.runtime.run import records
-    from hpctrain.runtime.run.checkpoints import CHECKPOINT_DIR
 
     if checkpoint.parent.name != CHECKPOINT_DIR:
         return None
@@ -286,10 +288,8 @@ def _run_safetensors(path: Path, inputs: Tensor, predictor: Predictor, rebuild: 
     overrides; without a record of them, from the checkpoint's config, checked against the project's),
     its weights loaded from the file; the preprocessing, which the file does not hold, in front. The
     file's metadata describes the model, and is never built from."""
-    from omegaconf import OmegaConf
     from safetensors.torch import load_model
 
-    from hpctrain.runtime.config.compose import compose
     from hpctrain.runtime.run.build import model as build_model
 
     cfg = compose("train", rebuild) if rebuild is not None else OmegaConf.create(predictor.config)

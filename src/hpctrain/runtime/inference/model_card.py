@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,8 +91,6 @@ def _short(target: str) -> str:
 
 
 def _versions(exported: Exported) -> str:
-    from importlib import metadata
-
     found = []
     for package in ("torch", *exported.format.packages):
         try:

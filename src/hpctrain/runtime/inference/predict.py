@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from lightning_fabric.utilities.apply_func import move_data_to_device
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -37,6 +38,8 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from hpctrain.data import decode
+from hpctrain.data.loading import ResumableDataLoader, TensorDataset
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.export import tensors
 from hpctrain.runtime.run.checkpoints import reading
@@ -112,7 +115,6 @@ def _serve(datamodule: LightningDataModule, make_loader: Callable[[], Any]) -> N
 def unshuffled(loader: Any, batch_size: int, workers: int) -> Any:
     """The template's loaders shuffle and pad the training split; for prediction, a plain DataLoader over
     the same dataset in its order (Lightning shards it and records each batch's samples)."""
-    from hpctrain.data.loading import ResumableDataLoader
 
     if isinstance(loader, ResumableDataLoader):
         return DataLoader(loader.dataset, batch_size=loader.sampler.batch_size, num_workers=workers)
@@ -131,8 +133,6 @@ def _image_shape(datamodule: LightningDataModule) -> tuple[int, ...]:
 
 def input_dataset(path: Path, image_shape: Sequence[int]) -> tuple[Any, list[str] | None]:
     """A folder of image files, or a file of uint8 images (see the module docstring)."""
-    from hpctrain.data import decode
-    from hpctrain.data.loading import TensorDataset
 
     if path.is_dir():
         files = decode.image_files(path)
@@ -152,8 +152,6 @@ def read_tensor_file(path: Path, image_shape: Sequence[int]) -> Tensor:
         )
     try:
         if path.suffix == ".npy":
-            import numpy as np
-
             images = torch.from_numpy(np.load(path, allow_pickle=False))
         else:
             images = torch.load(path, map_location="cpu", weights_only=True)

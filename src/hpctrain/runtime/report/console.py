@@ -9,10 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from rich import print as rich_print
+from rich.syntax import Syntax
+from rich.tree import Tree
 
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config import redact
 from hpctrain.runtime.config.settings import Extras
+from hpctrain.runtime.report.plots import plot_run
 
 log = logging.getLogger("hpctrain")
 
@@ -88,10 +92,6 @@ def warn_if_bf16_is_emulated(trainer: Any, precision: Any) -> None:
 
 
 def print_config(cfg: DictConfig) -> None:
-    from rich import print as rich_print
-    from rich.syntax import Syntax
-    from rich.tree import Tree
-
     tree = Tree("config", guide_style="dim")
     shown = redact.recorded(cfg)  # a job's log is a record too: no secret in it
     keys = [k for k in FIRST if k in shown] + [k for k in shown if k not in FIRST]
@@ -118,8 +118,6 @@ def report(run_dir: str, trainer: Any, checkpoint: str | None) -> dict[str, floa
         kind = "last" if Path(checkpoint).name == "last.ckpt" else "best"  # last: no metric was monitored
         log.info("%s checkpoint: %s", kind, checkpoint)
     if (Path(run_dir) / "metrics.csv").is_file():
-        from hpctrain.runtime.report.plots import plot_run
-
         try:
             log.info("curves: %s (python scripts/plot.py %s redraws them)", plot_run(run_dir), run_dir)
         except Exception as err:  # a picture must never fail a finished run

@@ -16,6 +16,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from lightning_fabric.utilities.throughput import get_available_flops, measure_flops
+from pytorch_lightning import LightningModule
+from torch.utils.flop_counter import FlopCounterMode
+
+from hpctrain.runtime.config.targets import instantiate
 from hpctrain.runtime.report import gpu_peaks
 
 log = logging.getLogger("hpctrain")
@@ -26,7 +32,6 @@ HEAVY_WORDS = ("attention", "conv", "mm", "matmul", "linear", "einsum", "baddbmm
 def meta_step_flops(model_config: Any, batch: Any) -> float | None:
     """FLOPs of one training step (forward and backward) on `batch`, on a meta copy of the model built
     from its config; None when no meta copy can be built or run."""
-    import torch
 
     if model_config is None:
         return None
@@ -41,14 +46,11 @@ def meta_step_flops(model_config: Any, batch: Any) -> float | None:
 
 
 def _instantiate(model_config: Any) -> Any:
-    from hpctrain.runtime.config.targets import instantiate
-
     return instantiate(model_config, _convert_="all")
 
 
 def _on_meta(batch: Any) -> Any:
     """The batch with each tensor replaced by an empty one of its shape on the meta device."""
-    import torch
 
     if isinstance(batch, torch.Tensor):
         return torch.empty_like(batch, device="meta")
@@ -65,7 +67,6 @@ def _on_meta(batch: Any) -> Any:
 
 def _loss_of(module: Any, batch: Any) -> Callable[[], Any]:
     """The forward pass to count: training_step's loss, else forward on the batch's first tensor."""
-    import torch
 
     def step() -> Any:
         with warnings.catch_warnings():
@@ -85,14 +86,10 @@ def _loss_of(module: Any, batch: Any) -> Callable[[], Any]:
 
 
 def _lightning_base() -> Any:
-    from pytorch_lightning import LightningModule
-
     return LightningModule
 
 
 def _measure(module: Any, batch: Any) -> int:
-    from lightning_fabric.utilities.throughput import measure_flops
-
     module.train()
     try:
         return measure_flops(module, _loss_of(module, batch), lambda loss: loss)
@@ -107,8 +104,6 @@ class RealStepCounter:
     has no formula for (on CPUs, the attention kernel)."""
 
     def __init__(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
         missed: set[str] = set()
         self.missed = missed
 
@@ -146,8 +141,6 @@ def peak_flops(trainer: Any, override: float | None) -> float | None:
     device = trainer.strategy.root_device
     if device.type != "cuda":
         return None
-    import torch
-    from lightning_fabric.utilities.throughput import get_available_flops
 
     precision = str(trainer.precision)
     dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
@@ -170,7 +163,6 @@ def peak_flops(trainer: Any, override: float | None) -> float | None:
 def _matmul_dtype(dtype: Any, device: Any) -> str:
     """The row of `gpu_peaks` a run's matmuls run at: float32 runs on TF32 tensor cores on Ampere and
     later unless torch's float32 matmul precision is `highest` (as Lightning's table reads it)."""
-    import torch
 
     if dtype is torch.bfloat16:
         return "bf16"

@@ -34,6 +34,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hpctrain.runtime import cluster
 from hpctrain.runtime.distributed import job_store
 from hpctrain.runtime.moved import moved_names
@@ -56,8 +58,6 @@ def reset_peak_memory(device: Any) -> None:
     """Start the peak from now: CUDA's allocator statistics, or Linux's high-water mark of the
     process's resident memory (`echo 5 > /proc/self/clear_refs`)."""
     if device is not None:
-        import torch
-
         torch.cuda.reset_peak_memory_stats(device)
         return
     with suppress(OSError):  # not Linux, or not allowed: the peak since the process started
@@ -67,8 +67,6 @@ def reset_peak_memory(device: Any) -> None:
 def peak_memory_mib(device: Any) -> float:
     """CUDA's peak allocated memory on a GPU; the process's peak resident memory on a CPU."""
     if device is not None:
-        import torch
-
         return torch.cuda.max_memory_allocated(device) / 2**20
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -103,8 +101,6 @@ class RankMeter:
 
     def _record(self) -> Any:
         if self._event is None:
-            import torch
-
             self._event = lambda: torch.cuda.Event(enable_timing=True)
         event = self._event()
         event.record()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,9 @@ CURVES_PER_RANK = ("samples_per_s", "data_wait")
 
 
 def _pyplot() -> Any:
-    import matplotlib
+    import matplotlib  # imported on a torch-free path (the run's report): only when a figure is drawn
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # no display on a cluster node; set before pyplot is imported
     import matplotlib.pyplot as plt
 
     return plt
@@ -124,7 +125,6 @@ def plot_ranks(run_dir: str | Path) -> Path | None:
 
 def slowest_rank(series: dict[str, list[tuple[float, float]]]) -> str:
     """Which rank was slowest over the run, by its median step time."""
-    import statistics
 
     steps = {
         name.rsplit("/", 1)[1]: statistics.median(v for _, v in points)

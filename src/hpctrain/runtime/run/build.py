@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer
 from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import Logger
+from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
@@ -50,6 +51,7 @@ from hpctrain.runtime import cluster
 from hpctrain.runtime.config import redact, targets
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
+from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
@@ -103,8 +105,6 @@ class Run:
 
 
 def _sharded_strategy(trainer: Trainer) -> bool:
-    from pytorch_lightning.strategies import ModelParallelStrategy
-
     return isinstance(trainer.strategy, ModelParallelStrategy)
 
 
@@ -423,8 +423,6 @@ def strategy(trainer_cfg: DictConfig, dist: Dist, async_save: bool = False) -> A
         "timeout": timedelta(minutes=float(dist.startup_timeout_min)),
     }
     if chosen == "fsdp":  # FSDP2 (distributed/fsdp.py: why FSDP1 is gone)
-        from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
-
         return HydraModelParallelStrategy(
             FolderSaves(async_save),
             fsdp=fsdp_dtypes(dataclasses.asdict(dist.fsdp), str(trainer_cfg.get("precision"))),

@@ -12,6 +12,8 @@ passed: a refused command leaves an existing run dir exactly as it was. No torch
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import os
 import platform
 import shlex
@@ -22,6 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hpctrain.runtime import cluster, snapshot
 from hpctrain.runtime.config import redact
+from hpctrain.runtime.distributed import failures
+from hpctrain.runtime.distributed.endings import REFUSED, ending
 from hpctrain.runtime.distributed.stacks import STACKS_DIR
 from hpctrain.runtime.errors import UserError
 
@@ -78,8 +83,6 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 
 def _versions() -> dict[str, str]:
-    from importlib import metadata  # here, not at the top: 5 ms that `--help` and `--cfg job` need not pay
-
     versions = {"python": platform.python_version()}
     for package in (*RECORDED_PACKAGES, __package__):
         try:
@@ -252,8 +255,6 @@ UNSIGNED = ("paths", "hydra", "skip_completed", "snapshot")  # where a run write
 def config_signature(cfg: DictConfig) -> str | None:
     """A digest of the composed config without its paths: two runs with the same signature train the
     same thing (None if the config cannot be resolved here)."""
-    import copy
-    import hashlib
 
     # Every path is replaced by its name before resolving, so values built from paths (the data dir,
     # the checkpoint folder) sign the same wherever and whenever the run happens.
@@ -297,9 +298,6 @@ def _remove_if_only_logs(run_dir: Path) -> None:
 
 
 def _ending(err: BaseException) -> tuple[str, str | None]:
-    from hpctrain.runtime.distributed import failures
-    from hpctrain.runtime.distributed.endings import REFUSED, ending
-
     if isinstance(err, KeyboardInterrupt) and failures.pending_verdict():  # a sweep job's rank died
         return "failed", failures.pending_verdict()
     found = ending(err)

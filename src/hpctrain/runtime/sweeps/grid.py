@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
+
 from hpctrain.runtime.errors import UserError
 
 
 def expand(overrides: Sequence[str]) -> list[list[str]]:
     """The overrides of every job of the grid, in order (one job, the overrides, when nothing is swept)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
 
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))

@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from hpctrain.runtime import cluster
+from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.run import records
 from hpctrain.runtime.sweeps.grid import expand
@@ -225,8 +226,6 @@ def sweep_dir(points: list[list[str]]) -> Path:
 
 
 def _composed(points: list[list[str]]) -> Any:
-    from hpctrain.runtime.config.compose import compose
-
     for overrides in points:
         try:
             return compose("train", overrides)

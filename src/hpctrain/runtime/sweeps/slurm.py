@@ -48,11 +48,13 @@ from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf, open_dict, read_write
 
-from hpctrain.runtime import cluster
+from hpctrain.runtime import cluster, snapshot
 from hpctrain.runtime.cluster import GPU_ACCELERATORS
+from hpctrain.runtime.config.compose import CODE_ROOT, CONF_DIR, PROJECT_ROOT
 from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import records
+from hpctrain.runtime.run.job import SKIPPED
 from hpctrain.runtime.sweeps import pack as packed
 
 log = logging.getLogger(__package__.split(".")[0])
@@ -220,8 +222,6 @@ class SlurmLauncher(SubmititSlurmLauncher):
         if OmegaConf.select(self.config, "snapshot", default=True):
             code, _ = self._run_from_snapshot()
         else:
-            from hpctrain.runtime.config.compose import CODE_ROOT
-
             code = CODE_ROOT
         jobs = [(n, self._as_point(o)) for n, o in enumerate(job_overrides, start=initial_job_idx)]
         results = {n: self._completed_before(sweep, n, point, allocation) for n, point in jobs}
@@ -262,7 +262,6 @@ class SlurmLauncher(SubmititSlurmLauncher):
         (as slurm/train.sbatch completes it: the counts from the allocation, the collective timeout)."""
         if not OmegaConf.select(self.config, "skip_completed", default=False):
             return None
-        from hpctrain.runtime.run.job import SKIPPED
 
         as_run = [
             "trainer.num_nodes=1",
@@ -322,7 +321,6 @@ class SlurmLauncher(SubmititSlurmLauncher):
             f"--pack={size}",
             f"--jobs={jobs_file}",
         ]
-        from hpctrain.runtime.config.compose import PROJECT_ROOT
 
         env = {
             **os.environ,
@@ -377,8 +375,6 @@ class SlurmLauncher(SubmititSlurmLauncher):
         included: its src/ first on the path, its conf/ where the jobs compose their config (the search
         path the jobs receive is rewritten from the project's conf/ to the snapshot's), the project named
         for logs/, data/ and the venv."""
-        from hpctrain.runtime import snapshot
-        from hpctrain.runtime.config.compose import CODE_ROOT, CONF_DIR, PROJECT_ROOT
 
         try:
             code = snapshot.take(CODE_ROOT).path

@@ -19,6 +19,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from hpctrain.runtime import cluster
 from hpctrain.runtime.config.settings import InitFrom
 from hpctrain.runtime.errors import UserError
@@ -90,7 +92,6 @@ class StartPoint:
 
     def _check_checkpoint(self, run: Any, cfg: Any) -> str | None:
         """Refuse weights of another model; the configured optimizer values the checkpoint overrides."""
-        from omegaconf import OmegaConf
 
         from hpctrain.runtime.run.checkpoints import reading
 

@@ -31,6 +31,7 @@ from torchmetrics import Metric
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.moved import moved_names
+from hpctrain.runtime.run.checkpoints import sharded
 from hpctrain.runtime.run.checkpoints.reading import read
 
 log = logging.getLogger("hpctrain")
@@ -75,8 +76,6 @@ def check_readable(path: str | Path) -> None:
     files and non-tensor items are checked) or a file's tensors (memory-mapped)."""
     path = Path(path).expanduser()
     if path.is_dir():
-        from hpctrain.runtime.run.checkpoints import sharded
-
         sharded.check_folder(path, "init_from.path")
     elif path.suffix != ".safetensors":  # safetensors holds tensors only: nothing to check before reading
         read_weights(path)

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints.folders import SHARDS_FILE, start_digest
@@ -94,8 +96,6 @@ def is_sharded(path: str | Path) -> bool:
 
 
 def read_index(folder: Path, what: str = "ckpt_path") -> Any:
-    from torch.distributed.checkpoint.metadata import Metadata
-
     try:
         with open(folder / INDEX_FILE, "rb") as file:
             index = _IndexUnpickler(file).load()
@@ -200,7 +200,6 @@ def _recorded(folder: Path, what: str) -> dict[str, tuple[int, str]]:
 
 def _check_plain_items(folder: Path, index: Any, what: str) -> None:
     """Every non-tensor item (optimizer hyperparameters, ...) loads with weights_only=True."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     for key, meta in index.state_dict_metadata.items():
         if not isinstance(meta, BytesStorageMetadata):
@@ -238,8 +237,6 @@ def read_meta(folder: Path, what: str = "ckpt_path") -> dict[str, Any]:
 def read_folder(folder: str | Path, what: str = "ckpt_path", weights: bool = True) -> dict[str, Any]:
     """The checkpoint as one dict: Lightning's part, and the whole model's `state_dict` (on CPU; with
     `weights=False` as meta tensors, their shapes only: what a check needs, without reading a shard)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     folder = Path(folder)
     index = check_folder(folder, what)
