@@ -14,6 +14,8 @@ import threading
 from contextlib import suppress
 from typing import Any
 
+import pynvml
+
 from hpctrain.runtime import cluster
 
 log = logging.getLogger("hpctrain")
@@ -22,13 +24,11 @@ GPUS_KEY = "hpctrain/gpus"  # + /<host>: the node's latest sample (json); the ho
 
 
 def _nvml() -> Any | None:
-    """The NVML module, initialised; None where there is no NVML (or nvidia-ml-py is not installed)."""
+    """The NVML module, initialised; None where there is no NVML (no driver: a CPU node, a laptop)."""
     try:
-        import pynvml
-
         pynvml.nvmlInit()
         return pynvml
-    except Exception:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
+    except Exception:  # NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
         return None
 
 
