@@ -10,9 +10,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config import redact
 from hpctrain.runtime.config.settings import Extras
+from hpctrain.runtime.environment import launched
 
 log = logging.getLogger("hpctrain")
 
@@ -23,7 +23,7 @@ def apply_extras(cfg: DictConfig, extras: Extras) -> None:
     quiet_lightning()
     if extras.ignore_warnings:
         warnings.filterwarnings("ignore")
-    if extras.print_config and cluster.is_rank_zero():
+    if extras.print_config and launched.is_rank_zero():
         print_config(cfg)
 
 
@@ -106,7 +106,7 @@ def print_config(cfg: DictConfig) -> None:
 def report(run_dir: str, trainer: Any, checkpoint: str | None) -> dict[str, float]:
     """Log a summary of the run (on rank 0) and return its scalar metrics."""
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    if not cluster.is_rank_zero():
+    if not launched.is_rank_zero():
         return metrics
     import torch.distributed as dist
 
@@ -140,8 +140,9 @@ class _DropMessages(logging.Filter):
 def quiet_lightning() -> None:
     """Drop Lightning's advertising and the notices that do not apply here.
 
-    The srun hint is covered by `hpctrain.runtime.cluster.preflight`, which fails instead of hinting; the
-    non-resumable dataloader notice by `hpctrain.runtime.run.checkpoints`, which says what it means here.
+    The srun hint is covered by `hpctrain.runtime.environment.launch_checks.preflight`, which fails instead
+    of hinting; the non-resumable dataloader notice by `hpctrain.runtime.run.checkpoints`, which says what
+    it means here.
     """
     logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(
         _DropMessages(("💡 Tip", "Trainer already configured with model summary"))

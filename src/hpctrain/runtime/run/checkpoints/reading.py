@@ -14,8 +14,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config import targets
+from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__)
@@ -187,7 +187,7 @@ def config_from_checkpoint(
             # the checkpoint's data_dir is where the training job's machine kept its data
             if not any(o.startswith("data.data_dir=") for o in dotted):
                 replacement.data_dir = cfg.paths.data_dir
-            if cluster.is_rank_zero():
+            if launched.is_rank_zero():
                 log.info(
                     "data: read from %s (paths.data_dir of this command; the checkpoint was trained on %s); "
                     "pass paths.data_dir=<dir> to read another",
