@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config.compose import compose
+from hpctrain.runtime.environment import launched, network
 
 CLOCK_SKEW_S = 1.0
 
@@ -119,8 +119,8 @@ def main() -> int:
     import torch.distributed as dist
     from lightning_fabric.plugins.environments import SLURMEnvironment
 
-    host = cluster.node_name()
-    in_slurm_step = cluster.launcher() == cluster.SLURM
+    host = launched.node_name()
+    in_slurm_step = launched.launcher() == launched.SLURM
     environment = SLURMEnvironment(auto_requeue=False) if in_slurm_step else None
     world = environment.world_size() if environment else 1
     rank = environment.global_rank() if environment else 0
@@ -149,7 +149,7 @@ def main() -> int:
     results[host].update(found)
     results[host]["network"] = (
         True,
-        cluster.network_summary(int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))),
+        network.network_summary(int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))),
     )
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, (rank, host, results[host], clock[0]))

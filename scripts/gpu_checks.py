@@ -208,12 +208,12 @@ def environment(folder: Path, gpus: int) -> Result:
     import torch
 
     from hpctrain import __version__
-    from hpctrain.runtime import cluster
+    from hpctrain.runtime.environment import allocated, cuda
 
     count = torch.cuda.device_count()
     names = [torch.cuda.get_device_name(i) for i in range(count)]
     capabilities = [".".join(map(str, torch.cuda.get_device_capability(i))) for i in range(count)]
-    driver = cluster.driver_version()
+    driver = cuda.driver_version()
     details = {
         "host": socket.gethostname(),
         "python": platform.python_version(),
@@ -223,7 +223,7 @@ def environment(folder: Path, gpus: int) -> Result:
         "torch_architectures": torch.cuda.get_arch_list() if torch.version.cuda else [],
         "driver": driver,
         "gpus": count,
-        "gpu_devices": cluster.gpus_on_node(),
+        "gpu_devices": allocated.gpus_on_node(),
         "gpu_names": names,
         "compute_capabilities": capabilities,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -240,13 +240,13 @@ def environment(folder: Path, gpus: int) -> Result:
 def cuda_driver(folder: Path, gpus: int) -> Result:
     import torch
 
-    from hpctrain.runtime import cluster
+    from hpctrain.runtime.environment import cuda
     from hpctrain.runtime.errors import UserError
 
-    build = cluster.torch_build() or (torch.__version__, torch.version.cuda)
-    driver = cluster.driver_version()
+    build = cuda.torch_build() or (torch.__version__, torch.version.cuda)
+    driver = cuda.driver_version()
     try:
-        cluster.check_cuda_build(gpus, build, driver, cuda_starts=torch.cuda.is_available)
+        cuda.check_cuda_build(gpus, build, driver, cuda_starts=torch.cuda.is_available)
     except UserError as err:
         return Result(FAILED, str(err), {"torch": build[0], "torch_cuda": build[1], "driver": driver})
     if not torch.cuda.is_available():
@@ -269,7 +269,7 @@ def cuda_driver(folder: Path, gpus: int) -> Result:
     details = {"torch": build[0], "torch_cuda": build[1], "driver": driver, "architectures": architectures}
     if failed:
         return Result(FAILED, failed[0], {**details, "failed": failed})
-    needed = cluster.driver_needed(build[1] or "") or "?"
+    needed = cuda.driver_needed(build[1] or "") or "?"
     return Result(
         PASSED,
         f"CUDA {build[1]} on driver {driver} (needs >= {needed}): a matmul on {', '.join(ran)}",

@@ -31,10 +31,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]  # this code: the project, or a snapshot of it
 sys.path.insert(0, str(ROOT / "src"))
 
-from hpctrain.runtime import cluster, snapshot  # noqa: E402
+from hpctrain.runtime import snapshot  # noqa: E402
+from hpctrain.runtime.environment import launched  # noqa: E402
 from hpctrain.runtime.errors import UserError  # noqa: E402
 
-PROJECT = cluster.project_root(ROOT)  # where logs/, data/ and .venv are (HPCTRAIN_PROJECT_ROOT in a snapshot)
+PROJECT = launched.project_root(
+    ROOT
+)  # where logs/, data/ and .venv are (HPCTRAIN_PROJECT_ROOT in a snapshot)
 SBATCH_FILE = ROOT / "slurm" / "train.sbatch"
 SWEEP_FILE = ROOT / "slurm" / "sweep.sbatch"
 PACK_FILE = ROOT / "slurm" / "pack.sbatch"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from hpctrain.runtime.cluster import array_task, resumed_sweep_dir
+from hpctrain.runtime.environment.launched import array_task, resumed_sweep_dir
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.sweeps.grid import expand
 

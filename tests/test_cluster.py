@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.distributed import launch
+from hpctrain.runtime.environment import allocated, launch_checks, launched, network
 from hpctrain.runtime.errors import UserError
 
 TORCHRUN = {
@@ -22,31 +22,32 @@ TORCHRUN = {
 
 
 def test_launcher_detection():
-    assert cluster.launcher({}) == cluster.LOCAL
-    assert cluster.launcher({"LOCAL_RANK": "1"}) == cluster.CHILD
-    assert cluster.launcher(TORCHRUN) == cluster.TORCHRUN
-    assert cluster.launcher({"SLURM_JOB_ID": "5"}) == cluster.SLURM_BATCH
-    assert cluster.launcher({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"}) == cluster.SLURM
+    assert launched.launcher({}) == launched.LOCAL
+    assert launched.launcher({"LOCAL_RANK": "1"}) == launched.CHILD
+    assert launched.launcher(TORCHRUN) == launched.TORCHRUN
+    assert launched.launcher({"SLURM_JOB_ID": "5"}) == launched.SLURM_BATCH
+    assert launched.launcher({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"}) == launched.SLURM
     assert (
-        cluster.launcher({**TORCHRUN, "SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"}) == cluster.TORCHRUN
+        launched.launcher({**TORCHRUN, "SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"}) == launched.TORCHRUN
     )  # torchrun inside SLURM
 
 
 def test_rank_zero_is_decided_without_torch():
-    assert cluster.is_rank_zero({})
-    assert not cluster.is_rank_zero({"LOCAL_RANK": "1"})
-    assert not cluster.is_rank_zero(TORCHRUN)
-    assert cluster.is_rank_zero({**TORCHRUN, "RANK": "0"})
-    assert not cluster.is_rank_zero({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3"})
+    assert launched.is_rank_zero({})
+    assert not launched.is_rank_zero({"LOCAL_RANK": "1"})
+    assert not launched.is_rank_zero(TORCHRUN)
+    assert launched.is_rank_zero({**TORCHRUN, "RANK": "0"})
+    assert not launched.is_rank_zero({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3"})
 
 
 def test_run_id_is_shared_by_all_ranks_and_by_a_requeued_job():
-    assert cluster.run_id({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3"}) == "slurm-42"
+    assert launched.run_id({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3"}) == "slurm-42"
     assert (
-        cluster.run_id({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "2"}) == "slurm-42"
+        launched.run_id({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "2"})
+        == "slurm-42"
     )
     assert (
-        cluster.run_id(
+        launched.run_id(
             {
                 "SLURM_JOB_ID": "43",
                 "SLURM_ARRAY_JOB_ID": "40",
@@ -56,25 +57,27 @@ def test_run_id_is_shared_by_all_ranks_and_by_a_requeued_job():
         )
         == "slurm-40_3"
     )
-    assert cluster.run_id({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "1"}) == "slurm-42.1"
-    assert cluster.run_id(TORCHRUN) == "torchrun-exp7"
-    assert cluster.run_id({}, now=0).startswith("1970-01-01")
+    assert launched.run_id({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "1"}) == "slurm-42.1"
+    assert launched.run_id(TORCHRUN) == "torchrun-exp7"
+    assert launched.run_id({}, now=0).startswith("1970-01-01")
 
 
 def test_torchrun_mismatch_names_both_values():
     with pytest.raises(
         UserError, match=r"trainer.devices=2 but torchrun starts 4 processes per node \(--nproc-per-node=4\)"
     ):
-        cluster.preflight(2, 2, "cpu", env=TORCHRUN)
+        launch_checks.preflight(2, 2, "cpu", env=TORCHRUN)
     with pytest.raises(UserError, match=r"trainer.num_nodes=3 but torchrun runs on 2 node"):
-        cluster.preflight(3, 4, "cpu", env=TORCHRUN)
-    cluster.preflight(2, 4, "cpu", env=TORCHRUN)
+        launch_checks.preflight(3, 4, "cpu", env=TORCHRUN)
+    launch_checks.preflight(2, 4, "cpu", env=TORCHRUN)
 
 
 def test_plain_python_cannot_span_nodes():
     with pytest.raises(UserError, match=r"trainer\.num_nodes=10 needs a launcher"):
-        cluster.preflight(10, 1, "cpu", env={})
-    cluster.preflight(2, 1, "cpu", env={"MASTER_ADDR": "10.0.0.1", "NODE_RANK": "1"})  # hand-launched nodes
+        launch_checks.preflight(10, 1, "cpu", env={})
+    launch_checks.preflight(
+        2, 1, "cpu", env={"MASTER_ADDR": "10.0.0.1", "NODE_RANK": "1"}
+    )  # hand-launched nodes
 
 
 SLURM_8_TASKS = {
@@ -92,14 +95,14 @@ SLURM_8_TASKS = {
 
 def test_every_task_sees_all_gpus_of_its_node():
     env = {**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
-    cluster.preflight(1, 8, "gpu", env=env)
-    assert not cluster.one_gpu_per_task(env)
+    launch_checks.preflight(1, 8, "gpu", env=env)
+    assert not allocated.one_gpu_per_task(env)
 
 
 def test_one_gpu_bound_to_each_task_is_used_whatever_its_local_id(monkeypatch):
     env = {**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "5"}  # --gpus-per-task=1 or --gpu-bind=closest
-    cluster.preflight(1, 8, "gpu", env=env)
-    assert cluster.one_gpu_per_task(env)
+    launch_checks.preflight(1, 8, "gpu", env=env)
+    assert allocated.one_gpu_per_task(env)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     environment = launch.lightning_cluster_environment(env)
@@ -119,22 +122,22 @@ def test_a_partial_gpu_binding_that_cannot_match_tasks_is_refused():
     with pytest.raises(
         UserError, match=r"trainer.devices=8 \(tasks per node\) but this process sees 2 GPU\(s\)"
     ):
-        cluster.preflight(1, 8, "gpu", env={**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "0,1"})
+        launch_checks.preflight(1, 8, "gpu", env={**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "0,1"})
 
 
 def test_gpu_visibility_outside_slurm():
     with pytest.raises(UserError, match="sees no GPU"):
-        cluster.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": ""})
+        launch_checks.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": ""})
     with pytest.raises(UserError, match=r"sees only 1 GPU\(s\).*trainer.devices=1"):
-        cluster.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": "0"})
-    cluster.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": "0,1"})
+        launch_checks.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": "0"})
+    launch_checks.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": "0,1"})
 
 
 def test_the_network_line_names_each_backends_interface_and_warns_of_loopback():
-    line = cluster.network_summary(2, env={"MASTER_ADDR": "n1", "MASTER_PORT": "5000"}, hostname="localhost")
+    line = network.network_summary(2, env={"MASTER_ADDR": "n1", "MASTER_PORT": "5000"}, hostname="localhost")
     assert line.startswith("network: rank 0 at n1:5000; gloo uses the address of localhost (127.0.0.1)")
     assert "loopback address other nodes cannot reach: set GLOO_SOCKET_IFNAME" in line
-    chosen = cluster.network_summary(2, env={"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"})
+    chosen = network.network_summary(2, env={"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"})
     assert (
         "gloo uses GLOO_SOCKET_IFNAME=ib0; nccl uses NCCL_SOCKET_IFNAME=ib0" in chosen
         and "warning" not in chosen
@@ -148,22 +151,22 @@ def test_array_task_reads_slurms_array_variables():
         "SLURM_ARRAY_TASK_MIN": "0",
         "SLURM_ARRAY_TASK_MAX": "3",
     }
-    assert cluster.array_task(env) == (3, 4, "0", "3")
-    assert cluster.array_task({}) == (0, None, "0", "?")  # outside an array: the grid's first point
+    assert launched.array_task(env) == (3, 4, "0", "3")
+    assert launched.array_task({}) == (0, None, "0", "?")  # outside an array: the grid's first point
 
 
 def test_one_process_is_checked_from_the_trainer_and_the_launcher():
     """src/export.py runs in one process: more, asked by the trainer config or started by a launcher,
     is one sentence; python inside an sbatch script (one process, whatever --ntasks) is fine."""
     for devices in (1, "1", "auto", [0], "0,"):
-        cluster.preflight_one_process("export", 1, devices, env={})
+        launch_checks.preflight_one_process("export", 1, devices, env={})
     one_task = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"}
-    cluster.preflight_one_process("export", 1, 1, env=one_task)
-    cluster.preflight_one_process("export", 1, 1, env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})
+    launch_checks.preflight_one_process("export", 1, 1, env=one_task)
+    launch_checks.preflight_one_process("export", 1, 1, env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})
     for nodes, devices in ((1, 2), (1, -1), (1, [0, 1]), (1, "0,1"), (2, 1)):
         with pytest.raises(UserError, match=r"export runs in one process, but trainer\.num_nodes="):
-            cluster.preflight_one_process("export", nodes, devices, env={})
+            launch_checks.preflight_one_process("export", nodes, devices, env={})
     with pytest.raises(UserError, match="one of 8 torchrun workers"):
-        cluster.preflight_one_process("export", 1, 1, env=TORCHRUN)
+        launch_checks.preflight_one_process("export", 1, 1, env=TORCHRUN)
     with pytest.raises(UserError, match="one of 4 tasks of this SLURM step"):
-        cluster.preflight_one_process("export", 1, 1, env={**one_task, "SLURM_STEP_NUM_TASKS": "4"})
+        launch_checks.preflight_one_process("export", 1, 1, env={**one_task, "SLURM_STEP_NUM_TASKS": "4"})

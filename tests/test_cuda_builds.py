@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.runtime import cluster
+from hpctrain.runtime.environment import cuda, launch_checks
 from hpctrain.runtime.errors import UserError
 from tests.helpers import PYTHON, ROOT, require_programs
 
@@ -39,7 +39,7 @@ def _locked(name: str) -> str:
 def test_the_installed_torch_build_is_read_without_importing_it():
     import torch
 
-    assert cluster.torch_build() == (torch.__version__, torch.version.cuda)
+    assert cuda.torch_build() == (torch.__version__, torch.version.cuda)
 
 
 def test_the_driver_version_is_read_from_the_kernel_modules_line(tmp_path: Path):
@@ -53,10 +53,10 @@ def test_the_driver_version_is_read_from_the_kernel_modules_line(tmp_path: Path)
         "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  "
         "(dvs-builder@U16-I1-N07-12-3)  Sun Jul 27 07:09:40 UTC 2025\n"
     )
-    assert cluster.driver_version(proprietary) == "535.104.05"
-    assert cluster.driver_version(open_module) == "580.65.06"
-    assert cluster.driver_version(tmp_path / "absent") is None
-    assert [cluster.driver_needed(c) for c in ("13.0", "12.6", "12.8", "11.8", "14.0")] == [
+    assert cuda.driver_version(proprietary) == "535.104.05"
+    assert cuda.driver_version(open_module) == "580.65.06"
+    assert cuda.driver_version(tmp_path / "absent") is None
+    assert [cuda.driver_needed(c) for c in ("13.0", "12.6", "12.8", "11.8", "14.0")] == [
         "580",
         "525.60.13",
         "525.60.13",
@@ -81,7 +81,7 @@ def _never(*_: object) -> bool:
 )
 def test_a_driver_too_old_for_torchs_cuda_is_named_with_the_driver_needed(driver: str, fix: str):
     with pytest.raises(UserError) as refused:
-        cluster.check_cuda_build(1, ("2.14.1+cu130", "13.0"), driver, cuda_starts=lambda: False)
+        cuda.check_cuda_build(1, ("2.14.1+cu130", "13.0"), driver, cuda_starts=lambda: False)
     sentence = str(refused.value)
     assert sentence.startswith(
         f"torch 2.14.1+cu130 is built for CUDA 13.0, which needs an NVIDIA driver >= 580, but this node's "
@@ -92,18 +92,18 @@ def test_a_driver_too_old_for_torchs_cuda_is_named_with_the_driver_needed(driver
 
 def test_nothing_is_said_where_cuda_runs():
     # a driver new enough: CUDA is not even started to ask
-    cluster.check_cuda_build(1, ("2.14.1+cu130", "13.0"), "580.65.06", cuda_starts=_never)
-    cluster.check_cuda_build(1, ("2.14.1+cu126", "12.6"), "535.104.05", cuda_starts=_never)
+    cuda.check_cuda_build(1, ("2.14.1+cu130", "13.0"), "580.65.06", cuda_starts=_never)
+    cuda.check_cuda_build(1, ("2.14.1+cu126", "12.6"), "535.104.05", cuda_starts=_never)
     # an older driver that runs it all the same (NVIDIA's forward-compatibility package in a container)
-    cluster.check_cuda_build(1, ("2.14.1+cu130", "13.0"), "535.104.05", cuda_starts=lambda: True)
+    cuda.check_cuda_build(1, ("2.14.1+cu130", "13.0"), "535.104.05", cuda_starts=lambda: True)
     # no driver here, or no GPU visible: the GPU checks before this one speak
-    cluster.check_cuda_build(None, ("2.14.1+cu130", "13.0"), None, cuda_starts=_never)
-    cluster.check_cuda_build(0, ("2.14.1+cpu", None), None, cuda_starts=_never)
+    cuda.check_cuda_build(None, ("2.14.1+cu130", "13.0"), None, cuda_starts=_never)
+    cuda.check_cuda_build(0, ("2.14.1+cpu", None), None, cuda_starts=_never)
 
 
 def test_a_cpu_only_torch_on_a_gpu_run_is_refused_in_one_sentence():
     with pytest.raises(UserError, match=r"^trainer\.accelerator=gpu, but the installed torch 2\.14\.1\+cpu"):
-        cluster.check_cuda_build(2, ("2.14.1+cpu", None), "580.65.06", cuda_starts=_never)
+        cuda.check_cuda_build(2, ("2.14.1+cpu", None), "580.65.06", cuda_starts=_never)
 
 
 @pytest.mark.slow
@@ -124,12 +124,12 @@ def test_the_preflight_of_a_gpu_run_names_the_driver_when_cuda_fails_to_start(
         "SLURM_JOB_NUM_NODES": "1",
         "CUDA_VISIBLE_DEVICES": "0",
     }
-    needed = cluster.driver_needed(torch.version.cuda or "13.0")
+    needed = cuda.driver_needed(torch.version.cuda or "13.0")
     if torch.version.cuda is None or needed is None:
         pytest.skip(f"the installed torch {torch.__version__} is not a CUDA 11-13 build")
-    monkeypatch.setattr(cluster, "driver_version", lambda path=None: "470.82.01")
+    monkeypatch.setattr(cuda, "driver_version", lambda path=None: "470.82.01")
     with pytest.raises(UserError) as refused:
-        cluster.preflight(1, 1, "gpu", env=env)
+        launch_checks.preflight(1, 1, "gpu", env=env)
     assert f"which needs an NVIDIA driver >= {needed}, but this node's driver is 470.82.01" in str(
         refused.value
     )
@@ -169,7 +169,7 @@ def test_the_default_install_is_the_locks_build_unchanged(tmp_path: Path):
     assert result.returncode == 0, result.stderr  # uv.lock is pyproject.toml's, as make install uses it
 
 
-@pytest.mark.parametrize("variant", cluster.CUDA_VARIANTS)
+@pytest.mark.parametrize("variant", cuda.CUDA_VARIANTS)
 def test_a_variants_install_puts_the_locks_torch_for_that_cuda_in_place(tmp_path: Path, variant: str):
     lines = _make_install(tmp_path / "venv", f"CUDA={variant}")
     (sync,) = _uv_commands(lines, "sync")
@@ -197,7 +197,7 @@ def _reachable(host: str) -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", cluster.CUDA_VARIANTS)
+@pytest.mark.parametrize("variant", cuda.CUDA_VARIANTS)
 def test_each_variant_of_the_locked_torch_resolves_on_pytorchs_index(tmp_path: Path, variant: str):
     """What `make install CUDA=<variant>` asks uv for, resolved against PyTorch's index for Linux x86_64:
     PyTorch publishes the lock's torch and torchvision for that CUDA (a variant it has dropped fails)."""

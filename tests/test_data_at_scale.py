@@ -323,38 +323,38 @@ def test_mid_epoch_resume_with_workers_is_exact(
 
 
 def test_threads_and_workers_follow_the_cpus_a_process_has(tmp_path: Path):
-    from hpctrain.runtime import cluster
+    from hpctrain.runtime.environment import allocated
 
     step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
-    assert cluster.cpus_per_process(1, {**step, "SLURM_CPUS_PER_TASK": "8"}, affinity=64)[0] == 8
-    assert cluster.cpus_per_process(1, {**step, "SLURM_NTASKS_PER_NODE": "4"}, affinity=16)[0] == 4
+    assert allocated.cpus_per_process(1, {**step, "SLURM_CPUS_PER_TASK": "8"}, affinity=64)[0] == 8
+    assert allocated.cpus_per_process(1, {**step, "SLURM_NTASKS_PER_NODE": "4"}, affinity=16)[0] == 4
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}
-    assert cluster.cpus_per_process(1, torchrun, affinity=16)[0] == 4
-    assert cluster.cpus_per_process(2, {}, affinity=2)[0] == 1  # Lightning's two local ranks share 2 CPUs
-    assert cluster.cpus_per_process(4, {}, affinity=2)[0] == 1
+    assert allocated.cpus_per_process(1, torchrun, affinity=16)[0] == 4
+    assert allocated.cpus_per_process(2, {}, affinity=2)[0] == 1  # Lightning's two local ranks share 2 CPUs
+    assert allocated.cpus_per_process(4, {}, affinity=2)[0] == 1
     # devices: auto on GPUs, outside Slurm and torchrun: Lightning starts one process per GPU
     dev = tmp_path / "dev"
     dev.mkdir()
     for name in ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"):
         (dev / name).touch()
-    assert cluster.cpus_per_process("auto", {}, affinity=32, accelerator="gpu", dev=dev)[0] == 8
+    assert allocated.cpus_per_process("auto", {}, affinity=32, accelerator="gpu", dev=dev)[0] == 8
     assert (
-        cluster.cpus_per_process(
+        allocated.cpus_per_process(
             -1, {"CUDA_VISIBLE_DEVICES": "0,1"}, affinity=32, accelerator="auto", dev=dev
         )[0]
         == 16
     )
     assert (
-        cluster.cpus_per_process("auto", {}, affinity=32, accelerator="cpu", dev=dev)[0] == 32
+        allocated.cpus_per_process("auto", {}, affinity=32, accelerator="cpu", dev=dev)[0] == 32
     )  # one process
 
 
 def test_auto_gives_decoding_datamodules_workers_and_the_rest_threads(tmp_path: Path, data_dir: Path):
-    from hpctrain.runtime import cluster
+    from hpctrain.runtime.environment import allocated
     from hpctrain.runtime.run.build import cpu_plan
     from tests.helpers import IMAGE_DATA, compose_train
 
-    cpus = cluster.cpus_per_process(1)[0]
+    cpus = allocated.cpus_per_process(1)[0]
     folder = [f"data.root={data_dir}/digits_images", *IMAGE_DATA]
     threads, workers, line = cpu_plan(compose_train(tmp_path, data_dir, "data=image_folder", *folder))
     assert workers == min(8, max(1, cpus - 1)) and threads == max(1, cpus - workers)

@@ -165,13 +165,13 @@ def test_the_one_gpu_per_task_check_starts_tasks_as_slurm_does(
     the preflight accepts and Lightning's SLURM environment reads as two ranks of one node."""
     from lightning_fabric.plugins.environments import SLURMEnvironment
 
-    from hpctrain.runtime import cluster
+    from hpctrain.runtime.environment import allocated, launch_checks, launched
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # the allocation's GPUs, as the tool finds them
     env = tool.slurm_task_env(rank, 2, 29512)
     assert env["CUDA_VISIBLE_DEVICES"] == ["4", "5"][rank]
-    assert cluster.launcher(env) == cluster.SLURM and cluster.one_gpu_per_task(env)
-    cluster.preflight(1, 2, "gpu", env=env)  # trainer.devices=2: the tasks per node
+    assert launched.launcher(env) == launched.SLURM and allocated.one_gpu_per_task(env)
+    launch_checks.preflight(1, 2, "gpu", env=env)  # trainer.devices=2: the tasks per node
     for key in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(key)
     for key, value in env.items():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.runtime import cluster
+from hpctrain.runtime.environment import network
 from tests.differential.cases import user_overrides
 from tests.helpers import ROOT, assert_ok, read_metrics, run_dirs, train
 
@@ -102,7 +102,7 @@ def test_the_epoch_line_shows_validation_metrics_whatever_their_names(tmp_path: 
 
 
 def test_network_line_before_the_launcher_picks_a_port():
-    line = cluster.network_summary(1, env={}, hostname="localhost")
+    line = network.network_summary(1, env={}, hostname="localhost")
     assert "rank 0 at this machine, on a free port chosen when the ranks start" in line
     assert ":a port" not in line
 

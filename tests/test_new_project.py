@@ -162,7 +162,7 @@ def test_copier_update_brings_hpctrains_changes_and_keeps_every_edit_of_the_user
     _run([*GIT, "add", "-A"], project)
     _run([*GIT, "commit", "-qm", "my changes"], project)
 
-    fixed = template / "src" / "hpctrain" / "runtime" / "cluster.py"
+    fixed = template / "src" / "hpctrain" / "runtime" / "environment" / "launched.py"
     fixed.write_text(fixed.read_text() + "\n# a fix in hpctrain\n")
     stopping = template / "src" / "hpctrain" / "conf" / "callbacks" / "early_stopping.yaml"
     stopping.write_text(stopping.read_text().replace("  patience: 5\n", "  patience: 7\n"))
@@ -174,9 +174,13 @@ def test_copier_update_brings_hpctrains_changes_and_keeps_every_edit_of_the_user
         ".copier-answers.yml",
         "src/hpctrain/conf/callbacks/early_stopping.yaml",
         "src/hpctrain/files.sha256",
-        "src/hpctrain/runtime/cluster.py",
+        "src/hpctrain/runtime/environment/launched.py",
     ]
-    assert (project / "src/hpctrain/runtime/cluster.py").read_text().endswith("# a fix in hpctrain\n")
+    assert (
+        (project / "src/hpctrain/runtime/environment/launched.py")
+        .read_text()
+        .endswith("# a fix in hpctrain\n")
+    )
     assert "  patience: 7\n" in (project / "src/hpctrain/conf/callbacks/early_stopping.yaml").read_text()
     assert model.read_text().endswith("# the user's own model change\n") and option.is_file()
     assert "## Start (our lab's way)\n" in readme.read_text()

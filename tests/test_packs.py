@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpctrain.runtime import cluster
+from hpctrain.runtime.environment import launched, pack_shares, slurm_job
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.sweeps import pack
 
@@ -30,9 +30,9 @@ JOB = {
 
 
 def test_each_point_gets_an_even_share_of_the_node():
-    share = cluster.pack_share(4, JOB)
+    share = pack_shares.pack_share(4, JOB)
     assert (share.tasks, share.cpus_per_task, share.memory_mb, share.gpus) == (2, 2, 2000, 2)
-    step = cluster.pack_step_env(share, 3, "/logs/x.point3.out", {**JOB, "MASTER_PORT": "1234"})
+    step = pack_shares.pack_step_env(share, 3, "/logs/x.point3.out", {**JOB, "MASTER_PORT": "1234"})
     assert {k: step[k] for k in ("SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SRUN_CPUS_PER_TASK")} == {
         "SLURM_NTASKS": "2",
         "SLURM_NTASKS_PER_NODE": "2",
@@ -44,15 +44,15 @@ def test_each_point_gets_an_even_share_of_the_node():
         "gpu:2",
     )
     assert "MASTER_PORT" not in step  # each point's rank 0 finds a port of its own
-    assert cluster.pack_point(step) == 3 and cluster.slurm_output_file(step) == "/logs/x.point3.out"
-    assert cluster.run_id({**step, "SLURM_STEP_ID": "5"}) == "slurm-7_0-point3"  # the same in every attempt
+    assert launched.pack_point(step) == 3 and slurm_job.slurm_output_file(step) == "/logs/x.point3.out"
+    assert launched.run_id({**step, "SLURM_STEP_ID": "5"}) == "slurm-7_0-point3"  # the same in every attempt
 
     with pytest.raises(
         UserError, match=r"but the job has 8 task\(s\) on it \(--ntasks-per-node=8\), which 3 "
     ):
-        cluster.pack_share(3, JOB)
+        pack_shares.pack_share(3, JOB)
     with pytest.raises(UserError, match="but this job has 2 nodes; submit it with --nodes=1"):
-        cluster.pack_share(2, {**JOB, "SLURM_JOB_NUM_NODES": "2"})
+        pack_shares.pack_share(2, {**JOB, "SLURM_JOB_NUM_NODES": "2"})
 
 
 def test_an_array_task_runs_its_pack_of_the_grid(monkeypatch):

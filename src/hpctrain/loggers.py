@@ -23,7 +23,7 @@ from pytorch_lightning.loggers import CSVLogger, MLFlowLogger, WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
 
-from hpctrain.runtime import cluster
+from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.run.records import read_run_record
 
 
@@ -33,8 +33,8 @@ def job_metadata(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     code = read_run_record(run_dir).get("git") or {}
     snapshot = code.get("snapshot")
     return {
-        **cluster.slurm_ids(),
-        "allocation": cluster.allocation(),  # nodes, tasks per node, GPUs, ... as SLURM granted them
+        **launched.slurm_ids(),
+        "allocation": allocated.allocation(),  # nodes, tasks per node, GPUs, ... as SLURM granted them
         "git_commit": code.get("commit"),
         "git_dirty": code.get("dirty"),
         "code_snapshot": Path(snapshot).name if snapshot else None,  # logs/snapshots/<digest>
@@ -107,7 +107,7 @@ def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, tags: A
     multi-node job that open a fresh SQLite store together race to create its tables (and fail). The
     other ranks get no MLflow logger (None, left out of the trainer's loggers): they would log nothing.
     """
-    if not cluster.is_rank_zero():
+    if not launched.is_rank_zero():
         return None
     import mlflow
 

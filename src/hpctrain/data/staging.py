@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hpctrain.runtime import cluster
+from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger("hpctrain")
@@ -203,4 +203,4 @@ def _holder_is_gone(lock: Path) -> bool:
             return time.time() - lock.stat().st_mtime > 30
         except OSError:
             return False
-    return cluster.process_is_gone(host, pid)
+    return launched.process_is_gone(host, pid)

@@ -16,7 +16,7 @@ scripts/submit.py copies the code at submission and submits the copy's batch scr
   project it came from. run.yaml records it (`git:`) for every run started from the copy.
 
 The job runs from the copy (sbatch --chdir) with HPCTRAIN_PROJECT_ROOT naming the project, whose logs/,
-data/ and .venv stay where they are (`paths.root_dir` is the project, see `cluster.project_root`).
+data/ and .venv stay where they are (`paths.root_dir` is the project, see `launched.project_root`).
 No torch import.
 """
 

@@ -23,9 +23,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config.schema import KEYS, validate
 from hpctrain.runtime.config.settings import SECTIONS, Settings
+from hpctrain.runtime.environment import allocated
 from hpctrain.runtime.errors import UserError
 
 SETTINGS_SECTIONS = {*SECTIONS, "cluster"}
@@ -95,7 +95,7 @@ def _check_tensor_parallel(cfg: DictConfig, fsdp: bool) -> None:
 def _check_precision(cfg: DictConfig) -> None:
     precision = str(_value(cfg, "trainer.precision"))
     accelerator = str(_value(cfg, "trainer.accelerator") or "auto")
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and cluster.visible_gpus() == 0)
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and allocated.visible_gpus() == 0)
     fsdp = str(_value(cfg, "trainer.strategy")) == "fsdp"
     if fsdp and accelerator == "mps":
         raise UserError(

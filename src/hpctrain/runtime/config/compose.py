@@ -16,8 +16,8 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config.versions import VERSION_BASE
+from hpctrain.runtime.environment import launched
 
 MARKER = Path("conf") / "train.yaml"  # what makes a directory a project's code root
 
@@ -48,7 +48,7 @@ def find_code_root() -> Path:
 CODE_ROOT = find_code_root()
 # The project whose logs/, data/ and .venv runs use: the same directory, unless the code runs from a
 # snapshot taken at submission (hpctrain.runtime.snapshot), which names the project it came from.
-PROJECT_ROOT = cluster.project_root(CODE_ROOT)
+PROJECT_ROOT = launched.project_root(CODE_ROOT)
 CONF_DIR = CODE_ROOT / "conf"  # the project's configs: the primary ones, and its groups (model, data, ...)
 HPCTRAIN_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # hpctrain's groups (pkg://hpctrain.conf)
 

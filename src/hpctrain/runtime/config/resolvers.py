@@ -2,7 +2,8 @@
 
   ${project_root:}               the directory that holds conf/ and src/
   ${project_name:}               the package's name (the W&B project, for instance)
-  ${run_id:}                     slurm-<job id>, torchrun-<rdzv id> or a timestamp (hpctrain.runtime.cluster.run_id)
+  ${run_id:}                     slurm-<job id>, torchrun-<rdzv id> or a timestamp
+                                 (hpctrain.runtime.environment.launched.run_id)
   ${rank_zero_only:<value>}      <value> on global rank 0, null on the other ranks
   ${rank_zero_file:<path>}       <path> on global rank 0, os.devnull on the other ranks
 
@@ -19,15 +20,15 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config import versions
+from hpctrain.runtime.environment import launched
 
 
 @functools.cache
 def cached_run_id() -> str:
     """Cached for the whole process: outside SLURM the id is a timestamp and must not tick over. (A named
     module-level function, so a config shipped to another process by pickle refers to it by name.)"""
-    return cluster.run_id()
+    return launched.run_id()
 
 
 def register_resolvers(project_root: Path) -> None:
@@ -36,8 +37,8 @@ def register_resolvers(project_root: Path) -> None:
         "project_root": lambda: root,
         "project_name": lambda: __name__.split(".")[0],
         "run_id": cached_run_id,
-        "rank_zero_only": lambda value: value if cluster.is_rank_zero() else None,
-        "rank_zero_file": lambda path: path if cluster.is_rank_zero() else os.devnull,
+        "rank_zero_only": lambda value: value if launched.is_rank_zero() else None,
+        "rank_zero_file": lambda path: path if launched.is_rank_zero() else os.devnull,
     }
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name) or name == "project_root":

@@ -21,9 +21,9 @@ def rank() -> int:
 
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    from hpctrain.runtime import cluster
+    from hpctrain.runtime.environment import launched
 
-    return cluster.global_rank()
+    return launched.global_rank()
 
 
 def store() -> Any | None:

@@ -28,13 +28,13 @@ from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 import __main__
-from hpctrain.runtime import cluster
 
 # Hydra flags that are not overrides but choose the config; children need them too.
 from hpctrain.runtime.config.compose import task_overrides
 
 # Hydra flags that are not overrides but choose the config; children need them too.
 from hpctrain.runtime.distributed import failures, watchdog
+from hpctrain.runtime.environment import allocated, launched
 
 # Hydra flags that are not overrides but choose the config; children need them too.
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
@@ -186,11 +186,11 @@ def lightning_cluster_environment(env: Mapping[str, str] | None = None):
     A bare sbatch script or salloc shell is treated as a plain local run.
     """
 
-    kind = cluster.launcher(env)
-    if kind == cluster.TORCHRUN:
+    kind = launched.launcher(env)
+    if kind == launched.TORCHRUN:
         return TorchElasticEnvironment()
-    if kind == cluster.SLURM and cluster.one_gpu_per_task(env):
+    if kind == launched.SLURM and allocated.one_gpu_per_task(env):
         return OneGPUPerTaskSLURMEnvironment(auto_requeue=False)
-    if kind == cluster.SLURM:
+    if kind == launched.SLURM:
         return SLURMEnvironment(auto_requeue=False)
     return LightningEnvironment()

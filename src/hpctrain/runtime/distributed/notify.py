@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.distributed.endings import STOPPED, ending
+from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger("hpctrain")
@@ -174,10 +174,10 @@ def message(event: str, text: str, where: str | None = None) -> str:
     lines = [f"hpctrain: {HEADLINES.get(event, event)}: {text}"]
     if where:
         lines.append(f"{'sweep' if event == SWEEP else 'run'} dir: {where}")
-    job = cluster.slurm_job_id()
+    job = launched.slurm_job_id()
     if job:
         lines.append(f"Slurm job: {job}")
-    lines.append(f"host: {cluster.node_name()}")
+    lines.append(f"host: {launched.node_name()}")
     # Slack reads <...> as a link and & as an entity: escape them as its documentation says
     return "\n".join(lines).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 

@@ -26,8 +26,8 @@ import time
 
 from pytorch_lightning import Trainer
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.distributed import signals, watchdog
+from hpctrain.runtime.environment import launched, slurm_job
 from hpctrain.runtime.moved import moved_names
 
 log = logging.getLogger(__package__)
@@ -71,31 +71,31 @@ def requeue_and_wait(interrupted: signals.Interrupted, wait_s: float = REQUEUE_W
     terminates them all (the wait only runs out if the requeue failed).
     """
     watchdog.stop()  # ranks now end in any order: not a failure
-    if interrupted.requeue and cluster.pack_point() is not None:
+    if interrupted.requeue and launched.pack_point() is not None:
         # A point of a packed job: `scontrol requeue` would requeue the points beside it mid-step, so it
         # only ends, saved and recorded as requeued (re-raised: Job ends it with status 0), and the pack's
         # driver requeues the allocation once every point has saved or ended (hpctrain.runtime.sweeps.pack).
-        if cluster.is_rank_zero():
+        if launched.is_rank_zero():
             log.info(
                 "saved for the requeue of SLURM job %s, left to its pack (%s)",
-                cluster.slurm_job_id(),
+                launched.slurm_job_id(),
                 interrupted,
             )
         raise interrupted
     if not interrupted.requeue:
-        if cluster.is_rank_zero():
+        if launched.is_rank_zero():
             log.info("stopped on %s", interrupted)
         sys.exit(signals.exit_code())  # 143 after SIGTERM, 130 after Ctrl-C
-    if cluster.is_rank_zero():
-        result = cluster.requeue_job()
+    if launched.is_rank_zero():
+        result = slurm_job.requeue_job()
         if result.returncode != 0:
             log.error(
                 "scontrol requeue %s failed: %s",
-                cluster.slurm_job_id(),
+                launched.slurm_job_id(),
                 (result.stderr or result.stdout).strip(),
             )
             sys.exit(1)
-        log.info("requeued SLURM job %s (%s)", cluster.slurm_job_id(), interrupted)
+        log.info("requeued SLURM job %s (%s)", launched.slurm_job_id(), interrupted)
     _flush_output()  # SLURM ends this run any moment now: what it logged must be in the job's file first
     signal_module.signal(signal_module.SIGTERM, signal_module.SIG_DFL)
     time.sleep(wait_s)

@@ -54,13 +54,13 @@ class Interrupted(Exception):
     hpctrain.runtime.distributed.requeue); `checkpoint` (if any) holds everything to continue from."""
 
     def __init__(self, code: int, checkpoint: Path | None, where: str) -> None:
-        from hpctrain.runtime import cluster
+        from hpctrain.runtime.environment import launched
 
         name = requeue_signal_name() if code == REQUEUE else "SIGTERM"
         super().__init__(f"{name} {where}" + (f": saved {checkpoint}" if checkpoint else ""))
         self.code = code
         self.checkpoint = checkpoint
-        self.requeue = code == REQUEUE and cluster.slurm_job_id() is not None
+        self.requeue = code == REQUEUE and launched.slurm_job_id() is not None
 
 
 def _record(signum: int, frame: Any) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from hpctrain.runtime import cluster
+from hpctrain.runtime.environment import launched
 
 STACKS_DIR = "stacks"
 PIDS_FILE = "pids"
@@ -47,7 +47,7 @@ def rank_file(run_dir: str | Path, rank: int) -> Path:
 def register(run_dir: str | Path, signal_name: str) -> None:
     """Dump this process's stacks to its rank's file on `signal_name` (see the module docstring)."""
     signum = signal.Signals[signal_name]
-    rank = cluster.global_rank()
+    rank = launched.global_rank()
     folder = Path(run_dir) / STACKS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     if _state.file is not None and _state.signal is not None:

@@ -21,6 +21,7 @@ from pytorch_lightning import LightningModule
 from torch import Tensor, nn
 
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.build import datamodule, model
 from hpctrain.runtime.run.checkpoints import reading
 
 
@@ -55,7 +56,6 @@ def load(
     """The model of a checkpoint of this template, with its preprocessing in front (see the module docstring).
     The classes built are those the project's configs name; `trusted_targets` adds others the user trusts
     (`from_config`: the entry points' `checkpoints.trusted_targets`, named so in the refusal)."""
-    from hpctrain.runtime.run.build import datamodule, model
 
     path = Path(ckpt_path).expanduser()
     if not path.exists():

@@ -13,9 +13,9 @@ from rich import print as rich_print
 from rich.syntax import Syntax
 from rich.tree import Tree
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config import redact
 from hpctrain.runtime.config.settings import Extras
+from hpctrain.runtime.environment import launched
 from hpctrain.runtime.report.plots import plot_run
 
 log = logging.getLogger("hpctrain")
@@ -27,7 +27,7 @@ def apply_extras(cfg: DictConfig, extras: Extras) -> None:
     quiet_lightning()
     if extras.ignore_warnings:
         warnings.filterwarnings("ignore")
-    if extras.print_config and cluster.is_rank_zero():
+    if extras.print_config and launched.is_rank_zero():
         print_config(cfg)
 
 
@@ -106,7 +106,7 @@ def print_config(cfg: DictConfig) -> None:
 def report(run_dir: str, trainer: Any, checkpoint: str | None) -> dict[str, float]:
     """Log a summary of the run (on rank 0) and return its scalar metrics."""
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    if not cluster.is_rank_zero():
+    if not launched.is_rank_zero():
         return metrics
     import torch.distributed as dist
 
@@ -138,8 +138,9 @@ class _DropMessages(logging.Filter):
 def quiet_lightning() -> None:
     """Drop Lightning's advertising and the notices that do not apply here.
 
-    The srun hint is covered by `hpctrain.runtime.cluster.preflight`, which fails instead of hinting; the
-    non-resumable dataloader notice by `hpctrain.runtime.run.checkpoints`, which says what it means here.
+    The srun hint is covered by `hpctrain.runtime.environment.launch_checks.preflight`, which fails instead
+    of hinting; the non-resumable dataloader notice by `hpctrain.runtime.run.checkpoints`, which says what
+    it means here.
     """
     logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(
         _DropMessages(("💡 Tip", "Trainer already configured with model summary"))

@@ -16,7 +16,7 @@ from typing import Any
 
 import pynvml
 
-from hpctrain.runtime import cluster
+from hpctrain.runtime.environment import launched
 
 log = logging.getLogger("hpctrain")
 
@@ -56,7 +56,7 @@ class NodeSampler:
         self.nvml = nvml
         self.every_s = every_s
         self.store = store
-        self.host = cluster.node_name().split(".")[0]
+        self.host = launched.node_name().split(".")[0]
         self.latest: list[dict[str, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpctrain-gpu-sampler", daemon=True)

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.distributed import job_store
+from hpctrain.runtime.environment import launched
 from hpctrain.runtime.moved import moved_names
 
 log = logging.getLogger("hpctrain")
@@ -149,7 +149,7 @@ class RankMeter:
             if on_device
             else self.wait_s + self.host_step_s,
             "peak_mem_mib": peak_memory_mib(self.device),
-            "host": cluster.node_name().split(".")[0],
+            "host": launched.node_name().split(".")[0],
         }
 
 

@@ -40,9 +40,9 @@ from typing import Any
 
 import yaml
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config.settings import Requeue
 from hpctrain.runtime.distributed.endings import Stopped, ending
+from hpctrain.runtime.environment import launched
 from hpctrain.runtime.run import records
 
 log = logging.getLogger("hpctrain")
@@ -198,15 +198,15 @@ def stop_if_budget_spent(
     """On every rank, before a requeue: raise the budget's `Stopped` (its sentence) when one is spent.
     Every rank decides alike: from SLURM's restart count, the config, the step and run.yaml's earlier
     attempts (on the run dir every rank shares)."""
-    restart = cluster.restart_count()
+    restart = launched.restart_count()
     max_attempts = requeue.max_attempts
     attempts = records.read_run_record(run_dir).get("attempts") or []
-    previous = previous_requeue_step(attempts, cluster.run_id(), restart)
+    previous = previous_requeue_step(attempts, launched.run_id(), restart)
     spent = budget_spent(restart + 1, step, previous, max_attempts, checkpoint)
     if spent is None:
         return
     note_end(step, checkpoint)
-    if cluster.is_rank_zero():
+    if launched.is_rank_zero():
         log.error("%s", spent)
     raise spent
 

@@ -2,7 +2,8 @@
 
 `run_objects` is the one build path of src/train.py and src/eval.py. Besides what the config names,
 the trainer always gets:
-- the cluster environment chosen by `hpctrain.runtime.cluster` (SLURM without Lightning's auto-requeue);
+- the cluster environment chosen by `hpctrain.runtime.distributed.launch` from the launcher
+  (SLURM without Lightning's auto-requeue);
 - `HydraDDPStrategy` for `strategy: ddp` (or `auto` with more than one process), with the
   collective timeout from `dist.timeout_min`;
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
@@ -47,12 +48,12 @@ from hpctrain.callbacks.rank_watchdog import RankWatchdog
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
 from hpctrain.loggers import job_metadata, tag_runs
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config import redact, targets
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
+from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpointIO
@@ -119,7 +120,7 @@ def configure_process(cfg: DictConfig, settings: Settings | None = None) -> None
     # OMP_NUM_THREADS is unset, and its child ranks inherit the variable.
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    if cluster.is_rank_zero():
+    if launched.is_rank_zero():
         log.info("CPU: %s", why)
     precision = settings.extras.float32_matmul_precision
     if precision:
@@ -134,7 +135,7 @@ def cpu_plan(cfg: DictConfig) -> tuple[int, int | None, str]:
     against each other and slow every process on them many times over. An explicit value is taken as
     given."""
     trainer_cfg = cfg.get("trainer") or {}
-    cpus, found = cluster.cpus_per_process(
+    cpus, found = allocated.cpus_per_process(
         trainer_cfg.get("devices"), accelerator=trainer_cfg.get("accelerator")
     )
     asked_workers = (cfg.get("data") or {}).get("num_workers", 0)
@@ -229,13 +230,13 @@ def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDa
         # conf/cluster/<name>.yaml says the compute nodes have no internet: fail at once on missing data
         # (the datamodule's own sentence) instead of trying a download that can only time out
         node = OmegaConf.merge(node, {"download": False})
-        if cluster.is_rank_zero():
+        if launched.is_rank_zero():
             log.info("cluster=%s: compute nodes are offline, so data.download=false", preset.name)
     scratch = preset.scratch_dir
     if scratch and "stage_dir" in node and node.stage_dir is None and _data_class_has(node, "can_stage"):
         # the preset's node-local scratch: data that can be staged (data=shards) is copied there per node
         node = OmegaConf.merge(node, {"stage_dir": scratch})
-        if cluster.is_rank_zero():
+        if launched.is_rank_zero():
             log.info(
                 "cluster=%s: data staged to its node-local scratch, data.stage_dir=%s",
                 preset.name,
@@ -317,7 +318,7 @@ def own_callbacks(
         if training and monitor is not None and monitor.metric
         else None
     )
-    if training and monitored is None and cluster.is_rank_zero():
+    if training and monitored is None and launched.is_rank_zero():
         log.info(no_monitor_note(None))
     on_signal = (
         RequeueOnSignal(
@@ -449,7 +450,7 @@ def fsdp_dtypes(fsdp: dict[str, Any], precision: str) -> dict[str, Any]:
     if half is None or fsdp.get("param_dtype") is not None:
         return fsdp
     chosen = {**fsdp, "param_dtype": half, "reduce_dtype": fsdp.get("reduce_dtype") or "float32"}
-    if cluster.is_rank_zero():
+    if launched.is_rank_zero():
         log.info(
             "FSDP2: trainer.precision=%s, so parameters are gathered and computed in %s and gradients reduced in "
             "%s (dist.fsdp.param_dtype and reduce_dtype set either)",
@@ -510,8 +511,8 @@ def trainer(
             (AsyncAtomicCheckpointIO if asynchronous else AtomicCheckpointIO)(redact.environment_values(cfg)),
         ],
     }
-    if cluster.one_gpu_per_task() and str(cfg.trainer.get("accelerator")) in cluster.GPU_ACCELERATORS:
-        kwargs["devices"] = 1  # each task drives the one GPU SLURM bound to it (cluster.one_gpu_per_task)
+    if allocated.one_gpu_per_task() and str(cfg.trainer.get("accelerator")) in allocated.GPU_ACCELERATORS:
+        kwargs["devices"] = 1  # each task drives the one GPU SLURM bound to it (allocated.one_gpu_per_task)
     kwargs.update(overrides)
     built = _instantiate(cfg.trainer, **kwargs)
     signals.take_over_from_lightning(built)
@@ -536,11 +537,11 @@ def can_test(module: LightningModule, data: LightningDataModule) -> bool:
     or data without a test split is not an error, it is said once and the run completes."""
     for owner, what, hook in ((module, "model", "test_step"), (data, "datamodule", "test_dataloader")):
         if not is_overridden(hook, owner):
-            if cluster.is_rank_zero():
+            if launched.is_rank_zero():
                 log.info("no test: the %s has no %s (pass test=false to skip it silently)", what, hook)
             return False
     if not getattr(data, "has_test", True):  # e.g. an image folder without test/
-        if cluster.is_rank_zero():
+        if launched.is_rank_zero():
             log.info("no test: the datamodule has no test split (pass test=false to skip it silently)")
         return False
     return True

@@ -28,11 +28,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config.checks import check_config, check_hydra_env
 from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
 from hpctrain.runtime.config.settings import Settings, Sources
 from hpctrain.runtime.distributed import failures, notify, positions, signals, stacks, watchdog
+from hpctrain.runtime.environment import allocated, launch_checks, launched, network
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import attempts, records
@@ -47,7 +47,7 @@ class Job:
         self.hydra_cfg = HydraConfig.get()
         self.run_dir = Path(self.hydra_cfg.runtime.output_dir)
         self.overrides = task_overrides(self.hydra_cfg)
-        self.sweep = in_multirun() or cluster.array_task()[1] is not None  # a point of a sweep
+        self.sweep = in_multirun() or launched.array_task()[1] is not None  # a point of a sweep
         self.outcome: records.Outcome | None = None
         self.checkpoint: Path | None = None  # the trained checkpoint an eval or predict job starts from
         self.settings: Settings = Settings()  # hpctrain's own, typed: checked in the preflight
@@ -78,7 +78,7 @@ class Job:
         # and its pack's driver requeues the allocation (requeue.requeue_and_wait).
         stopped = exc[1]
         return (
-            isinstance(stopped, signals.Interrupted) and stopped.requeue and cluster.pack_point() is not None
+            isinstance(stopped, signals.Interrupted) and stopped.requeue and launched.pack_point() is not None
         )
 
     @contextmanager
@@ -94,13 +94,13 @@ class Job:
             ended = err
             raise
         finally:
-            if cluster.is_rank_zero() and self.outcome is not None:
+            if launched.is_rank_zero() and self.outcome is not None:
                 notify.job_ended(ended, self.outcome.metric, self.outcome.value, self.outcome.test)
 
     def _preflight(self) -> None:
         """Everything that can be checked before torch is imported: one sentence and exit 2 on a mistake."""
         cfg = self.cfg
-        if cluster.launcher() == cluster.CHILD:
+        if launched.launcher() == launched.CHILD:
             failures.die_with_parent()
         settings = self.settings = check_config(cfg, self.where)  # hpctrain's own keys, typed from here on
         check_hydra_env(self.hydra_cfg, settings.notify.url_env)
@@ -110,11 +110,11 @@ class Job:
         # recorded, acted on later; a stop nothing answers ends the run after requeue.stop_grace_s
         signals.install(requeue.signal if requeue.enabled else None, requeue.stop_grace_s)
         if self.one_process:
-            cluster.preflight_one_process(cfg.task_name, cfg.trainer.num_nodes, cfg.trainer.devices)
-        cluster.preflight(
+            launch_checks.preflight_one_process(cfg.task_name, cfg.trainer.num_nodes, cfg.trainer.devices)
+        launch_checks.preflight(
             cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, requeue.enabled
         )
-        if cluster.is_rank_zero():
+        if launched.is_rank_zero():
             records.check_writable(self.run_dir)
 
     def from_checkpoint(self, checkpoint: Path) -> DictConfig:
@@ -138,8 +138,8 @@ class Job:
         stacks_signal = self.settings.diagnostics.stacks_signal
         if stacks_signal:  # scripts/stacks.py: where every rank is, from now on, even when it hangs
             stacks.register(self.run_dir, stacks_signal)
-        if str(cfg.trainer.get("accelerator")) in cluster.GPU_ACCELERATORS:
-            cluster.flight_recorder_dumps_into(self.run_dir)  # NCCL's record of a timed-out collective
+        if str(cfg.trainer.get("accelerator")) in allocated.GPU_ACCELERATORS:
+            network.flight_recorder_dumps_into(self.run_dir)  # NCCL's record of a timed-out collective
         console.apply_extras(cfg, self.settings.extras)
         if not training:
             console.quiet_training_callbacks()
@@ -149,8 +149,8 @@ class Job:
             from hpctrain.runtime.run.checkpoints import reading
 
             reading.check_matches_model(self.checkpoint, run.model)
-        if cluster.is_rank_zero():
-            cpus = cluster.cpus_per_process(
+        if launched.is_rank_zero():
+            cpus = allocated.cpus_per_process(
                 cfg.trainer.get("devices"), accelerator=cfg.trainer.get("accelerator")
             )[0]
             devices = attempts.devices_of(type(run.trainer.accelerator).__name__, cpus)
@@ -159,14 +159,14 @@ class Job:
                 build.log_hyperparameters(run.trainer, cfg)
             console.warn_if_bf16_is_emulated(run.trainer, cfg.trainer.precision)
             if run.trainer.world_size > 1:
-                console.log.info(cluster.network_summary(run.trainer.num_nodes))
+                console.log.info(network.network_summary(run.trainer.num_nodes))
         return run
 
     def record(self) -> None:
         """What `build` does for a job without a trainer (one process): the config printed if `extras`
         asks, and the run's record (config.yaml, run.yaml, .hydra/) written."""
         console.apply_extras(self.cfg, self.settings.extras)
-        self._write_record(self.cfg, 1, attempts.devices_of("cpu", cluster.cpus_per_process(1)[0]))
+        self._write_record(self.cfg, 1, attempts.devices_of("cpu", allocated.cpus_per_process(1)[0]))
 
     def _write_record(self, cfg: DictConfig, world_size: int, devices: dict[str, Any]) -> None:
         records.write_run_record(cfg, self.run_dir, self.overrides, CODE_ROOT, world_size, self.hydra_cfg)
@@ -224,7 +224,7 @@ SKIPPED: list[int] = []  # jobs of this sweep skipped by skip_completed=true (re
 
 def in_multirun() -> bool:
     """Whether this process runs the jobs of a sweep (not a DDP child rank started by one of them)."""
-    return HydraConfig.get().mode == RunMode.MULTIRUN and cluster.launcher() != cluster.CHILD
+    return HydraConfig.get().mode == RunMode.MULTIRUN and launched.launcher() != launched.CHILD
 
 
 def check_sweep_has_a_metric(cfg: DictConfig) -> None:
@@ -241,7 +241,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     sweep's summary.csv lists it. Outside a sweep, failures end the process as usual."""
     if not in_multirun():
         return task(cfg)
-    if cluster.launcher() == cluster.TORCHRUN:
+    if launched.launcher() == launched.TORCHRUN:
         raise UserError(
             "a sweep (-m) under torchrun would run every point in every worker; run the sweep without "
             "torchrun (DDP with trainer.devices, Lightning starts the local ranks), as SLURM jobs "

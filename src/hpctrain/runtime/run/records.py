@@ -31,11 +31,12 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hpctrain.runtime import cluster, snapshot
+from hpctrain.runtime import snapshot
 from hpctrain.runtime.config import redact
 from hpctrain.runtime.distributed import failures
 from hpctrain.runtime.distributed.endings import REFUSED, ending
 from hpctrain.runtime.distributed.stacks import STACKS_DIR
+from hpctrain.runtime.environment import allocated, launched, slurm_job
 from hpctrain.runtime.errors import UserError
 
 RECORDED_PACKAGES = ("torch", "torchvision", "pytorch-lightning", "torchmetrics", "hydra-core", "omegaconf")
@@ -147,13 +148,13 @@ def write_run_record(
         {
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": platform.node(),
-            "launcher": cluster.launcher(),
-            "run_id": cluster.run_id(),
+            "launcher": launched.launcher(),
+            "run_id": launched.run_id(),
             "world_size": world_size,
-            "slurm_job_id": cluster.slurm_job_id(),
-            "slurm_restart_count": cluster.restart_count(),
-            "slurm_log": cluster.slurm_output_file(),
-            "slurm_allocation": cluster.allocation(),
+            "slurm_job_id": launched.slurm_job_id(),
+            "slurm_restart_count": launched.restart_count(),
+            "slurm_log": slurm_job.slurm_output_file(),
+            "slurm_allocation": allocated.allocation(),
         }
     )
     write_atomically(run_dir / "run.yaml", yaml.safe_dump(record, sort_keys=False))
@@ -206,9 +207,9 @@ def outcome_recorded(
     finally:
         # this run's dir: new when it started, or its run.yaml gained this attempt
         owned = before is None or (record_file.exists() and record_file.stat().st_mtime_ns != before)
-        if refused and not in_sweep and cluster.is_rank_zero():
+        if refused and not in_sweep and launched.is_rank_zero():
             _remove_if_only_logs(run_dir)
-        elif owned and cluster.is_rank_zero() and run_dir.is_dir():
+        elif owned and launched.is_rank_zero() and run_dir.is_dir():
             record = {
                 "status": outcome.status,
                 "metric": outcome.metric,

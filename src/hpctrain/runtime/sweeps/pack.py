@@ -10,7 +10,7 @@
   file lists (`write_jobs`: the sweep dir, then each job's number and overrides), as the SLURM launcher
   (`hydra/launcher=slurm hydra.launcher.pack=N`) receives them from any sweeper: Optuna's are no grid.
 - Each point is slurm/train.sbatch, run as its own `srun --exact` step on its share of the node (its
-  tasks, CPUs, memory and GPUs: `cluster.pack_share`), with its own run dir, resume and outcome, and its
+  tasks, CPUs, memory and GPUs: `pack_shares.pack_share`), with its own run dir, resume and outcome, and its
   output in <the job's output>.point<n>.out. A point that fails ends alone; the others go on.
 - The requeue signal reaches every step (SLURM signals the steps, not the batch script; a signal that
   reaches the driver is passed on to them). Each point saves its requeue.ckpt and ends, recorded as
@@ -36,8 +36,8 @@ from typing import Any
 
 import yaml
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config.compose import compose
+from hpctrain.runtime.environment import launched, pack_shares, slurm_job
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.run import records
 from hpctrain.runtime.sweeps.grid import expand
@@ -77,7 +77,7 @@ class Point:
         status = outcome.get("status")
         return status if status in FINAL and outcome.get("error") != STOPPED_BY_SIGTERM else None
 
-    def start(self, share: cluster.PackShare) -> None:
+    def start(self, share: pack_shares.PackShare) -> None:
         outcome = self.run_dir / records.OUTCOME_FILE
         self.outcome_before = outcome.stat().st_mtime_ns if outcome.exists() else None
         self.output.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +86,7 @@ class Point:
                 ["bash", str(TRAIN_SBATCH), *self.overrides, f"hydra.run.dir={self.run_dir}"],
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                env=cluster.pack_step_env(share, self.number, self.output),
+                env=pack_shares.pack_step_env(share, self.number, self.output),
                 # SLURM signals the steps' tasks itself; a signal sent to the whole batch step (scancel
                 # --full) must not end the shell and srun that wait for them
                 preexec_fn=_ignore_job_signals,  # the driver runs no threads
@@ -201,7 +201,7 @@ def points_of_this_task(grid: int, size: int, numbers: list[int] | None) -> list
             f"--points names job {outside[0]}, but the sweep grid has {grid} point(s) (jobs 0 to {grid - 1})."
         )
     packs = math.ceil(len(numbers) / size)
-    task, tasks, first, last = cluster.array_task()
+    task, tasks, first, last = launched.array_task()
     if (tasks is None and packs != 1) or (tasks is not None and (tasks != packs or first != "0")):
         given = (
             f"a job array of {tasks} task(s) (--array={first}-{last})" if tasks else "one job, not an array"
@@ -216,10 +216,10 @@ def points_of_this_task(grid: int, size: int, numbers: list[int] | None) -> list
 def sweep_dir(points: list[list[str]]) -> Path:
     """Where the points' run dirs go: logs/<task>/multiruns/slurm-<array job id>/, as for a job array's
     tasks, or the earlier sweep's dir whose missing points these are."""
-    resumed = cluster.resumed_sweep_dir()
+    resumed = launched.resumed_sweep_dir()
     if resumed is not None:
         return resumed
-    ids = cluster.slurm_ids()
+    ids = launched.slurm_ids()
     cfg = _composed(points)
     name = f"slurm-{ids['slurm_array_job_id'] or ids['slurm_job_id']}"
     return (Path(str(cfg.paths.log_dir)) / str(cfg.task_name) / "multiruns" / name).resolve()
@@ -236,7 +236,7 @@ def _composed(points: list[list[str]]) -> Any:
 
 def output_file(number: int, sweep: Path) -> Path:
     """Where a point's output goes: beside the job's, <job output>.point<n>.out."""
-    job_output = cluster.slurm_output_file()
+    job_output = slurm_job.slurm_output_file()
     if not job_output:
         return sweep / f"point{number}.out"
     path = Path(job_output)
@@ -256,10 +256,10 @@ def main(argv: list[str]) -> int:
             mine = points_of_this_task(len(grid), args.size, args.numbers)
             overrides_of = dict(enumerate(grid))
             whole = str(len(grid))
-        share = cluster.pack_share(args.size)
+        share = pack_shares.pack_share(args.size)
         if args.jobs is None:
             sweep = sweep_dir([overrides_of[n] for n in mine])
-    job = cluster.slurm_job_id()
+    job = launched.slurm_job_id()
     everyone = list(overrides_of.values())
     points = [Point(n, overrides_of[n], sweep / str(n), output_file(n, sweep)) for n in mine]
     received: list[int] = []
@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda signum, frame: received.append(signum))
 
     say(
-        f"SLURM job {job} (attempt {cluster.restart_count() + 1}): points {', '.join(map(str, mine))} of "
+        f"SLURM job {job} (attempt {launched.restart_count() + 1}): points {', '.join(map(str, mine))} of "
         f"{whole}, side by side, each {share.describe()}; run dirs in {sweep}"
     )
     for point in points:
@@ -301,11 +301,11 @@ def wait(points: list[Point], received: list[int]) -> list[Point]:
     """Until every point has ended; a signal that reached the driver is passed on to them. Returns the
     points still running when the time limit came too close to wait for them (once one saved to requeue)."""
     passed_on = 0
-    end = cluster.job_end_time()
+    end = slurm_job.job_end_time()
     while not all(p.finished() for p in points):
         for signum in received[passed_on:]:
             if signum in PASSED_ON:
-                cluster.signal_steps(signal.Signals(signum).name)
+                slurm_job.signal_steps(signal.Signals(signum).name)
         passed_on = len(received)
         requeueing = any(p.ending == "requeued" for p in points)
         if requeueing and end is not None and time.time() > end - TIME_LIMIT_MARGIN_S:
@@ -322,7 +322,7 @@ def requeue(job: str | None, points: list[Point], waited_out: list[Point]) -> in
             f"point(s) {', '.join(str(p.number) for p in waited_out)} still running {TIME_LIMIT_MARGIN_S} s before "
             "the time limit: not waited for (they continue from their last checkpoint)"
         )
-    result = cluster.requeue_job()
+    result = slurm_job.requeue_job()
     if result.returncode != 0:
         say(f"error: scontrol requeue {job} failed: {(result.stderr or result.stdout).strip()}")
         return 1

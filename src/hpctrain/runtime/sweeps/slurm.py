@@ -48,10 +48,11 @@ from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf, open_dict, read_write
 
-from hpctrain.runtime import cluster, snapshot
-from hpctrain.runtime.cluster import GPU_ACCELERATORS
+from hpctrain.runtime import snapshot
 from hpctrain.runtime.config.compose import CODE_ROOT, CONF_DIR, PROJECT_ROOT
 from hpctrain.runtime.config.settings import Settings
+from hpctrain.runtime.environment import slurm_job
+from hpctrain.runtime.environment.allocated import GPU_ACCELERATORS
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import records
 from hpctrain.runtime.run.job import SKIPPED
@@ -242,7 +243,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
                     " ".join(filter_overrides(point)),
                 )
             log.info("waiting for SLURM job %s: %d job(s), %d to an allocation", array, len(todo), size)
-            while cluster.in_queue(array):
+            while slurm_job.in_queue(array):
                 time.sleep(POLL_S)
             for i, (number, point) in enumerate(todo):
                 task = f"{array}_{i // size}"

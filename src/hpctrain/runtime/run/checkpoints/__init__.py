@@ -21,8 +21,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config.settings import InitFrom
+from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints.folders import committed, recover
 from hpctrain.runtime.run.records import read_run_record
@@ -70,7 +70,7 @@ class StartPoint:
             lines.append(_load_init_weights(run, init))
         if init.freeze:
             lines.append(_freeze(run, init))
-        if cluster.is_rank_zero():
+        if launched.is_rank_zero():
             if self.run_dir is not None:
                 remove_partial_saves(self.run_dir)
             for line in (self.describe(), *lines):
@@ -135,11 +135,11 @@ def is_restart(record: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     """Whether this process continues the run recorded in run.yaml: the same SLURM job, requeued, or
     the same torchrun run, restarted by its agent."""
     attempts = record.get("attempts") or []
-    job = cluster.slurm_job_id(env)
+    job = launched.slurm_job_id(env)
     if job is not None and any(str(a.get("slurm_job_id")) == job for a in attempts):
         return True
-    restarts = cluster.torchrun_restart_count(env)
-    run = cluster.run_id(env)
+    restarts = launched.torchrun_restart_count(env)
+    run = launched.run_id(env)
     return restarts > 0 and any(a.get("run_id") == run for a in attempts)
 
 
@@ -161,7 +161,7 @@ def start_point(
     """
     run_dir = Path(run_dir)
     point = partial(StartPoint, run_dir=run_dir)
-    if cluster.is_rank_zero(env):
+    if launched.is_rank_zero(env):
         recover(checkpoint_dir(run_dir), env)  # tidy only: the choice below needs no repair (`committed`)
     own = newest_checkpoint(run_dir)
     given = None if ckpt_path in (None, "", "null") else str(ckpt_path)
@@ -175,7 +175,7 @@ def start_point(
         if is_restart(record, env):
             return point(
                 own,
-                f"restart {cluster.restart_count(env) or cluster.torchrun_restart_count(env)} of this job",
+                f"restart {launched.restart_count(env) or launched.torchrun_restart_count(env)} of this job",
             )
         if given is not None and given != "last":
             path = existing_checkpoint(given)
@@ -186,7 +186,7 @@ def start_point(
         conflict = f"ckpt_path={given} conflicts with the" if given else "this run dir already holds"
         fresh = (
             "pass a new --rdzv-id to torchrun on every node (the run dir is named after it)"
-            if cluster.launcher(env) == cluster.TORCHRUN
+            if launched.launcher(env) == launched.TORCHRUN
             else "start in a new run dir (drop the fixed hydra.run.dir)"
         )
         raise UserError(

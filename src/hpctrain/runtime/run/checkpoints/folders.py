@@ -27,7 +27,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from hpctrain.runtime import cluster
+from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__)
@@ -64,7 +64,7 @@ def record_shards(folder: Path) -> None:
 
 def writer_tag(env: dict[str, str] | None = None) -> str:
     """Who writes a temporary file or folder: this SLURM job (any attempt), else this host's process."""
-    job = cluster.slurm_job_id(env)
+    job = launched.slurm_job_id(env)
     return f"slurm{job}" if job else f"{socket.gethostname()}.{os.getpid()}"
 
 
@@ -115,11 +115,11 @@ def _abandoned(name: str, env: dict[str, str] | None = None) -> bool:
     """Whether the writer named in a temporary name is gone: this SLURM job's earlier attempt (a job
     restarts only once its attempt ended), or a process of this host that no longer runs."""
     tag = name.rpartition(_WRITER)[2] if _WRITER in name else name.rpartition(_STAGING)[2]
-    job = cluster.slurm_job_id(env)
+    job = launched.slurm_job_id(env)
     if tag.startswith("slurm"):
         return job is not None and tag == f"slurm{job}"
     host, _, pid = tag.rpartition(".") if not tag.isdigit() else (socket.gethostname(), "", tag)
-    return cluster.process_is_gone(host, pid)
+    return launched.process_is_gone(host, pid)
 
 
 def recover(folder: Path, env: dict[str, str] | None = None) -> None:

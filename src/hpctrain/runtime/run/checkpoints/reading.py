@@ -14,9 +14,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor
 
-from hpctrain.runtime import cluster
 from hpctrain.runtime.config import targets
+from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.checkpoints import sharded
 
 log = logging.getLogger(__package__)
 
@@ -32,8 +33,6 @@ def read(path: str | Path, what: str = "ckpt_path", weights: bool = True) -> dic
     checkpoint folder is checked and read whole (`weights=False`: its tensors' shapes only)."""
     path = Path(path)
     if path.is_dir():
-        from hpctrain.runtime.run.checkpoints import sharded
-
         return sharded.read_folder(path, what, weights=weights)
     try:
         content = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -187,7 +186,7 @@ def config_from_checkpoint(
             # the checkpoint's data_dir is where the training job's machine kept its data
             if not any(o.startswith("data.data_dir=") for o in dotted):
                 replacement.data_dir = cfg.paths.data_dir
-            if cluster.is_rank_zero():
+            if launched.is_rank_zero():
                 log.info(
                     "data: read from %s (paths.data_dir of this command; the checkpoint was trained on %s); "
                     "pass paths.data_dir=<dir> to read another",
