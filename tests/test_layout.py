@@ -36,6 +36,7 @@ LAYERS = [
         "hpctrain.runtime.internals",
         "hpctrain.runtime.snapshot",
         "hpctrain.runtime.remote",
+        "hpctrain.runtime.run_state",
         "hpctrain.conf",
     },
     {"hpctrain.runtime.config"},

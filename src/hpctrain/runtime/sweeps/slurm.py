@@ -262,7 +262,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
         (as slurm/train.sbatch completes it: the counts from the allocation, the collective timeout)."""
         if not OmegaConf.select(self.config, "skip_completed", default=False):
             return None
-        from hpctrain.runtime.run.job import SKIPPED
+        from hpctrain.runtime.run.job import skipped
 
         as_run = [
             "trainer.num_nodes=1",
@@ -276,7 +276,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
         done = records.completed_with(sweep / str(number), records.config_signature(cfg))
         if done is None:
             return None
-        SKIPPED.append(number)
+        skipped().append(number)
         log.info("job %d: already completed in %s with the same config; skipped", number, sweep / str(number))
         return self._returned(sweep, number, point, done.get("value"))
 
