@@ -15,8 +15,8 @@ multirun with the basic launcher runs the jobs of a sweep in turn in one process
 failure verdict, a followed trainer or a faulthandler registration the first job leaves must not
 reach the second. `hpctrain.runtime.run.job.Job` begins a run as it enters and ends it as it exits:
 
-- `begin()`: a fresh state for this run. What the process recorded before its first run (a signal
-  during startup, `signals.install_early`) belongs to that first run: the first `begin` adopts it.
+- `begin()`: a fresh state for this run. Only what an owner hands over explicitly reaches it: a signal
+  recorded during startup (`signals.install_early`), which belongs to the run about to begin.
 - `end()`: every owner with a `close()` stops what it still runs (the watchdog thread, the stop guard,
   the faulthandler registration), newest first. The ended run's state stays readable until the next
   `begin`: what runs after the job (the sweep reading a failed job's verdict, `entry.end` reading
@@ -44,7 +44,6 @@ class State:
     def __init__(self) -> None:
         self._parts: dict[type, Any] = {}
         self._closed: set[type] = set()  # owners whose close() has run
-        self.begun = False  # a run began with this state (not only the process's startup)
         self.ended = False  # the run has ended (`close`)
 
     def part(self, cls: type[T]) -> T:
@@ -89,12 +88,15 @@ def current() -> State:
 
 
 def begin() -> State:
-    """A run begins: a fresh state, unless this is the process's first run (it keeps what startup recorded)."""
+    """A run begins with a fresh state. An owner with `hand_over(next_run)` passes on what belongs to the
+    next run (the signals recorded during startup); everything else of the previous state is dropped."""
     global _run
-    if _run.begun:
-        _run.close()  # a run that never ended (it should have): nothing of it keeps running
-        _run = State()
-    _run.begun = True
+    before, _run = _run, State()
+    for owner in list(before._parts.values()):
+        hand_over = getattr(owner, "hand_over", None)
+        if callable(hand_over):
+            hand_over(_run)
+    before.close()  # a run that never ended (it should have): nothing of it keeps running
     return _run
 
 

@@ -50,6 +50,11 @@ class SignalRecord:
     stop_signal: int | None = None  # the first SIGTERM or SIGINT recorded: the exit status is 128 + it
     guard: StopGuard | None = None  # the thread that ends a run no step boundary answers
 
+    def hand_over(self, next_run: run_state.State) -> None:
+        """A signal that arrived before `install` (during startup) is the next run's to act on."""
+        early, self.early = self.early, set()
+        next_run.part(SignalRecord).early |= early
+
     def close(self) -> None:
         """The run ends: its guard stops (the next run's `install` starts its own, with nothing of this
         run's progress, arming or local ranks)."""
