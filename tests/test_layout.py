@@ -38,6 +38,7 @@ LAYERS = [
         "hpctrain.runtime.moved",
         "hpctrain.runtime.snapshot",
         "hpctrain.runtime.remote",
+        "hpctrain.runtime.run_state",
         "hpctrain.conf",
     },
     {"hpctrain.runtime.config"},

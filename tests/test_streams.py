@@ -36,8 +36,10 @@ def test_under_tensor_parallelism_a_stream_is_shared_over_the_data_parallel_grou
     """The ranks of a tensor-parallel group train the same samples: they read the same share."""
     import torch.distributed as dist
 
+    from hpctrain.runtime import run_state
     from hpctrain.runtime.distributed import job_store
 
+    run_state.begin()  # the data-parallel group is this run's: ended below, as a job's end would
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         job_store.set_data_parallel(2, 1)  # as on ranks 2 and 3 of 4 with dist.tensor_parallel=2
@@ -45,7 +47,9 @@ def test_under_tensor_parallelism_a_stream_is_shared_over_the_data_parallel_grou
         assert (share.index, share.count, share.rank, share.world_size) == (1, 2, 1, 2)
         assert list(ShardedIterable(_Numbers())) == [1, 3, 5, 7, 9]
     finally:
-        job_store._DATA_PARALLEL.clear()
+        run_state.end()
+        run_state.begin()  # a fresh run: nothing of this one's group
+        assert job_store.data_parallel() is None
         dist.destroy_process_group()
 
 

@@ -51,7 +51,7 @@ class RankWatchdog(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         watchdog.start()
         signals.arm()  # a stop signal no batch follows for the grace period ends the run (StopGuard)
-        if failures.STATE.children:  # rank 0 of the local launcher: its children are the watchdog's now
+        if failures.state().children:  # rank 0 of the local launcher: its children are the watchdog's now
             launch.leave_children_to_the_watchdog()
         self._several = trainer.world_size > 1
         failures.set_timeout_min(self.init_timeout_min)

@@ -35,37 +35,37 @@ KEEP = 64
 _ANSWERED = {("--help",), ("-h",), ("--hydra-help",), ("--cfg", "job"), ("-c", "job")}
 _UNCACHEABLE_OVERRIDE = "searchpath"
 
-_key: str | None = None  # this process's question, when it is one worth storing
 
-
-def replay() -> None:
-    """If this process asks a question answered before with the same inputs, print that answer and exit 0."""
-    global _key
-    _key = _question_key(sys.argv[1:])
-    if _key is None:
-        return
+def replay() -> str | None:
+    """If this process asks a question answered before with the same inputs, print that answer and exit 0.
+    Otherwise the question's key, when it is one worth storing (for `remembering`), else None: held by the
+    wrapper that stores the answer, not by this module, so nothing here outlives the command line."""
+    key = _question_key(sys.argv[1:])
+    if key is None:
+        return None
     try:
-        text = (_directory() / _key).read_text()
+        text = (_directory() / key).read_text()
     except OSError:
-        return
+        return key
     sys.stdout.write(text)
     sys.stdout.flush()
     sys.exit(0)
 
 
-def remembering(print_answer: Callable[..., Any]) -> Callable[..., Any]:
-    """`print_answer` (Hydra's `app_help`, `hydra_help` or `show_cfg`), its output stored when it succeeds."""
+def remembering(print_answer: Callable[..., Any], key: str | None) -> Callable[..., Any]:
+    """`print_answer` (Hydra's `app_help`, `hydra_help` or `show_cfg`), its output stored under `key` (the
+    question `replay` did not find) when it succeeds; with `key=None`, `print_answer` itself."""
+    if key is None:
+        return print_answer
 
     def answer(*args: Any, **kwargs: Any) -> Any:
-        if _key is None:
-            return print_answer(*args, **kwargs)
         buffer = io.StringIO()
         try:
             with contextlib.redirect_stdout(buffer):
                 result = print_answer(*args, **kwargs)
         finally:
             sys.stdout.write(buffer.getvalue())  # printed in any case, as Hydra would have
-        _store(_key, buffer.getvalue())
+        _store(key, buffer.getvalue())
         return result
 
     return answer

@@ -39,11 +39,13 @@ from hpctrain.runtime.config.hydra_errors import describe_hydra_error
 from hpctrain.runtime.errors import EXIT_USER_ERROR
 
 
-def install(config_name: str) -> None:
-    """Wrap Hydra's `run_and_report` for `python src/<config_name>.py` (see the module docstring)."""
+def install(config_name: str, answer_key: str | None = None) -> None:
+    """Wrap Hydra's `run_and_report` for `python src/<config_name>.py` (see the module docstring);
+    `answer_key`: where `answers` stores this command line's answer (None: not stored)."""
 
     original = hydra_utils.run_and_report
     if getattr(original, "installed_by_hpctrain", False):
+        original.answer_key = answer_key  # type: ignore[attr-defined]  # this command line's, not the last one's
         return
 
     def run_and_report(func: Callable[[], Any]) -> Any:
@@ -65,10 +67,12 @@ def install(config_name: str) -> None:
             _list_groups_from_the_repository(result)
             result.app_help = _with_config_sources(result.app_help)
             for name in ("app_help", "hydra_help", "show_cfg"):  # stored for the next identical question
-                setattr(result, name, answers.remembering(getattr(result, name)))
+                setattr(result, name, answers.remembering(getattr(result, name), run_and_report.answer_key))  # type: ignore[attr-defined]
         return result
 
     run_and_report.installed_by_hpctrain = True  # type: ignore[attr-defined]
+    # the key lives on the hook Hydra calls (process-wide, like the hook itself), set again by each install
+    run_and_report.answer_key = answer_key  # type: ignore[attr-defined]
     hydra_utils.run_and_report = run_and_report
 
 

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpctrain.runtime import run_state
 from hpctrain.runtime.distributed import notify, signals, stacks
 from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, POSITION_KEY, POSTED_KEY, rank, store
 
@@ -32,8 +33,10 @@ STORE_LOST = "rank 0's process, which serves the job's store, stopped answering 
 
 
 @dataclass
-class _Failures:
-    in_sweep: bool = False  # this process runs a sweep's jobs one after another
+class Failures:
+    """How one run fails (`hpctrain.runtime.run_state`): a verdict, the local ranks it watches."""
+
+    in_sweep: bool = False  # this run is a job of a sweep run in this process, one job after another
     stopping: bool = False  # the run is ending (on purpose, or after a failure): exits are not failures
     verdict: str | None = None  # the failure line of this job, once decided
     explained: bool = False  # the verdict says it all: no traceback (a collective that timed out)
@@ -41,7 +44,9 @@ class _Failures:
     children: list[Any] = field(default_factory=list)  # the local launcher's processes of ranks 1..N-1
 
 
-STATE = _Failures()
+def state() -> Failures:
+    """The current run's (a sweep reads a failed job's verdict after its run ended: still that run's)."""
+    return run_state.part(Failures)
 
 
 class RankFailed(RuntimeError):
@@ -49,18 +54,20 @@ class RankFailed(RuntimeError):
 
 
 def in_sweep() -> None:
-    """This process runs a sweep's jobs one after another: a failure ends the job, not the process."""
-    STATE.in_sweep = True
+    """This run is a job of a sweep that this process runs, one job after another: a failure ends the job,
+    not the process (`hpctrain.runtime.run.job.Job` says so as each job begins)."""
+    state().in_sweep = True
 
 
 def pending_verdict() -> str | None:
     """The failure line recorded for a sweep's job, left for `take_verdict` (a rank died: the job failed)."""
-    return STATE.verdict
+    return state().verdict
 
 
 def take_verdict() -> str | None:
     """The failure line the watchdog recorded before interrupting a sweep's job, if it did."""
-    verdict, STATE.verdict = STATE.verdict, None
+    failed = state()
+    verdict, failed.verdict = failed.verdict, None
     return verdict
 
 
@@ -68,11 +75,12 @@ def exit_with(line: str, code: int = 1) -> None:
     """Say `line` and end this rank at once (in a sweep: end the job and let the sweep go on)."""
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    if STATE.in_sweep:
+    failed = state()
+    if failed.in_sweep:
         if threading.current_thread() is threading.main_thread():
             raise RankFailed(line.removeprefix("error: "))
-        if STATE.verdict is None:
-            STATE.verdict = line.removeprefix("error: ")
+        if failed.verdict is None:
+            failed.verdict = line.removeprefix("error: ")
         _thread.interrupt_main()  # the main thread raises KeyboardInterrupt at its next bytecode
         return
     notify.wait()  # a message this rank posted (its failure), bounded by notify.timeout_s
@@ -98,12 +106,12 @@ def die_with_parent() -> None:
 
 def watch_children(procs: list[Any]) -> None:
     """Rank 0 of the local launcher: the child processes (local ranks 1..N-1) to watch."""
-    STATE.children = procs
+    state().children = procs
     signals.local_ranks(procs)  # a stop that nothing answers ends them too
 
 
 def dead_child() -> str | None:
-    for local_rank, proc in enumerate(STATE.children, start=1):
+    for local_rank, proc in enumerate(state().children, start=1):
         code = proc.poll()
         if code is None or code == 0:
             continue
@@ -158,14 +166,15 @@ def expected(err: BaseException) -> bool:
 def note_failure(err: BaseException) -> None:
     """Called while the process group is still up (Lightning's on_exception): decide who failed first,
     and record this rank's failure for the others if it was this one."""
-    STATE.stopping = True
-    if expected(err) or STATE.verdict is not None:
+    failed = state()
+    failed.stopping = True
+    if expected(err) or failed.verdict is not None:
         return
     other = first_failure(wait_s=2.0)
     # one line, without the terminal colour codes some libraries put in their messages (torch.load's)
     summary = " ".join(_ANSI.sub("", f"{type(err).__name__}: {err}").split())
     if other:
-        STATE.verdict = (
+        failed.verdict = (
             f"{other}; rank {rank()} on {socket.gethostname()} stopped too ({shorten(summary, 80)})."
         )
         return
@@ -174,13 +183,13 @@ def note_failure(err: BaseException) -> None:
         line = _who_did_not_arrive(job)
         if line:
             announce(job, line, notify.HUNG)
-            STATE.verdict, STATE.explained = f"{line}.", True  # no traceback of the timed-out collective
+            failed.verdict, failed.explained = f"{line}.", True  # no traceback of the timed-out collective
             return
     hint = failure_hint(summary)
     who = f"rank {rank()} on {socket.gethostname()} failed: " if job is not None else ""
     line = f"{who}{shorten(summary, 300)}" + (f"; {hint}" if hint else "")
     announce(job, line)
-    STATE.verdict = f"{line} (traceback above)."
+    failed.verdict = f"{line} (traceback above)."
 
 
 def _timed_out(summary: str) -> bool:
@@ -197,9 +206,9 @@ def declare_hang(stalled_s: float) -> None:
     down at the timeout (it leaves no stacks and no sentence, and every rank then blames rank 0, whose
     process served the store). Every rank that finds the job stalled gets here; the first verdict wins."""
     job = store()
-    if job is None or STATE.stopping:
+    if job is None or state().stopping:
         return
-    timeout = STATE.timeout_min
+    timeout = state().timeout_min
     within = f"dist.timeout_min={timeout:g}" if timeout else "the collective timeout"
     reason = f"no batch completed on rank {rank()} for {stalled_s:.0f} s, most of {within}"
     line = _who_did_not_arrive(job, reason=reason) or _where_every_rank_stands(job, reason)
@@ -272,7 +281,7 @@ def _who_did_not_arrive(job: Any, wait_s: float = 3.0, reason: str | None = None
             if frames:
                 place += f", {stacks.where(frames)}"
         places.append(place + ")")
-    timeout = STATE.timeout_min
+    timeout = state().timeout_min
     within = f" within dist.timeout_min={timeout:g}" if timeout else ""
     where = f"; every rank's stacks: {run_dir / stacks.STACKS_DIR}/rank<N>.txt" if run_dir is not None else ""
     return (
@@ -282,7 +291,7 @@ def _who_did_not_arrive(job: Any, wait_s: float = 3.0, reason: str | None = None
 
 
 def set_timeout_min(minutes: float) -> None:
-    STATE.timeout_min = float(minutes)
+    state().timeout_min = float(minutes)
 
 
 def shorten(text: str, limit: int) -> str:

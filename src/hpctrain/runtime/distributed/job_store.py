@@ -5,7 +5,10 @@ process's rank. Nothing here imports torch: a process without a process group ha
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
+
+from hpctrain.runtime import run_state
 
 FAILED_KEY = f"{__package__}/failed-rank"  # the first failure's line (failures)
 POSTED_KEY = f"{__package__}/posted"  # the rank that posts the failure (notify): one post per job
@@ -42,16 +45,19 @@ def store() -> Any | None:
         return None
 
 
-_DATA_PARALLEL: list[
-    tuple[int, int]
-] = []  # (size, rank) of the data-parallel group, where it is not the world
+@dataclass
+class DataParallel:
+    """One run's data-parallel group, where it is not the world (`hpctrain.runtime.run_state`): a next job
+    in this process without tensor parallelism shards over its world again."""
+
+    group: tuple[int, int] | None = None  # (size, rank)
 
 
 def set_data_parallel(size: int, rank: int) -> None:
     """Under tensor parallelism the processes of one tensor-parallel group must read the same batches:
     hpctrain's loaders shard the data over the data-parallel group's `size` and `rank`, not the world's."""
-    _DATA_PARALLEL[:] = [(int(size), int(rank))]
+    run_state.part(DataParallel).group = (int(size), int(rank))
 
 
 def data_parallel() -> tuple[int, int] | None:
-    return _DATA_PARALLEL[0] if _DATA_PARALLEL else None
+    return run_state.part(DataParallel).group

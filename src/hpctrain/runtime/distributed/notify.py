@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from hpctrain.runtime import run_state
 from hpctrain.runtime.distributed.endings import STOPPED, ending
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
@@ -75,7 +76,10 @@ class _Pending:
 
 
 @dataclass
-class _Notifier:
+class Notifier:
+    """One run's notifications (`hpctrain.runtime.run_state`): its settings, whether its ending was posted,
+    and the posts still on their way (waited for at the process's exit, whichever run is current then)."""
+
     url_env: str = URL_ENV
     timeout_s: float = TIMEOUT_S
     events: tuple[str, ...] = EVENTS  # the ones posted
@@ -87,8 +91,30 @@ class _Notifier:
     lock: threading.Lock = field(default_factory=threading.Lock)
     waits_at_exit: bool = False
 
+    def wait(self) -> None:
+        """This notifier's posts still on their way, each until `timeout_s` after it was posted at most."""
+        waited = list(self.pending)
+        for pending in waited:
+            pending.thread.join(max(0.0, pending.deadline - time.monotonic()))
+            if pending.thread.is_alive():
+                self.warn(
+                    pending.event, f"the webhook did not answer within notify.timeout_s={pending.timeout_s:g}"
+                )
+        self.pending = [p for p in self.pending if p not in waited]
 
-STATE = _Notifier()
+    def warn(self, event: str, why: str) -> None:
+        """One warning per job, naming the variable, never the URL."""
+        with self.lock:
+            if self.warned:
+                return
+            self.warned = True
+        url = os.environ.get(self.url_env, "")
+        said = why.replace(url, f"${self.url_env}") if url else why
+        log.warning("notify: the %s notification was not sent: %s; the run is not affected.", event, said)
+
+
+def _notifier() -> Notifier:
+    return run_state.part(Notifier)
 
 
 def configure(
@@ -98,48 +124,50 @@ def configure(
     the preflight will refuse is read as far as it can be, so that the refusal itself can be posted."""
     settings = settings if isinstance(settings, Mapping) else {}
     url_env, timeout, events = settings.get("url_env"), settings.get("timeout_s"), settings.get("events")
-    STATE.url_env = url_env if isinstance(url_env, str) and url_env else URL_ENV
+    state = _notifier()
+    state.url_env = url_env if isinstance(url_env, str) and url_env else URL_ENV
     number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
-    STATE.timeout_s = float(timeout) if number else TIMEOUT_S
+    state.timeout_s = float(timeout) if number else TIMEOUT_S
     listed = isinstance(events, Sequence) and not isinstance(events, str)
-    STATE.events = tuple(str(event) for event in events) if listed else EVENTS
-    STATE.where = str(where) if where is not None else None
-    STATE.sweep_point = sweep_point
-    STATE.ended = STATE.warned = False
+    state.events = tuple(str(event) for event in events) if listed else EVENTS
+    state.where = str(where) if where is not None else None
+    state.sweep_point = sweep_point
+    state.ended = state.warned = False
 
 
 def post(event: str, text: str) -> bool:
     """Post `text` as `event` (one of EVENTS) from a daemon thread; whether a message went out. An ending
     (completed, failed, nan, hung, budget) after this job's first is dropped."""
-    with STATE.lock:
+    state = _notifier()
+    with state.lock:
         if event in ENDINGS:
-            if STATE.ended:
+            if state.ended:
                 return False
-            STATE.ended = True
-    url = os.environ.get(STATE.url_env, "").strip()
-    if not url or event not in STATE.events or (STATE.sweep_point and event in SUMMARISED):
+            state.ended = True
+    url = os.environ.get(state.url_env, "").strip()
+    if not url or event not in state.events or (state.sweep_point and event in SUMMARISED):
         return False
-    body = json.dumps({"text": message(event, text, STATE.where)}).encode()
+    body = json.dumps({"text": message(event, text, state.where)}).encode()
     thread = threading.Thread(
-        target=_send, args=(url, body, event, STATE.url_env, STATE.timeout_s), name="notify", daemon=True
+        target=_send,
+        args=(state, url, body, event, state.url_env, state.timeout_s),
+        name="notify",
+        daemon=True,
     )
-    STATE.pending.append(_Pending(thread, time.monotonic() + STATE.timeout_s, event, STATE.timeout_s))
+    state.pending.append(_Pending(thread, time.monotonic() + state.timeout_s, event, state.timeout_s))
     thread.start()
-    if not STATE.waits_at_exit:
-        atexit.register(wait)
-        STATE.waits_at_exit = True
+    if not state.waits_at_exit:
+        # atexit is the process's: it waits for this notifier's posts even after its run has ended
+        # (a sweep's next job, or the sweep's summary, may be current by then), as bounded as ever
+        atexit.register(state.wait)
+        state.waits_at_exit = True
     return True
 
 
 def wait() -> None:
     """Wait for the messages still being posted, each until `notify.timeout_s` after it was posted at most.
     A wait inside a wait (a signal handler that ends the process) waits for the same messages."""
-    waited = list(STATE.pending)
-    for pending in waited:
-        pending.thread.join(max(0.0, pending.deadline - time.monotonic()))
-        if pending.thread.is_alive():
-            _warn(pending.event, f"the webhook did not answer within notify.timeout_s={pending.timeout_s:g}")
-    STATE.pending = [p for p in STATE.pending if p not in waited]
+    _notifier().wait()
 
 
 def job_ended(
@@ -182,7 +210,9 @@ def message(event: str, text: str, where: str | None = None) -> str:
     return "\n".join(lines).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def _send(url: str, body: bytes, event: str, url_env: str, timeout_s: float) -> None:
+def _send(state: Notifier, url: str, body: bytes, event: str, url_env: str, timeout_s: float) -> None:
+    """From a daemon thread: a warning goes to the notifier that posted it, whichever run is current."""
+    warn = state.warn
     try:
         request = urllib.request.Request(
             url, data=body, headers={"Content-Type": "application/json"}, method="POST"
@@ -190,20 +220,20 @@ def _send(url: str, body: bytes, event: str, url_env: str, timeout_s: float) -> 
         with urllib.request.urlopen(request, timeout=timeout_s) as answer:
             answer.read(4096)
     except urllib.error.HTTPError as err:
-        _warn(
+        warn(
             event,
             f"the webhook at {_host(url)} answered HTTP {err.code} {err.reason}; check the URL in ${url_env}",
         )
     except urllib.error.URLError as err:
-        _warn(event, _unreachable(url, err.reason, timeout_s))
+        warn(event, _unreachable(url, err.reason, timeout_s))
     except TimeoutError:  # connected, then no answer
-        _warn(event, f"the webhook at {_host(url)} did not answer within notify.timeout_s={timeout_s:g}")
+        warn(event, f"the webhook at {_host(url)} did not answer within notify.timeout_s={timeout_s:g}")
     except OSError as err:
-        _warn(event, _unreachable(url, err, timeout_s))
+        warn(event, _unreachable(url, err, timeout_s))
     except ValueError:  # what urllib says repeats the URL: say it without
-        _warn(event, f"${url_env} does not hold an http(s) URL")
+        warn(event, f"${url_env} does not hold an http(s) URL")
     except Exception as err:
-        _warn(event, f"posting to {_host(url)} failed ({type(err).__name__})")
+        warn(event, f"posting to {_host(url)} failed ({type(err).__name__})")
 
 
 def _unreachable(url: str, reason: object, timeout_s: float) -> str:
@@ -228,13 +258,3 @@ def _host(url: str) -> str:
         return f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
     except ValueError:
         return "?"
-
-
-def _warn(event: str, why: str) -> None:
-    with STATE.lock:
-        if STATE.warned:
-            return
-        STATE.warned = True
-    url = os.environ.get(STATE.url_env, "")
-    said = why.replace(url, f"${STATE.url_env}") if url else why
-    log.warning("notify: the %s notification was not sent: %s; the run is not affected.", event, said)

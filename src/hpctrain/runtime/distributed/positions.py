@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from hpctrain.runtime import run_state
 from hpctrain.runtime.distributed import stragglers
 from hpctrain.runtime.distributed.failures import exit_with
 from hpctrain.runtime.distributed.job_store import DATA_END_KEY, FAILED_KEY, POSITION_KEY, rank, store
@@ -24,30 +25,35 @@ POLL_S = 1.0
 
 
 @dataclass
-class _Followed:
+class Followed:
+    """Where this rank is in one run (`hpctrain.runtime.run_state`): dropped with the run, so a trainer or a
+    straggler report a job left behind is never the next job's."""
+
     trainer: Any = None  # the Trainer being watched, for where this rank is in its training epoch
     phase: int = 0  # 0 before the backward pass of the current step, 1 once it began
     clock: stragglers.StepClock | None = None  # this rank's own time per step
     report: stragglers.StragglerReport | None = None  # rank 0: compares the ranks' clocks
 
 
-STATE = _Followed()
+def _followed() -> Followed:
+    return run_state.part(Followed)
 
 
 def follow(trainer: Any) -> None:
     """Watch where `trainer` is in its training epochs (for `note_training_data_end`)."""
-    STATE.trainer = trainer
+    _followed().trainer = trainer
 
 
 def note_phase(phase: int) -> None:
     """Where this rank is within its training step: 0 before the backward pass (the forward pass, the
     user's training_step), 1 once it began (DDP's gradient all-reduce). A plain assignment per step."""
-    STATE.phase = phase
+    _followed().phase = phase
 
 
 def watch_steps(clock: Any, report: Any | None) -> None:
     """Publish `clock` (a stragglers.StepClock) each second; on rank 0, `report` compares the ranks."""
-    STATE.clock, STATE.report = clock, report
+    followed = _followed()
+    followed.clock, followed.report = clock, report
 
 
 def _position(trainer: Any) -> tuple[int, int] | None:
@@ -63,17 +69,18 @@ def _position(trainer: Any) -> tuple[int, int] | None:
 def publish(job: Any, me: int) -> None:
     """From the watchdog thread, each second: this rank's position and step clock into the store; on
     rank 0, now and then, the straggler lines."""
-    trainer = STATE.trainer
+    followed = _followed()
+    trainer = followed.trainer
     if trainer is not None and trainer.training:  # plain attribute reads, safe from this thread
         job.set(
             f"{POSITION_KEY}/{me}",
-            f"{trainer.current_epoch} {trainer.global_step} {STATE.phase} {socket.gethostname()}",
+            f"{trainer.current_epoch} {trainer.global_step} {followed.phase} {socket.gethostname()}",
         )
-    clock = STATE.clock
+    clock = followed.clock
     if clock is None or not clock.steps:
         return
     job.set(f"{stragglers.TIMING_KEY}/{me}", clock.record())
-    report = STATE.report
+    report = followed.report
     if report is not None and report.due():
         for line in report.report(job):
             log.warning(line)
@@ -82,14 +89,14 @@ def publish(job: Any, me: int) -> None:
 def publish_timing() -> None:
     """This rank's final step clock, from the training thread when training ends (the watchdog's last
     publication may be a second old)."""
-    job, clock = store(), STATE.clock
+    job, clock = store(), _followed().clock
     if job is not None and clock is not None and clock.steps:
         job.set(f"{stragglers.TIMING_KEY}/{rank()}", clock.record())
 
 
 def rank_summary() -> dict[int, dict[str, Any]] | None:
     """Rank 0 at the end of a run: each rank's time per step (for outcome.yaml), read from the store."""
-    report, job = STATE.report, store()
+    report, job = _followed().report, store()
     if report is None or job is None:
         return None
     report.totals = report.read(job)
@@ -99,7 +106,7 @@ def rank_summary() -> dict[int, dict[str, Any]] | None:
 def ran_past_another_ranks_data(job: Any, me: int) -> str | None:
     """The failure line when another rank's training data ran out in this epoch after fewer batches
     than this rank is already training on (its next collective would wait forever)."""
-    position = _position(STATE.trainer)
+    position = _position(_followed().trainer)
     if position is None:
         return None
     epoch, batches = position

@@ -32,21 +32,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpctrain.runtime import run_state
+
 NO_SIGNAL, TERMINATE, REQUEUE = 0, 1, 2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GRACE_S = 10.0  # seconds without a completed batch, after a stop signal, before the run is ended anyway
 
 
 @dataclass
-class _Recorded:
+class SignalRecord:
+    """The signals of one run (`hpctrain.runtime.run_state`), and its stop guard. The handlers are the
+    process's, so they record into whichever run is current; the run's end stops its guard (`close`)."""
+
     received: int = NO_SIGNAL  # the strongest signal recorded so far
     requeue_signal: signal.Signals | None = None  # the one that requeues (the SLURM time-limit warning)
     early: set[int] = field(default_factory=set)  # arrived during startup, before install()
     stop_signal: int | None = None  # the first SIGTERM or SIGINT recorded: the exit status is 128 + it
     guard: StopGuard | None = None  # the thread that ends a run no step boundary answers
 
+    def hand_over(self, next_run: run_state.State) -> None:
+        """A signal that arrived before `install` (during startup) is the next run's to act on."""
+        early, self.early = self.early, set()
+        next_run.part(SignalRecord).early |= early
 
-_state = _Recorded()
+    def close(self) -> None:
+        """The run ends: its guard stops (the next run's `install` starts its own, with nothing of this
+        run's progress, arming or local ranks)."""
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            guard.close()
+
+
+def _state() -> SignalRecord:
+    return run_state.part(SignalRecord)
 
 
 class Interrupted(Exception):
@@ -64,17 +82,19 @@ class Interrupted(Exception):
 
 
 def _record(signum: int, frame: Any) -> None:
-    code = REQUEUE if signum == _state.requeue_signal else TERMINATE
-    if code == TERMINATE and _state.stop_signal is None:
-        _state.stop_signal = signum
-    _state.received = max(_state.received, code)
+    state = _state()
+    code = REQUEUE if signum == state.requeue_signal else TERMINATE
+    if code == TERMINATE and state.stop_signal is None:
+        state.stop_signal = signum
+    state.received = max(state.received, code)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     """Ctrl-C: while a run trains, tests or predicts, a stop at the next step boundary (the guard ends it
     if none comes); otherwise Python's KeyboardInterrupt."""
-    guard = _state.guard
-    if guard is not None and guard.armed and _state.requeue_signal is not None:
+    state = _state()
+    guard = state.guard
+    if guard is not None and guard.armed and state.requeue_signal is not None:
         _record(signum, frame)  # acted on at the next step boundary, as SIGTERM is (requeue.enabled)
         return
     signal.default_int_handler(signum, frame)
@@ -82,7 +102,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def exit_code() -> int:
     """The exit status of a run stopped on a signal: 130 after Ctrl-C, 143 after SIGTERM."""
-    return 128 + (_state.stop_signal or signal.SIGTERM)
+    return 128 + (_state().stop_signal or signal.SIGTERM)
 
 
 EARLY = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -96,25 +116,26 @@ def install_early() -> None:
 
 
 def _record_early(signum: int, frame: Any) -> None:
-    _state.early.add(signum)
+    _state().early.add(signum)
 
 
 def install(requeue_signal: str | None, stop_grace_s: float | None = None) -> None:
     """From now on record SIGTERM and `requeue_signal` (the SLURM time-limit warning, e.g. SIGUSR1),
     counting what arrived during startup. With `requeue_signal=None` (requeue disabled) the default
     actions come back, and a signal that arrived during startup ends the process now."""
-    early, _state.early = _state.early, set()
+    state = _state()
+    early, state.early = state.early, set()
     chosen = signal.Signals[requeue_signal] if requeue_signal else None
-    _state.requeue_signal = chosen
-    _state.received = NO_SIGNAL
-    _state.stop_signal = None
+    state.requeue_signal = chosen
+    state.received = NO_SIGNAL
+    state.stop_signal = None
     for sig in EARLY:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, _interrupt)
-    if _state.guard is None and threading.current_thread() is threading.main_thread():
-        _state.guard = StopGuard()
-    if _state.guard is not None:
-        _state.guard.grace_s = float(stop_grace_s or GRACE_S)
+    if state.guard is None and threading.current_thread() is threading.main_thread():
+        state.guard = StopGuard(state)
+    if state.guard is not None:
+        state.guard.grace_s = float(stop_grace_s or GRACE_S)
     if chosen is None:
         for signum in early:
             signal.raise_signal(signum)
@@ -128,7 +149,7 @@ def install(requeue_signal: str | None, stop_grace_s: float | None = None) -> No
 
 def progressed(batch_s: float = 0.0) -> None:
     """A batch completed (train, validation, test or predict; `batch_s` its host time): the run moves."""
-    guard = _state.guard
+    guard = _state().guard
     if guard is not None:
         guard.progress += 1
         guard.batch_s = max(guard.batch_s * 0.9, batch_s)
@@ -136,28 +157,28 @@ def progressed(batch_s: float = 0.0) -> None:
 
 def local_ranks(procs: list[Any]) -> None:
     """Rank 0 of the local launcher: the processes it started, which a forced end ends too."""
-    guard = _state.guard
+    guard = _state().guard
     if guard is not None:
         guard.children = list(procs)
 
 
 def progress() -> tuple[int, bool]:
     """(batches completed so far, whether the run is in its train, test or predict loops) for the watchdog."""
-    guard = _state.guard
+    guard = _state().guard
     return (guard.progress, guard.armed) if guard is not None else (0, False)
 
 
 def arm(armed: bool = True) -> None:
     """While a run trains, tests or predicts (the template's RankWatchdog sets it): a stop signal that no
     batch follows for the grace period ends the run (`StopGuard`)."""
-    guard = _state.guard
+    guard = _state().guard
     if guard is not None:
         guard.armed = armed
 
 
 def answered() -> None:
     """The run acts on a recorded signal (a step boundary saves and stops): the guard lets it finish."""
-    guard = _state.guard
+    guard = _state().guard
     if guard is not None:
         guard.answered = True
 
@@ -166,8 +187,10 @@ class StopGuard(threading.Thread):
     """See the module docstring. Started by `install` from the main thread (which alone may set the
     wakeup file descriptor); Python's C-level handler writes each signal's number to it at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: SignalRecord) -> None:
         super().__init__(name="stop-guard", daemon=True)
+        self.record = record  # the run's signals it guards
+        self.closed = False
         self.armed = False
         self.answered = False
         self.progress = 0  # batches completed so far
@@ -176,9 +199,25 @@ class StopGuard(threading.Thread):
         self.children: list[Any] = []  # the local launcher's processes of ranks 1..N-1 (`local_ranks`)
         self._reader, writer = socket.socketpair()
         writer.setblocking(False)
-        self._writer = writer  # kept open as long as the process
+        self._writer = writer  # open until the run ends (`close`)
         signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         self.start()
+
+    def close(self) -> None:
+        """The run ends (from the main thread, which alone may unset the wakeup file descriptor): the
+        guard stops, and the wakeup descriptor with it, so the next run's guard starts from nothing."""
+        if threading.current_thread() is not threading.main_thread():
+            self.armed = False  # cannot unset the wakeup fd here: at least it ends nothing any more
+            return
+        # unset before the socket closes: Python's C handler must never write to a closed (reused) fd
+        signal.set_wakeup_fd(-1)
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self._writer.send(b"\0")  # wakes the thread from recv; 0 is no signal's number
+        self.join(timeout=2.0)
+        for end in (self._writer, self._reader):
+            with contextlib.suppress(OSError):
+                end.close()
 
     def run(self) -> None:
         stops = 0
@@ -193,8 +232,12 @@ class StopGuard(threading.Thread):
                 data = b""
             except OSError:
                 return
+            if self.closed:
+                return
             for signum in data:
-                if signum not in STOP_SIGNALS or (signum == signal.SIGTERM and _state.requeue_signal is None):
+                if signum not in STOP_SIGNALS or (
+                    signum == signal.SIGTERM and self.record.requeue_signal is None
+                ):
                     continue  # the requeue signal; or SIGTERM without handler: its default ends the process
                 stops += 1
                 if stops == 1:
@@ -269,11 +312,11 @@ def _where_ranks_stood() -> str:
 
 def received() -> int:
     """The strongest signal recorded in this process (NO_SIGNAL, TERMINATE or REQUEUE)."""
-    return _state.received
+    return _state().received
 
 
 def requeue_signal_name() -> str:
-    sig = _state.requeue_signal
+    sig = _state().requeue_signal
     return sig.name if sig is not None else "SIGUSR1"
 
 

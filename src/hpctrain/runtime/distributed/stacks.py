@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from hpctrain.runtime import run_state
 from hpctrain.runtime.environment import launched
 
 STACKS_DIR = "stacks"
@@ -31,13 +32,36 @@ HEADER = "===== stacks"  # each dump begins with a line starting so, with its ti
 
 
 @dataclass
-class _Registered:
+class Registered:
+    """One run's faulthandler registration (`hpctrain.runtime.run_state`): the run's end unregisters it and
+    closes its file, so a next job in this process neither dumps into this run's folder nor names it."""
+
     file: IO[str] | None = None  # <run dir>/stacks/rank<N>.txt, open while registered
     signal: int | None = None  # the signal faulthandler dumps the stacks on
-    fork_hook: bool = False  # a forked loader worker unregisters it
+
+    def close(self) -> None:
+        file, signum = self.file, self.signal
+        self.file, self.signal = None, None
+        if signum is not None:
+            faulthandler.unregister(signum)
+        if file is not None:
+            file.close()
 
 
-_state = _Registered()
+def _registered() -> Registered:
+    return run_state.part(Registered)
+
+
+def _forget() -> None:
+    """In a forked child (a loader worker): the signal goes back to its default (ignored)."""
+    registered = run_state.current().peek(Registered)
+    if registered is not None and registered.signal is not None:
+        faulthandler.unregister(registered.signal)
+        registered.file, registered.signal = None, None
+
+
+# once per process, not per run: a fork hook cannot be unregistered, and this one reads the current run
+os.register_at_fork(after_in_child=_forget)
 
 
 def rank_file(run_dir: str | Path, rank: int) -> Path:
@@ -50,34 +74,24 @@ def register(run_dir: str | Path, signal_name: str) -> None:
     rank = launched.global_rank()
     folder = Path(run_dir) / STACKS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    if _state.file is not None and _state.signal is not None:
-        faulthandler.unregister(_state.signal)
-        _state.file.close()
-    file = open(rank_file(run_dir, rank), "a", buffering=1)  # noqa: SIM115 - open as long as the process
+    registered = _registered()
+    registered.close()  # an earlier registration of this run (a second build)
+    file = open(rank_file(run_dir, rank), "a", buffering=1)  # noqa: SIM115 - open until the run ends (Registered.close)
     with open(folder / PIDS_FILE, "a") as pids:
         pids.write(f"{rank} {os.getpid()} {socket.gethostname()}\n")
     faulthandler.register(signum, file=file, all_threads=True, chain=False)
-    _state.file, _state.signal = file, signum
-    if not _state.fork_hook:  # a forked loader worker goes back to the signal's default (ignored)
-        os.register_at_fork(after_in_child=_forget)
-        _state.fork_hook = True
+    registered.file, registered.signal = file, signum
 
 
 def run_dir() -> Path | None:
     """The run dir whose stacks folder this process writes to (None before `register`)."""
-    file = _state.file
+    file = _registered().file
     return Path(file.name).parents[1] if file is not None else None
-
-
-def _forget() -> None:
-    if _state.signal is not None:
-        faulthandler.unregister(_state.signal)
-        _state.file, _state.signal = None, None
 
 
 def dump(reason: str) -> None:
     """Append this process's stacks to its rank's file now (from any thread), under a header saying why."""
-    file: IO[str] | None = _state.file
+    file: IO[str] | None = _registered().file
     if file is None:
         return
     file.write(f"\n{HEADER} {time.strftime('%Y-%m-%d %H:%M:%S')}: {reason}\n")

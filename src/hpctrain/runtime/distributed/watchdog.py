@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from hpctrain.runtime import run_state
 from hpctrain.runtime.distributed import failures, positions, signals, stacks
 from hpctrain.runtime.distributed.failures import STORE_LOST, announce, dead_child, exit_with
 from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, rank, store
@@ -59,7 +60,7 @@ class Watchdog(threading.Thread):
         dumped = False
         while not self._stopped.wait(POLL_S):
             dead = dead_child()
-            if dead and not failures.STATE.stopping:
+            if dead and not failures.state().stopping:
                 announce(job, f"{dead}")
                 exit_with(f"error: {dead} on {socket.gethostname()}; ending the job.")
             if job is None:
@@ -73,16 +74,16 @@ class Watchdog(threading.Thread):
                 misses = 0
             except Exception:
                 misses += 1
-                if misses >= LOST_AFTER and not self._stopped.is_set() and not failures.STATE.stopping:
+                if misses >= LOST_AFTER and not self._stopped.is_set() and not failures.state().stopping:
                     exit_with(f"error: {STORE_LOST}; ending rank {self.rank} on {socket.gethostname()} too.")
                 continue
             if failed and not self._stopped.is_set():
                 exit_with(f"error: {failed}; rank {self.rank} stops too.")
             stalled = self._stall.seconds()
-            if stalled is not None and not self._stopped.is_set() and not failures.STATE.stopping:
+            if stalled is not None and not self._stopped.is_set() and not failures.state().stopping:
                 failures.declare_hang(stalled)
             uneven = positions.ran_past_another_ranks_data(job, self.rank)
-            if uneven and not self._stopped.is_set() and not failures.STATE.stopping:
+            if uneven and not self._stopped.is_set() and not failures.state().stopping:
                 announce(job, uneven)
                 exit_with(f"error: {uneven}.")
 
@@ -105,7 +106,7 @@ class Stall:
         if progress != self._seen or not armed:
             self._seen, self._since = progress, now
             return None
-        timeout = failures.STATE.timeout_min
+        timeout = failures.state().timeout_min
         if not timeout:
             return None
         # declared (and the dumps gathered, 3 s) before the timeout itself, whatever it is
@@ -115,34 +116,43 @@ class Stall:
 
 
 @dataclass
-class _Watching:
+class Watching:
+    """One run's watchdog (`hpctrain.runtime.run_state`): the run's end stops its thread."""
+
     thread: Watchdog | None = None  # the running Watchdog
     finished_worker: bool = False  # a rank > 0 whose run completed (exit_if_finished_worker)
 
+    def close(self) -> None:
+        if self.thread is not None:
+            stop()
 
-STATE = _Watching()
+
+def _watching() -> Watching:
+    return run_state.part(Watching)
 
 
 def start() -> None:
     """Start watching (once the process group exists; a no-op for a single process)."""
-    if STATE.thread is not None or store() is None:
+    watching = _watching()
+    if watching.thread is not None or store() is None:
         return
-    failures.STATE.stopping = False
-    STATE.thread = Watchdog(rank())
-    STATE.thread.start()
+    failures.state().stopping = False
+    watching.thread = Watchdog(rank())
+    watching.thread.start()
 
 
 def stop() -> None:
     """The job is ending normally (or requeueing): stop watching, so an orderly exit is not a failure."""
-    failures.STATE.stopping = True
-    thread = STATE.thread
+    failures.state().stopping = True
+    watching = _watching()
+    thread = watching.thread
     if thread is not None:
         thread.stop()
         # Wait for it to leave its store request: a thread still inside the store's C++ code when the
         # process group is destroyed, or when the interpreter exits, can abort the process.
         if thread is not threading.current_thread():
             thread.join(timeout=POLL_S + 5)
-        STATE.thread = None
+        watching.thread = None
 
 
 @contextmanager
@@ -157,15 +167,15 @@ def failures_reported() -> Iterator[None]:
             stop()
             raise
         failures.note_failure(err)
-        if not failures.STATE.explained:
+        if not failures.state().explained:
             traceback.print_exc()
-        failures.STATE.explained = False
+        failures.state().explained = False
         exit_with(f"error: {failures.take_verdict()}")
 
 
 def finished_worker() -> None:
     """Called on a rank other than 0 once its run completed and the final barrier passed."""
-    STATE.finished_worker = True
+    _watching().finished_worker = True
 
 
 def exit_if_finished_worker() -> None:
@@ -176,7 +186,7 @@ def exit_if_finished_worker() -> None:
     after its process group was destroyed ("terminate called without an active exception"): srun or
     torchrun would then fail a job that trained fine.
     """
-    if STATE.finished_worker:
+    if _watching().finished_worker:  # the ended run's: read after the job, as main() returns
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

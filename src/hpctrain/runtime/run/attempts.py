@@ -40,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from hpctrain.runtime import run_state
 from hpctrain.runtime.config.settings import Requeue
 from hpctrain.runtime.distributed.endings import Stopped, ending
 from hpctrain.runtime.environment import launched
@@ -63,15 +64,23 @@ class _Attempt:
     checkpoint: str | None = None  # saved as it ended (on a signal)
 
 
-_current: _Attempt | None = None
+@dataclass
+class Attempts:
+    """The run's attempt (`hpctrain.runtime.run_state`), while `attempt_recorded` is open."""
+
+    current: _Attempt | None = None
+
+
+def _current() -> _Attempt | None:
+    return run_state.part(Attempts).current
 
 
 @contextmanager
 def attempt_recorded(run_dir: str | Path, outcome: records.Outcome) -> Iterator[None]:
     """Around a job, inside `records.outcome_recorded`: at its end, rank 0 records in run.yaml how this
     attempt ended, and puts the run's cost (every attempt so far) into the outcome."""
-    global _current
-    _current = _Attempt(Path(run_dir), time.time())
+    attempts = run_state.part(Attempts)  # this run's, even if another run were current by the end
+    attempts.current = _Attempt(Path(run_dir), time.time())
     err: BaseException | None = None
     try:
         yield
@@ -79,7 +88,7 @@ def attempt_recorded(run_dir: str | Path, outcome: records.Outcome) -> Iterator[
         err = raised
         raise
     finally:
-        attempt, _current = _current, None
+        attempt, attempts.current = attempts.current, None
         if attempt is not None and attempt.registered:
             with suppress(OSError, yaml.YAMLError):  # an unwritable run dir has already been reported
                 ended = {"at": round(time.time(), 3), "how": ending(err).status, "step": attempt.step}
@@ -91,10 +100,11 @@ def attempt_recorded(run_dir: str | Path, outcome: records.Outcome) -> Iterator[
 
 def begin(run_dir: str | Path, devices: dict[str, Any]) -> None:
     """Rank 0, once run.yaml has this attempt's entry: when it began and what each process holds."""
-    if _current is None:
+    current = _current()
+    if current is None:
         return
-    _current.registered = True
-    update(run_dir, started_s=round(_current.started, 3), devices=devices)
+    current.registered = True
+    update(run_dir, started_s=round(current.started, 3), devices=devices)
 
 
 def devices_of(accelerator: str, cpus_per_process: int) -> dict[str, Any]:
@@ -115,17 +125,19 @@ def update(run_dir: str | Path, **fields: Any) -> dict[str, Any]:
 
 def record(**fields: Any) -> None:
     """Set `fields` in this attempt's run.yaml entry: on rank 0, during a job (nothing otherwise)."""
-    if _current is not None and _current.registered:
+    current = _current()
+    if current is not None and current.registered:
         with suppress(OSError, yaml.YAMLError):
-            update(_current.run_dir, **fields)
+            update(current.run_dir, **fields)
 
 
 def note_end(step: int | None, checkpoint: str | Path | None) -> None:
     """Where this attempt is as it ends (the training step, the checkpoint it saved then, if any)."""
-    if _current is not None:
-        _current.step = step
+    current = _current()
+    if current is not None:
+        current.step = step
         if checkpoint is not None:
-            _current.checkpoint = str(checkpoint)
+            current.checkpoint = str(checkpoint)
 
 
 def record_requeue(step: int, checkpoint: str | Path | None) -> None:

@@ -19,8 +19,7 @@ def start(task: str) -> None:
     signals.install_early()
     with reported_as_one_sentence():
         checks.check_command_line(sys.argv[1:])
-    answers.replay()
-    command_line.install(task)
+    command_line.install(task, answers.replay())
 
 
 def main_args() -> dict[str, Any]:

@@ -21,6 +21,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from hpctrain.runtime import run_state
 from hpctrain.runtime.config.checks import check_config, check_hydra_env
 from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
 from hpctrain.runtime.config.settings import Settings, Sources
@@ -56,6 +58,14 @@ class Job:
 
     def __enter__(self) -> Job:
         metric = self.cfg.monitor.metric if "monitor" in self.cfg else None
+        # This job's state (signals, failures, notifications, the watchdog, ...: `run_state`), fresh
+        # even when an earlier job of a sweep ran in this process. Its end is the stack's last step, after
+        # the outcome and the notification, so everything above still reads this job's; the sweep
+        # (`run_job`) and `entry.end` read the ended job's state after it, until the next job begins.
+        run_state.begin()
+        self._stack.callback(run_state.end)
+        if in_multirun():
+            failures.in_sweep()  # a failure ends this job, not the sweep's process
         self._stack.enter_context(reported_as_one_sentence())
         self._stack.enter_context(watchdog.failures_reported())
         self.outcome = self._stack.enter_context(
@@ -219,7 +229,18 @@ class Job:
 
 # ------------------------------------------------------------------- a job of a sweep (-m)
 
-SKIPPED: list[int] = []  # jobs of this sweep skipped by skip_completed=true (reported when it ends)
+
+@dataclass
+class Skipped:
+    """The jobs of the current sweep skipped by skip_completed=true, reported when it ends: the sweep's, not
+    a job's (`run_state.sweep_part`; the sweep's summary callback begins and ends it)."""
+
+    jobs: list[int] = field(default_factory=list)
+
+
+def skipped() -> list[int]:
+    """The current sweep's skipped jobs (add to it; `hpctrain.runtime.sweeps.summary` reports it)."""
+    return run_state.sweep_part(Skipped).jobs
 
 
 def in_multirun() -> bool:
@@ -248,13 +269,12 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
             "(hydra/launcher=slurm), or one torchrun command per point."
         )
     check_sweep_has_a_metric(cfg)  # before the first point: the whole sweep is refused
-    failures.in_sweep()
     job = HydraConfig.get().job.num
     if cfg.get("skip_completed"):
         run_dir = HydraConfig.get().runtime.output_dir
         done = records.completed_with(run_dir, records.config_signature(cfg))
         if done is not None:  # the same config completed in this job's dir: its result stands
-            SKIPPED.append(job)
+            skipped().append(job)
             log.info("job %s: already completed in %s with the same config; skipped", job, run_dir)
             return done.get("value")
     try:

@@ -55,7 +55,7 @@ from hpctrain.runtime.environment import slurm_job
 from hpctrain.runtime.environment.allocated import GPU_ACCELERATORS
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import records
-from hpctrain.runtime.run.job import SKIPPED
+from hpctrain.runtime.run.job import skipped
 from hpctrain.runtime.sweeps import pack as packed
 
 log = logging.getLogger(__package__.split(".")[0])
@@ -276,7 +276,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
         done = records.completed_with(sweep / str(number), records.config_signature(cfg))
         if done is None:
             return None
-        SKIPPED.append(number)
+        skipped().append(number)
         log.info("job %d: already completed in %s with the same config; skipped", number, sweep / str(number))
         return self._returned(sweep, number, point, done.get("value"))
 

@@ -26,6 +26,7 @@ import yaml
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
+from hpctrain.runtime import run_state
 from hpctrain.runtime.distributed import notify
 from hpctrain.runtime.report import plots
 from hpctrain.runtime.run import records
@@ -224,17 +225,24 @@ def report(
 class SweepSummary(HydraCallback):
     """Hydra callback: when a sweep (-m) ends, write its summary (summary.csv, summary_groups.csv, summary.png)."""
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        run_state.begin_sweep()  # nothing of an earlier sweep in this process (its skipped jobs)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from hpctrain.runtime.run.job import SKIPPED
+        from hpctrain.runtime.run.job import skipped
 
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        if SKIPPED:
+        jobs = skipped()
+        if jobs:
             log.info(
                 "skip_completed: %d point(s) had completed in %s with the same config and were skipped (jobs %s)",
-                len(SKIPPED),
+                len(jobs),
                 sweep_dir,
-                ", ".join(map(str, SKIPPED)),
+                ", ".join(map(str, jobs)),
             )
-        if sweep_dir.is_dir():
-            mode = OmegaConf.select(config, "monitor.mode")
-            notify.sweep_ended(config.get("notify"), sweep_dir, report(sweep_dir).headline(mode))
+        try:
+            if sweep_dir.is_dir():
+                mode = OmegaConf.select(config, "monitor.mode")
+                notify.sweep_ended(config.get("notify"), sweep_dir, report(sweep_dir).headline(mode))
+        finally:
+            run_state.end_sweep()
