@@ -45,7 +45,7 @@ LAYERS = [
     {"hpctrain.runtime.distributed"},
     {"hpctrain.runtime.report", "hpctrain.data"},
     {"hpctrain.runtime.run", "hpctrain.callbacks", "hpctrain.loggers"},
-    {"hpctrain.runtime.sweeps", "hpctrain.runtime.inference"},
+    {"hpctrain.runtime.sweeps", "hpctrain.runtime.inference", "hpctrain.callbacks.sweep_summary"},
     {"hpctrain.testing"},
 ]
 # The public API: what the user's package may import from hpctrain, module -> names.

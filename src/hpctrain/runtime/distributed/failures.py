@@ -25,6 +25,7 @@ from typing import Any
 
 from hpctrain.runtime import run_state
 from hpctrain.runtime.distributed import notify, signals, stacks
+from hpctrain.runtime.distributed.endings import ending
 from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, POSITION_KEY, POSTED_KEY, rank, store
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # a terminal colour or style code
@@ -158,7 +159,6 @@ def announce(job: Any | None, line: str, event: str = notify.FAILED) -> None:
 
 def expected(err: BaseException) -> bool:
     """Ways a run ends on purpose (hpctrain.runtime.distributed.endings): not a rank's failure."""
-    from hpctrain.runtime.distributed.endings import ending
 
     return ending(err).on_purpose
 

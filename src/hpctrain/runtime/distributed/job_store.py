@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpctrain.runtime import run_state
+from hpctrain.runtime.environment import launched
 
 FAILED_KEY = f"{__package__}/failed-rank"  # the first failure's line (failures)
 POSTED_KEY = f"{__package__}/posted"  # the rank that posts the failure (notify): one post per job
@@ -24,7 +25,6 @@ def rank() -> int:
 
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    from hpctrain.runtime.environment import launched
 
     return launched.global_rank()
 

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runtime import run_state
+from hpctrain.runtime.distributed import job_store, stacks
+from hpctrain.runtime.environment import launched
 
 NO_SIGNAL, TERMINATE, REQUEUE = 0, 1, 2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -72,8 +74,6 @@ class Interrupted(Exception):
     hpctrain.runtime.distributed.requeue); `checkpoint` (if any) holds everything to continue from."""
 
     def __init__(self, code: int, checkpoint: Path | None, where: str) -> None:
-        from hpctrain.runtime.environment import launched
-
         name = requeue_signal_name() if code == REQUEUE else "SIGTERM"
         super().__init__(f"{name} {where}" + (f": saved {checkpoint}" if checkpoint else ""))
         self.code = code
@@ -256,19 +256,16 @@ class StopGuard(threading.Thread):
 
     def _end(self, signum: int, reason: str, at_once: bool = False) -> None:
         """Every rank's stacks written, one sentence on rank 0, every local rank ended: 128 + `signum`."""
-        from hpctrain.runtime.distributed import stacks
-        from hpctrain.runtime.distributed.job_store import DUMP_KEY, rank, store
-
         code = 128 + signum
-        me = rank()
+        me = job_store.rank()
         stacks.dump(reason)
         places = ""
         if not at_once:
-            job = store()
+            job = job_store.store()
             if job is not None:
                 _bounded(
-                    lambda: job.compare_set(DUMP_KEY, "", reason)
-                )  # every watchdog dumps within a second
+                    lambda: job.compare_set(job_store.DUMP_KEY, "", reason)
+                )  # every watchdog dumps within 1 s
                 time.sleep(1.5)
             places = _where_ranks_stood()
         if me == 0:
@@ -296,7 +293,6 @@ def _bounded(call: Any, timeout_s: float = 2.0) -> None:
 def _where_ranks_stood() -> str:
     """` (rank 0: all_reduce in on_validation_end at my_callback.py:12; rank 1: ...); every rank's stacks:
     <dir>/rank<N>.txt`, from the dumps just written (empty without a stacks folder)."""
-    from hpctrain.runtime.distributed import stacks
 
     run_dir = stacks.run_dir()
     if run_dir is None:

@@ -38,6 +38,7 @@ from hpctrain.runtime.environment import allocated, launch_checks, launched, net
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import attempts, records
+from hpctrain.runtime.run.checkpoints import newest_checkpoint
 
 log = logging.getLogger("hpctrain")
 
@@ -189,7 +190,6 @@ class Job:
         local ranks, in order, however the block ended."""
         from hpctrain.runtime.distributed import launch
         from hpctrain.runtime.distributed.requeue import requeue_and_wait
-        from hpctrain.runtime.run.checkpoints import newest_checkpoint
 
         completed = False
         try:

@@ -23,17 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hydra.experimental.callback import Callback as HydraCallback
-from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.runtime import run_state
-from hpctrain.runtime.distributed import notify
+from hpctrain.runtime.moved import moved_names
 from hpctrain.runtime.report import plots
 from hpctrain.runtime.run import records
 from hpctrain.runtime.run.attempts import COST_COLUMNS, cost_cells, summed_cost
 from hpctrain.runtime.sweeps.groups import OVER, Group, group_points, point_of
 
 log = logging.getLogger(__package__.split(".")[0])
+
+__getattr__ = moved_names(  # 0.3's _target_ path, which projects' copies of hydra/default.yaml may name
+    __name__, {"SweepSummary": "hpctrain.callbacks.sweep_summary.SweepSummary"}
+)
 
 GROUP_COLUMNS = (
     "group",
@@ -220,29 +221,3 @@ def report(
         )
     log.info("sweep summary: %s", ", ".join(map(str, summary.files)))
     return summary
-
-
-class SweepSummary(HydraCallback):
-    """Hydra callback: when a sweep (-m) ends, write its summary (summary.csv, summary_groups.csv, summary.png)."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        run_state.begin_sweep()  # nothing of an earlier sweep in this process (its skipped jobs)
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from hpctrain.runtime.run.job import skipped
-
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        jobs = skipped()
-        if jobs:
-            log.info(
-                "skip_completed: %d point(s) had completed in %s with the same config and were skipped (jobs %s)",
-                len(jobs),
-                sweep_dir,
-                ", ".join(map(str, jobs)),
-            )
-        try:
-            if sweep_dir.is_dir():
-                mode = OmegaConf.select(config, "monitor.mode")
-                notify.sweep_ended(config.get("notify"), sweep_dir, report(sweep_dir).headline(mode))
-        finally:
-            run_state.end_sweep()
