@@ -66,7 +66,7 @@ def test_the_add_a_callback_recipe_runs_its_callback_beside_the_default_set(tmp_
     for title, snippet in re.findall(r'^```\w+ title="([^"]+)"\n--8<-- "([^"]+)"', recipe, re.MULTILINE):
         (project / title).write_text((ROOT / snippet).read_text())  # the page's files, where it puts them
     assert _changed(project) == {
-        "src/hpctrain/runtime/report/epoch_marks.py",
+        "src/hpctrain/callbacks/epoch_marks.py",
         "src/hpctrain/conf/callbacks/epoch_marks.yaml",
     }
     (command,) = re.findall(r"^python (src/train\.py .*callbacks=\S+.*)$", _blocks(recipe, "bash")[0], re.M)
