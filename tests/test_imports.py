@@ -10,6 +10,10 @@ may wait inside a function:
 TORCH_FREE_ROOTS is that documented list: the modules those paths import. Everything they import at
 their top, transitively, is torch-free too, and this test checks it: none of them imports anything heavy
 at its top. tests/test_train.py runs the entry points and finds no torch imported on those paths.
+
+One path is stricter: what each entry point imports first (`hpctrain.runtime.run.entry`) prints a stored
+answer to a `--help` or `--cfg` asked before (`hpctrain.runtime.config.answers`) and exits before Hydra
+is imported, so there Hydra is heavy too (tests/test_config.py times it by Hydra's absence).
 """
 
 from __future__ import annotations
@@ -38,10 +42,14 @@ TORCH_FREE_ROOTS = {
     "hpctrain.runtime.distributed.stacks": "scripts/stacks.py asks a hung job's ranks for their stacks",
     "hpctrain.testing.plugin": "pytest loads it at the start of every test session of a project",
 }
+HYDRA_FREE_ROOTS = {
+    "hpctrain.runtime.run.entry": "a stored answer to --help or --cfg is printed before Hydra is imported",
+}
 HEAVY = {
     "torch", "torchvision", "torchmetrics", "pytorch_lightning", "lightning_fabric", "lightning",
     "numpy", "PIL", "matplotlib", "sklearn", "optuna", "submitit", "pynvml",
 }  # fmt: skip
+HEAVY_BEFORE_HYDRA = HEAVY | {"hydra"}
 OPTIONAL = {"safetensors", "onnx", "onnxruntime", "onnxscript", "mlflow", "wandb", "tensorboard"}
 
 
@@ -108,34 +116,45 @@ def top_closure(start: set[str]) -> set[str]:
     return seen
 
 
-def heavy(module: str) -> bool:
-    return any(m.split(".")[0] in HEAVY for m in top_closure({module}))
+def heavy(module: str, heavy_names: set[str] = HEAVY) -> bool:
+    return any(m.split(".")[0] in heavy_names for m in top_closure({module}))
 
 
 def test_the_torch_free_roots_exist():
     assert set(TORCH_FREE_ROOTS) <= set(MODULES)
 
 
-def test_nothing_on_the_torch_free_paths_imports_anything_heavy_at_its_top():
-    closure = top_closure(set(TORCH_FREE_ROOTS))
-    heavy_there = sorted(
+def _heavy_at_the_top(roots: set[str], heavy_names: set[str]) -> list[str]:
+    return sorted(
         f"{m} imports {t} at its top"
-        for m in closure & set(MODULES)
+        for m in top_closure(roots) & set(MODULES)
         for t in imports(m)[0]
-        if t.split(".")[0] in HEAVY
+        if t.split(".")[0] in heavy_names
     )
-    assert heavy_there == []
+
+
+def test_nothing_on_the_torch_free_paths_imports_anything_heavy_at_its_top():
+    assert _heavy_at_the_top(set(TORCH_FREE_ROOTS), HEAVY) == []
+
+
+def test_nothing_before_a_stored_answer_imports_hydra_at_its_top():
+    assert _heavy_at_the_top(set(HYDRA_FREE_ROOTS), HEAVY_BEFORE_HYDRA) == []
 
 
 def misplaced_imports() -> list[str]:
-    torch_free = top_closure(set(TORCH_FREE_ROOTS))
+    paths = [  # (the modules of a light path, what is heavy there)
+        (top_closure(set(TORCH_FREE_ROOTS)), HEAVY),
+        (top_closure(set(HYDRA_FREE_ROOTS)), HEAVY_BEFORE_HYDRA),
+    ]
     wrong = []
     for module, path in sorted(MODULES.items()):
         for line, target in imports(module)[1]:
             if target.split(".")[0] in OPTIONAL:
                 continue
-            if module in torch_free and (
-                target.split(".")[0] in HEAVY or (target in MODULES and heavy(target))
+            if any(
+                module in light
+                and (target.split(".")[0] in names or (target in MODULES and heavy(target, names)))
+                for light, names in paths
             ):
                 continue
             wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} inside a function")

@@ -29,19 +29,16 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import hydra._internal.utils as hydra_utils
-from hydra._internal.hydra import Hydra
-from hydra.core.object_type import ObjectType
-
 from hpctrain.runtime.config import answers
 from hpctrain.runtime.config.compose import CODE_ROOT, HPCTRAIN_CONF_DIR, config_dirs, config_groups
-from hpctrain.runtime.config.hydra_errors import describe_hydra_error
 from hpctrain.runtime.errors import EXIT_USER_ERROR
 
 
 def install(config_name: str, answer_key: str | None = None) -> None:
     """Wrap Hydra's `run_and_report` for `python src/<config_name>.py` (see the module docstring);
     `answer_key`: where `answers` stores this command line's answer (None: not stored)."""
+    import hydra._internal.utils as hydra_utils  # Hydra waits: a stored answer (answers) is printed before it is imported
+    from hydra._internal.hydra import Hydra
 
     original = hydra_utils.run_and_report
     if getattr(original, "installed_by_hpctrain", False):
@@ -52,6 +49,8 @@ def install(config_name: str, answer_key: str | None = None) -> None:
         try:
             result = func()
         except Exception as err:
+            from hpctrain.runtime.config.hydra_errors import describe_hydra_error  # Hydra's errors: heavy
+
             full = os.environ.get("HYDRA_FULL_ERROR") == "1"
             sentence = None if full else describe_hydra_error(err, config_name)
             if sentence is None:
@@ -109,6 +108,7 @@ def config_sources() -> str:
 
 def _list_groups_from_the_repository(app: Any) -> None:
     """Answer this app's plain group listings from its repository, each once (this instance only)."""
+    from hydra.core.object_type import ObjectType  # only when Hydra runs (see install)
 
     loader = app.config_loader
     full_listing = loader.get_group_options

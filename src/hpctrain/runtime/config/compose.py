@@ -11,9 +11,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.runtime.config.versions import VERSION_BASE
@@ -80,6 +77,11 @@ def config_groups() -> list[str]:
 
 def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:
     """The config `python src/<config_name>.py <overrides>` would run with (Hydra's runtime keys unset)."""
+    from hydra import (
+        compose as hydra_compose,  # Hydra waits: a stored answer (answers) is printed before it is imported
+    )
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
     running = GlobalHydra.instance().hydra  # inside @hydra.main (an export's check, an error report)
     GlobalHydra.instance().clear()

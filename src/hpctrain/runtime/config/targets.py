@@ -26,10 +26,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import hydra.utils
 import yaml
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hpctrain.runtime.config.compose import CONF_DIR, config_dirs
@@ -76,6 +73,10 @@ def _targets_of(folders: tuple[Path, ...]) -> frozenset[str]:
 
 def _search_path_folders() -> list[Path]:
     """The folders of the running Hydra app's config search path (file:// and pkg:// sources), if any."""
+    from hydra.core.hydra_config import (
+        HydraConfig,  # Hydra waits: a stored answer (answers) is printed before it is imported
+    )
+
     try:
         sources = HydraConfig.get().runtime.config_sources
     except Exception:  # not inside a Hydra app (hpctrain.load from a notebook)
@@ -158,6 +159,7 @@ RESULT_PACKAGES = ("torch", "torchvision", "torchmetrics", "pytorch_lightning", 
 
 def whitelist_supported() -> bool:
     """Whether the installed Hydra takes a call-site execution whitelist (1.4 and later)."""
+    import hydra.utils  # Hydra waits: a stored answer (answers) is printed before it is imported
 
     return hasattr(hydra.utils, "execution_whitelist")
 
@@ -165,6 +167,9 @@ def whitelist_supported() -> bool:
 def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     """hydra.utils.instantiate, with the node's own targets as Hydra's execution whitelist where Hydra
     has one. Only for configs the project composed (or checked with `check_stored`)."""
+    from hydra.utils import (
+        instantiate as hydra_instantiate,  # Hydra waits: a stored answer (answers) is printed before it is imported
+    )
 
     if not whitelist_supported():
         return hydra_instantiate(node, *args, **kwargs)
