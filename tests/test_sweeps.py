@@ -280,13 +280,13 @@ def test_printed_torchrun_lines_leave_variables_to_the_nodes_shell(form: str):
     ).stdout
     line = next(li for li in printed.splitlines() if "torchrun " in li)
     script = f'torchrun() {{ printf \'%s\\n\' "$@"; }}; srun() {{ shift 2; "$@"; }}; {line}'
-    env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "10.1.2.3", "SLURM_JOB_ID": "77"}
+    env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "15077", "SLURM_JOB_ID": "77"}
     words = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True)
     words = words.stdout.splitlines()
     expected = {
         "static": "--master-addr=10.1.2.3",
         "c10d": "--rdzv-endpoint=10.1.2.3:29500",
-        "srun": "--rdzv-endpoint=10.1.2.3:29500",
+        "srun": "--rdzv-endpoint=10.1.2.3:15077",  # the job's port (slurm/job_env.sh)
     }[form]
     assert expected in words and "tag=${data.name}" in words, words
     if form == "srun":
