@@ -176,6 +176,35 @@ Current thread 0x00007fef396a9b80 (most recent call first):
 """
 
 
+def test_every_rank_notes_its_process_in_a_file_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Appends of many nodes to one file on NFS are not atomic (their lines interleave or vanish): each
+    rank writes `stacks/rank<N>.pid` whole, a restarted rank replaces its own, and a run of hpctrain 0.4
+    or before (one `stacks/pids` for all) is still read."""
+    import socket
+
+    from hpctrain.runtime import run_state
+    from hpctrain.runtime.distributed import stacks
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    host = socket.gethostname()
+    for rank in (0, 1, 2, 1):  # rank 1 twice: its restart
+        monkeypatch.setenv("RANK", str(rank))
+        run_state.begin()
+        try:
+            stacks.register(tmp_path, "SIGURG")
+        finally:
+            run_state.end()
+    folder = tmp_path / "stacks"
+    assert sorted(p.name for p in folder.glob("*.pid")) == ["rank0.pid", "rank1.pid", "rank2.pid"]
+    assert not (folder / "pids").exists() and not list(folder.glob(".*"))
+    assert (folder / "rank1.pid").read_text() == f"1 {os.getpid()} {host}\n"
+    assert stacks.known_ranks(tmp_path) == {r: (os.getpid(), host) for r in (0, 1, 2)}
+    old = tmp_path / "old"
+    (old / "stacks").mkdir(parents=True)
+    (old / "stacks" / "pids").write_text("0 11 node1\n1 12 node2\n")
+    assert stacks.known_ranks(old) == {0: (11, "node1"), 1: (12, "node2")}
+
+
 def test_a_dump_is_summed_up_by_its_innermost_call_and_the_users_frame():
     from hpctrain.runtime.distributed import stacks
 
