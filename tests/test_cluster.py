@@ -125,6 +125,27 @@ def test_a_partial_gpu_binding_that_cannot_match_tasks_is_refused():
         launch_checks.preflight(1, 8, "gpu", env={**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "0,1"})
 
 
+def test_tasks_that_would_share_a_gpu_are_refused_before_nccls_duplicate_gpu():
+    """--gres=gpu:1 --ntasks-per-node=8: each task sees the one GPU, as under --gpus-per-task=1, but all
+    eight see the same; NCCL refuses that at the first collective, after every rank imported and built."""
+    shared = {**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "0"}
+    for said in ({"SLURM_GPUS_ON_NODE": "1"}, {"SLURM_JOB_GPUS": "0"}, {"SLURM_STEP_GPUS": "0"}):
+        with pytest.raises(UserError) as refused:
+            launch_checks.preflight(1, 8, "gpu", env={**shared, **said})
+        name, value = next(iter(said.items()))
+        assert str(refused.value) == (
+            f"trainer.accelerator=gpu with 8 tasks per node (--ntasks-per-node=8), but the job holds 1 GPU(s) "
+            f"on this node ({name}={value}), so ranks would share a GPU, which NCCL refuses ('Duplicate GPU "
+            "detected'); request one GPU per task (--gres=gpu:8 or --gpus-per-task=1) or submit with "
+            "--ntasks-per-node=1."
+        )
+    # one GPU bound to each of eight: the job holds eight on the node
+    launch_checks.preflight(
+        1, 8, "gpu", env={**shared, "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"}
+    )
+    launch_checks.preflight(1, 8, "cpu", env={**shared, "SLURM_GPUS_ON_NODE": "1"})  # CPU ranks share nothing
+
+
 def test_gpu_visibility_outside_slurm():
     with pytest.raises(UserError, match="sees no GPU"):
         launch_checks.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": ""})
