@@ -165,6 +165,85 @@ def test_the_network_line_names_each_backends_interface_and_warns_of_loopback():
     )
 
 
+NODE3 = {"lo": "127.0.0.1", "eno1": "172.16.0.13", "ib0": "10.10.0.13", "ib1": None}
+
+
+def _facts(host_address: str | None, master: str | None = "10.10.0.1", route: str | None = "10.10.0.13"):
+    """node3 of a cluster whose nodes share ib0 (10.10/16), its hostname resolving to `host_address` (a
+    management network, 172.16/16, as many sites' DNS has it); rank 0 at `master`."""
+    return network.NetworkFacts("node3", dict(NODE3), host_address, master, route)
+
+
+def test_gloo_binds_where_the_node_reaches_rank_0_not_where_its_hostname_points():
+    env: dict[str, str] = {"MASTER_ADDR": "node1"}
+    line = network.settle_gloo_interface(2, env, _facts("172.16.0.13"))
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert line == (
+        "gloo uses ib0 (10.10.0.13) on node3, the interface that reaches rank 0 at node1, not 172.16.0.13 that "
+        "node3 resolves to"
+    )
+    env = {"MASTER_ADDR": "node1"}  # a hostname that resolves to 127.0.1.1 (Debian's /etc/hosts) alike
+    network.settle_gloo_interface(2, env, _facts("127.0.1.1"))
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0"
+    # where the hostname's address is the one that reaches rank 0, gloo's default stands
+    env = {"MASTER_ADDR": "node1"}
+    assert network.settle_gloo_interface(2, env, _facts("10.10.0.13")) is None and env == {
+        "MASTER_ADDR": "node1"
+    }
+    # one node, or every node on this machine (the tests' cluster): nothing to settle
+    assert network.settle_gloo_interface(1, env, _facts("172.16.0.13")) is None
+    assert network.settle_gloo_interface(2, env, _facts("127.0.0.1", "127.0.0.1", "127.0.0.1")) is None
+    assert "GLOO_SOCKET_IFNAME" not in env
+
+
+def test_gloo_follows_nccls_interface_which_is_read_as_nccl_reads_it():
+    env = {"NCCL_SOCKET_IFNAME": "ib"}  # a prefix: ib0, ib1; ib1 has no address
+    line = network.settle_gloo_interface(2, env, _facts("172.16.0.13"))
+    assert (
+        env["GLOO_SOCKET_IFNAME"] == "ib0"
+        and line == "gloo uses ib0 (10.10.0.13) on node3, as NCCL_SOCKET_IFNAME=ib"
+    )
+    assert network.nccl_matches("^ib,docker", NODE3) == ["eno1"]  # all but these, never loopback
+    assert network.nccl_matches("=ib", NODE3) == [] and network.nccl_matches("=ib0,lo", NODE3) == [
+        "ib0",
+        "lo",
+    ]
+    env = {"NCCL_SOCKET_IFNAME": "ib", "GLOO_SOCKET_IFNAME": "eno1"}  # both set: the user's choice stands
+    assert (
+        network.settle_gloo_interface(2, env, _facts("172.16.0.13")) is None
+        and env["GLOO_SOCKET_IFNAME"] == "eno1"
+    )
+
+
+def test_an_interface_gloo_cannot_bind_to_is_one_sentence_before_anything_starts():
+    with pytest.raises(UserError) as refused:
+        network.settle_gloo_interface(2, {"GLOO_SOCKET_IFNAME": "ib1"}, _facts("10.10.0.13"))
+    assert str(refused.value) == (
+        "GLOO_SOCKET_IFNAME=ib1 names ib1, which is no interface with an IPv4 address on node3 (its interfaces: "
+        "eno1 (172.16.0.13), ib0 (10.10.0.13), ib1, lo (127.0.0.1)), so gloo cannot bind there; set "
+        "GLOO_SOCKET_IFNAME (slurm/site.sh) to the interface the nodes share (NCCL_SOCKET_IFNAME's, if set)."
+    )
+    with pytest.raises(
+        UserError, match=r"^NCCL_SOCKET_IFNAME=hsn matches no interface with an IPv4 address on node3"
+    ):
+        network.settle_gloo_interface(2, {"NCCL_SOCKET_IFNAME": "hsn"}, _facts("10.10.0.13"))
+    with pytest.raises(UserError) as unresolved:
+        network.settle_gloo_interface(2, {}, _facts(None, master=None, route=None))
+    assert str(unresolved.value).startswith(
+        "node3 resolves to no address, which no interface of node3 (its interfaces: eno1 (172.16.0.13), ib0"
+    )
+    assert str(unresolved.value).endswith(
+        "and MASTER_ADDR=unset shows no other, so gloo (the requeue signal's and folder saves' groups) has "
+        "nothing to bind to; set GLOO_SOCKET_IFNAME (slurm/site.sh) to the interface the nodes share."
+    )
+
+
+def test_this_machines_network_is_read_without_torch():
+    facts = network.network_facts({"MASTER_ADDR": "127.0.0.1"})
+    assert facts.interfaces.get("lo") == "127.0.0.1" and facts.route_address == "127.0.0.1"
+    assert facts.master_address == "127.0.0.1" and facts.host
+
+
 def test_array_task_reads_slurms_array_variables():
     env = {
         "SLURM_ARRAY_TASK_ID": "3",

@@ -35,6 +35,7 @@ from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
 from hpctrain.runtime.config.settings import Settings, Sources
 from hpctrain.runtime.distributed import failures, notify, positions, signals, stacks, watchdog
 from hpctrain.runtime.environment import allocated, launch_checks, launched, network
+from hpctrain.runtime.environment.reading import int_or_none
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import attempts, records
@@ -125,6 +126,9 @@ class Job:
         launch_checks.preflight(
             cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, requeue.enabled
         )
+        chosen = network.settle_gloo_interface(int_or_none(cfg.trainer.num_nodes))  # gloo's side groups
+        if chosen and launched.is_rank_zero():
+            log.info(chosen)
         if launched.is_rank_zero():
             records.check_writable(self.run_dir)
 
