@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runtime import run_state
-from hpctrain.runtime.distributed import job_store, stacks
+from hpctrain.runtime.distributed import flight_recorder, job_store, stacks
 from hpctrain.runtime.environment import launched
 
 NO_SIGNAL, TERMINATE, REQUEUE = 0, 1, 2
@@ -259,6 +259,7 @@ class StopGuard(threading.Thread):
         code = 128 + signum
         me = job_store.rank()
         stacks.dump(reason)
+        flight_recorder.dump()
         places = ""
         if not at_once:
             job = job_store.store()

@@ -33,7 +33,15 @@ from hpctrain.runtime import run_state
 from hpctrain.runtime.config.checks import check_config, check_hydra_env
 from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
 from hpctrain.runtime.config.settings import Settings, Sources
-from hpctrain.runtime.distributed import failures, notify, positions, signals, stacks, watchdog
+from hpctrain.runtime.distributed import (
+    failures,
+    flight_recorder,
+    notify,
+    positions,
+    signals,
+    stacks,
+    watchdog,
+)
 from hpctrain.runtime.environment import allocated, launch_checks, launched, network
 from hpctrain.runtime.environment.reading import int_or_none
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
@@ -153,8 +161,8 @@ class Job:
         stacks_signal = self.settings.diagnostics.stacks_signal
         if stacks_signal:  # scripts/stacks.py: where every rank is, from now on, even when it hangs
             stacks.register(self.run_dir, stacks_signal)
-        if str(cfg.trainer.get("accelerator")) in allocated.GPU_ACCELERATORS:
-            network.flight_recorder_dumps_into(self.run_dir)  # NCCL's record of a timed-out collective
+        if str(cfg.trainer.get("accelerator")) in allocated.GPU_ACCELERATORS or flight_recorder.recording():
+            network.flight_recorder_dumps_into(self.run_dir)  # the record of the collectives of a hang
         console.apply_extras(cfg, self.settings.extras)
         if not training:
             console.quiet_training_callbacks()
