@@ -17,7 +17,9 @@ class Internal:
     used_in: str  # the template module that relies on it
     why: str
     test: str  # the behaviour test that fails if its meaning changes
-    since: str | None = None  # "torch 2.8": the oldest release of the window that has it (older: done without)
+    since: str | None = (
+        None  # "torch 2.8": the oldest release of the window that has it (older: done without)
+    )
 
 
 INTERNALS = (

@@ -50,6 +50,20 @@ def visible_indices(uuids: Sequence[str], env: Mapping[str, str] | None = None) 
     return found
 
 
+def job_indices(uuids: Sequence[str], env: Mapping[str, str] | None = None) -> list[int]:
+    """NVML indices of the GPUs the job holds on this node, `uuids` being NVML's UUID of each index: under
+    SLURM the step's or job's GPUs (SLURM_STEP_GPUS, SLURM_JOB_GPUS: the node's numbering, NVML's, so
+    with one GPU bound to each task the node's whole share of the job; where a device cgroup left NVML
+    fewer GPUs than those numbers reach, the ones it shows, which are the job's); else the GPUs
+    CUDA_VISIBLE_DEVICES names."""
+    env = variables(env)
+    held = env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS")
+    if held:
+        indices = [int(i) for i in held.split(",") if i.strip().isdigit()]
+        return indices if indices and max(indices) < len(uuids) else list(range(len(uuids)))
+    return visible_indices(uuids, env)
+
+
 def nvml() -> Any | None:
     """NVML, initialised; None where there is none (no driver: a CPU node, a laptop)."""
     import pynvml  # only where a GPU run is checked: off `--help`'s and every CPU run's path
