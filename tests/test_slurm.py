@@ -489,3 +489,47 @@ def test_a_sharded_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupte
         k for k in final if not torch.equal(final[k], expected[k])
     ]
     assert metrics_without_timing(resumed) == metrics_without_timing(uninterrupted)
+
+
+def test_a_time_limit_signal_during_the_teardown_of_a_completed_job_leaves_it_completed(
+    slurm_cluster, tmp_path: Path
+):
+    """The last attempt of a job its time limit sliced finishes fit and test; SLURM's USR1 then comes while
+    rank 0's process finalizes (destructors that take seconds, after CPython stopped running Python
+    signal handlers and gave them back their default action, which kills). The job did all its work: it
+    stays COMPLETED (an `afterok` dependency starts, an array counts it done), not FAILED."""
+    mark = tmp_path / "finalizing"
+    job = _submit(
+        slurm_cluster,
+        tmp_path,
+        "--nodes=1",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=2",
+        "--mem=2G",
+        "--gres=none",
+        "--export=ALL,PYTHONPATH=" + str(ROOT) + f",SLOW_TEARDOWN_MARK={mark},SLOW_TEARDOWN_S=8",
+        SBATCH_FILE,
+        "trainer=cpu",
+        "data=digits",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=5",
+        "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=2",
+        "callbacks.progress.log_every_n_s=0",
+        "extras.print_config=false",
+        f"paths.log_dir={tmp_path}",
+        "+callbacks.slow_teardown._target_=tests.job_callbacks.SlowTeardown",
+    )
+    deadline = time.monotonic() + 240
+    while not mark.exists():
+        state = slurm_cluster.job(job).get("JobState")
+        assert time.monotonic() < deadline and state not in ("COMPLETED", "FAILED"), (
+            state,
+            _output(tmp_path, job)[-3000:],
+        )
+        time.sleep(0.2)
+    assert slurm_cluster.run("scancel", "--signal=USR1", job).returncode == 0
+    info = slurm_cluster.wait(job, timeout_s=120)
+    output = _output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-3000:])
+    assert "User defined signal" not in output and "run dir: " in output

@@ -94,6 +94,8 @@ class Job:
     def __exit__(self, *exc: Any) -> bool:
         if self._stack.__exit__(*exc):
             return True
+        if exc[0] is None:  # done and recorded: a late time-limit signal no longer fails the job
+            signals.completed()
         # A point of a packed job saved for the requeue, recorded as requeued: it ends here (status 0),
         # and its pack's driver requeues the allocation (requeue.requeue_and_wait).
         stopped = exc[1]
