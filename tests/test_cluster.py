@@ -144,6 +144,9 @@ def test_tasks_that_would_share_a_gpu_are_refused_before_nccls_duplicate_gpu():
         1, 8, "gpu", env={**shared, "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"}
     )
     launch_checks.preflight(1, 8, "cpu", env={**shared, "SLURM_GPUS_ON_NODE": "1"})  # CPU ranks share nothing
+    launch_checks.preflight(
+        1, 8, "gpu", env={**shared, "SLURM_GPUS_ON_NODE": "1"}, backend="gloo"
+    )  # gloo may
 
 
 def test_gpu_visibility_outside_slurm():

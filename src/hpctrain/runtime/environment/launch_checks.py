@@ -31,8 +31,10 @@ def preflight(
     accelerator: object,
     requeue_enabled: bool = False,
     env: Mapping[str, str] | None = None,
+    backend: str | None = None,
 ) -> None:
     """Check that the launcher will start exactly the processes the trainer config expects.
+    `backend`: dist.backend (None: the strategy's own, nccl on GPUs).
 
     Raises UserError with one sentence naming both values and the fix.
     """
@@ -61,7 +63,8 @@ def preflight(
         )
     if accelerator in GPU_ACCELERATORS:
         _check_gpus(env, per_node, kind)
-        _check_tasks_have_gpus_of_their_own(env, kind)
+        if backend != "gloo":  # gloo's ranks may share a GPU; NCCL's may not
+            _check_tasks_have_gpus_of_their_own(env, kind)
         visible = visible_gpus(env)
         check_cuda_build(visible)
         if visible != 0:

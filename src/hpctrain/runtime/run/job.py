@@ -134,7 +134,11 @@ class Job:
         if self.one_process:
             launch_checks.preflight_one_process(cfg.task_name, cfg.trainer.num_nodes, cfg.trainer.devices)
         launch_checks.preflight(
-            cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, requeue.enabled
+            cfg.trainer.num_nodes,
+            cfg.trainer.devices,
+            cfg.trainer.accelerator,
+            requeue.enabled,
+            backend=settings.dist.backend,
         )
         chosen = network.settle_gloo_interface(int_or_none(cfg.trainer.num_nodes))  # gloo's side groups
         if chosen and launched.is_rank_zero():
