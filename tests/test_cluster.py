@@ -193,10 +193,35 @@ def test_gloo_binds_where_the_node_reaches_rank_0_not_where_its_hostname_points(
     assert network.settle_gloo_interface(2, env, _facts("10.10.0.13")) is None and env == {
         "MASTER_ADDR": "node1"
     }
-    # one node, or every node on this machine (the tests' cluster): nothing to settle
+    # one node, or every node on this machine (torchrun by hand, the tests' cluster of several slurmd on
+    # one host): nothing to settle
     assert network.settle_gloo_interface(1, env, _facts("172.16.0.13")) is None
     assert network.settle_gloo_interface(2, env, _facts("127.0.0.1", "127.0.0.1", "127.0.0.1")) is None
-    assert "GLOO_SOCKET_IFNAME" not in env
+    local = network.NetworkFacts(
+        "vm", {"lo": "127.0.0.1", "eth0": "192.0.2.2"}, "127.0.0.1", "127.0.0.1", "127.0.0.1", "node2"
+    )
+    assert network.settle_gloo_interface(2, env, local) is None and "GLOO_SOCKET_IFNAME" not in env
+
+
+def test_rank_0s_node_whose_name_resolves_to_loopback_binds_gloo_where_others_reach_it():
+    """Rank 0's own node of a real cluster: its /etc/hosts gives its name (and so MASTER_ADDR) 127.0.1.1,
+    where gloo would bind and every other node would wait. With one interface other nodes can reach, gloo
+    takes it; with several, one sentence asks which."""
+    one = {"lo": "127.0.0.1", "eno1": "172.16.0.1"}
+    env = {"MASTER_ADDR": "node1"}
+    facts = network.NetworkFacts("node1", one, "127.0.1.1", "127.0.1.1", "127.0.1.1", "node1")
+    assert network.settle_gloo_interface(2, env, facts) == (
+        "gloo uses eno1 (172.16.0.1) on node1, its one interface other nodes can reach, not 127.0.1.1, a "
+        "loopback address that node1 resolves to"
+    )
+    assert env["GLOO_SOCKET_IFNAME"] == "eno1"
+    facts = network.NetworkFacts(
+        "node1", {**one, "ib0": "10.10.0.1"}, "127.0.1.1", "127.0.1.1", "127.0.1.1", "node1"
+    )
+    with pytest.raises(
+        UserError, match=r"^node1 and MASTER_ADDR=node1 resolve to 127.0.1.1 here, a loopback"
+    ):
+        network.settle_gloo_interface(2, {"MASTER_ADDR": "node1"}, facts)
 
 
 def test_gloo_follows_nccls_interface_which_is_read_as_nccl_reads_it():

@@ -80,6 +80,7 @@ class NetworkFacts:
     host_address: str | None  # what the hostname resolves to (gloo's default): None if nothing
     master_address: str | None  # what MASTER_ADDR resolves to, if it is set
     route_address: str | None  # the address of this node the kernel sends from toward MASTER_ADDR
+    slurm_node: str | None = None  # SLURMD_NODENAME: a node of its own, or one of several slurmd of one host
 
     def interface_of(self, address: str | None) -> str | None:
         return next((name for name, ip in sorted(self.interfaces.items()) if ip and ip == address), None)
@@ -121,7 +122,7 @@ def network_facts(env: Mapping[str, str] | None = None) -> NetworkFacts:
         with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((master, int(env.get("MASTER_PORT") or 9)))
             route = probe.getsockname()[0]
-    return NetworkFacts(host, interfaces, _resolve(host), master, route)
+    return NetworkFacts(host, interfaces, _resolve(host), master, route, env.get("SLURMD_NODENAME"))
 
 
 def _loopback(address: str | None) -> bool:
@@ -181,7 +182,7 @@ def settle_gloo_interface(
         env["GLOO_SOCKET_IFNAME"] = usable[0]
         return f"gloo uses {usable[0]} ({facts.interfaces[usable[0]]}) on {facts.host}, as NCCL_SOCKET_IFNAME={spec}"
     if _loopback(facts.master_address) and _loopback(facts.host_address):
-        return None  # rank 0 is this machine, and so is every node it can reach by loopback
+        return _loopback_everywhere(env, facts, where)
     route_interface = facts.interface_of(facts.route_address)
     if facts.route_address and facts.route_address == facts.host_address:
         return None  # gloo's default, the hostname's address, is the one that reaches rank 0
@@ -200,3 +201,24 @@ def settle_gloo_interface(
             f"folder saves' groups) has nothing to bind to; {GLOO_FIX}."
         )
     return None
+
+
+def _loopback_everywhere(env: MutableMapping[str, str], facts: NetworkFacts, where: str) -> str | None:
+    """Rank 0 and the hostname both resolve to loopback: every node on this one machine (torchrun by hand,
+    the tests' cluster of several slurmd on one host), or rank 0's own node of a real cluster, whose name
+    its /etc/hosts gives 127.0.1.1, where gloo would bind loopback and the other nodes wait for it. There,
+    the one interface with an address is gloo's; with several, the user names it."""
+    one_machine = facts.slurm_node is None or facts.slurm_node.split(".")[0] != facts.host.split(".")[0]
+    if one_machine:
+        return None
+    reachable = [n for n, a in sorted(facts.interfaces.items()) if a and not _loopback(a)]
+    if len(reachable) == 1:
+        env["GLOO_SOCKET_IFNAME"] = reachable[0]
+        return (
+            f"gloo uses {reachable[0]} ({facts.interfaces[reachable[0]]}) on {facts.host}, its one interface other "
+            f"nodes can reach, not {facts.host_address}, a loopback address that {facts.host} resolves to"
+        )
+    raise UserError(
+        f"{facts.host} and MASTER_ADDR={env.get('MASTER_ADDR')} resolve to {facts.host_address} here, a loopback "
+        f"address the other nodes cannot reach, and {where} has {len(reachable)} others; {GLOO_FIX}."
+    )
