@@ -309,7 +309,8 @@ def internals_page() -> str:
         "| --- | --- | --- | --- |",
     ]
     for entry in INTERNALS:
-        lines.append(f"| `{entry.name}` | `{entry.used_in}` | {_cell(entry.why)} | `{entry.test}` |")
+        why = entry.why + (f" ({entry.since} and later; before, done without)" if entry.since else "")
+        lines.append(f"| `{entry.name}` | `{entry.used_in}` | {_cell(why)} | `{entry.test}` |")
     return "\n".join(lines) + "\n"
 
 

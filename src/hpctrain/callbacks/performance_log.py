@@ -124,7 +124,7 @@ class PerformanceLog(Callback):
         """This rank's sums into the job's store; on rank 0, every rank's sums (None on the others)."""
         mine = self.meter.sums()
         store = job_store.store()
-        if store is not None:
+        if store is not None and not trainer.is_global_zero:  # rank 0 reads its own from memory
             store.set(f"{PERF_KEY}/{trainer.global_rank}{suffix}", json.dumps(mine))
         if not trainer.is_global_zero:
             return None

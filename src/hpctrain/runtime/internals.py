@@ -17,6 +17,9 @@ class Internal:
     used_in: str  # the template module that relies on it
     why: str
     test: str  # the behaviour test that fails if its meaning changes
+    since: str | None = (
+        None  # "torch 2.8": the oldest release of the window that has it (older: done without)
+    )
 
 
 INTERNALS = (
@@ -25,6 +28,20 @@ INTERNALS = (
         "callbacks/rank_watchdog.py",
         "torch 2.6 has no public torch.distributed.set_timeout: dist.timeout_min after the first step",
         "tests/test_fsdp.py::test_the_device_meshs_groups_get_the_configured_collective_timeout",
+    ),
+    Internal(
+        "torch._C._distributed_c10d:_dump_nccl_trace",
+        "runtime/distributed/flight_recorder.py",
+        "NCCL's flight record, written by each rank when hpctrain ends a hung job: torch writes it only at "
+        "NCCL's own timeout, which hpctrain's watchdog comes before",
+        "tests/test_hangs.py::test_a_rank_that_does_not_arrive_within_the_timeout_is_named_with_where_it_was",
+    ),
+    Internal(
+        "torch._C._distributed_c10d:_dump_fr_trace",
+        "runtime/distributed/flight_recorder.py",
+        "as _dump_nccl_trace, for gloo's groups (CPU jobs)",
+        "tests/test_hangs.py::test_a_rank_that_does_not_arrive_within_the_timeout_is_named_with_where_it_was",
+        since="torch 2.8",
     ),
     Internal(
         "hydra._internal.utils:run_and_report",
