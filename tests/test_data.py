@@ -74,6 +74,41 @@ def test_saved_position_of_another_epoch_is_not_applied():
     assert len(list(loader)) == 10
 
 
+def test_a_loader_rebuilt_with_a_sequential_sampler_keeps_its_batches_in_order():
+    """Lightning's trainer.overfit_batches rebuilds the training loader from the arguments it was made with
+    plus `sampler=SequentialSampler(...)`: the rebuilt loader yields the same batch size and rank's shard,
+    unshuffled, so every epoch trains on the same first batches."""
+    from torch.utils.data import SequentialSampler
+
+    data = _dataset(40)
+    shuffled = make_loader(data, 4, shuffle=True, seed=3)
+    sampler = shuffled.sampler
+    rebuilt = type(shuffled)(
+        data,
+        sampler,
+        sampler=SequentialSampler(data),
+        shuffle=False,
+        batch_sampler=None,
+        generator=shuffled.generator,
+    )
+    for epoch in (0, 1):
+        rebuilt.sampler.set_epoch(epoch)
+        assert [b[1].tolist() for b in rebuilt][:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert len(rebuilt) == len(shuffled) == 10
+    two_ranks = ShardedBatchSampler(data, 4, shuffle=True, seed=3, num_replicas=2, rank=1)
+    assert next(b.tolist() for b in two_ranks.in_order()) == [1, 3, 5, 7]
+
+
+def test_a_loader_rebuilt_without_its_batch_sampler_is_one_sentence():
+    from torch.utils.data import SequentialSampler
+
+    from hpctrain.runtime.errors import UserError
+
+    data = _dataset(8)
+    with pytest.raises(UserError, match="given a SequentialSampler where it needs the ShardedBatchSampler"):
+        type(make_loader(data, 4, shuffle=True, seed=3))(data, sampler=SequentialSampler(data))
+
+
 def test_digits_look_like_mnist():
     datamodule = DigitsDataModule(batch_size=32)
     datamodule.setup()
