@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pytorch_lightning import Callback
+from pytorch_lightning import Callback, LightningModule
 
 from hpctrain.data.loading import ShardedBatchSampler, TensorDataset, make_loader
 from myproject.data.digits import DigitsDataModule
@@ -186,3 +186,42 @@ def test_per_channel_normalisation():
     images = torch.full((1, 3, 2, 2), 255, dtype=torch.uint8)
     normalised = data.normalise(images)
     assert normalised[0, :, 0, 0].tolist() == [1.0, 1.0, 0.0]
+
+
+class _ThreeValBatches(LightningModule):
+    """Loaders of 10 train, 3 val and 6 test batches of 4, from the module's own hooks."""
+
+    def train_dataloader(self):
+        return make_loader(_dataset(40), 4, shuffle=True, seed=0)
+
+    def val_dataloader(self):
+        return make_loader(_dataset(12), 4, shuffle=False, seed=0)
+
+    def test_dataloader(self):
+        return [
+            make_loader(_dataset(24), 4, shuffle=False, seed=0),
+            make_loader(_dataset(40), 4, shuffle=False, seed=0),
+        ]
+
+
+@pytest.mark.parametrize(
+    ("stage", "limits", "expected"),
+    [
+        ("fit", {"limit_train_batches": 0.05, "limit_val_batches": 0.1}, {"train": 1, "val": 1}),
+        ("fit", {"limit_train_batches": 0.25, "limit_val_batches": 0.5}, {"train": 0.25, "val": 0.5}),
+        ("fit", {"limit_val_batches": 2, "limit_train_batches": 1.0}, {"val": 2, "train": 1.0}),
+        ("test", {"limit_test_batches": 0.1}, {"test": 1}),  # the smaller of its two loaders decides
+        ("test", {"limit_test_batches": 0.2}, {"test": 0.2}),
+    ],
+)
+def test_a_fraction_of_a_split_that_comes_to_no_batch_is_one_batch(stage, limits, expected):
+    """Lightning refuses `int(batches x fraction) == 0` ("0.1 * 3 < 1") once the data is set up, for the
+    test split after the whole fit; BatchLimits makes such a fraction 1 batch as the stage is set up, and
+    leaves every other limit as given."""
+    from pytorch_lightning import Trainer
+
+    from hpctrain.callbacks.batch_limits import BatchLimits
+
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **limits)
+    BatchLimits().setup(trainer, _ThreeValBatches(), stage)
+    assert {split: getattr(trainer, f"limit_{split}_batches") for split in expected} == expected

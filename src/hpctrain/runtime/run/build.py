@@ -8,6 +8,7 @@ the trainer always gets:
   collective timeout from `dist.timeout_min`;
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
 - `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
+  `BatchLimits` (a `limit_*_batches` fraction of a tiny split is one batch),
   `NonFiniteLoss` (`nan.*`), `AttemptProgress` (run.yaml; a save too slow for `requeue.signal_lead_s`)
   and, when `requeue.enabled`, `RequeueOnSignal`.
 """
@@ -39,6 +40,7 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
 from hpctrain.callbacks.attempt_progress import AttemptProgress
+from hpctrain.callbacks.batch_limits import BatchLimits
 from hpctrain.callbacks.checkpoint_extras import CheckpointExtras
 from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
 from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
@@ -367,6 +369,7 @@ def callbacks(
             straggler_factor=settings.diagnostics.straggler_factor,
         )
     )
+    chosen.append(BatchLimits())  # a limit_*_batches fraction of a tiny split: one batch, not Lightning's refusal
     if training:
         # what eval, predict, export and hpctrain.load rebuild the run from
         recorded = redact.recorded(cfg)  # resolved, but no secret (hpctrain.runtime.config.redact)
