@@ -159,8 +159,9 @@ class ResumableDataLoader(DataLoader):
         ):  # ResumableDataLoader(data, sampler=...)
             sampler, asked = asked, None
         if not isinstance(sampler, ShardedBatchSampler):
+            given = type(asked or sampler).__name__
             raise UserError(
-                f"a ResumableDataLoader was given a {type(asked or sampler).__name__} where it needs the "
+                f"a ResumableDataLoader was given a {given} where it needs the "
                 "ShardedBatchSampler it was made with (Lightning rebuilds a loader for trainer.overfit_batches "
                 "from the arguments it saw when *_dataloader() made it); build it with hpctrain.data.make_loader "
                 "inside the datamodule's *_dataloader() method, not in setup()."
