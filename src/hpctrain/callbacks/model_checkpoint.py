@@ -8,7 +8,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning import LightningModule, Trainer
 
-from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing
+from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing, metric_is_due
 from hpctrain.callbacks.state_key import CachedStateKey
 
 
@@ -26,6 +26,7 @@ class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
     """
 
     _last_saved_at: int | None = None  # the global step last.ckpt holds
+    _validated = False  # a validation (not the sanity check) ended in this process
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -73,6 +74,8 @@ class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._validated = True
         super().on_validation_end(trainer, pl_module)
         if not self._should_save_on_train_epoch_end(trainer):
             self._bring_last_up_to_date(trainer)
@@ -99,11 +102,8 @@ class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
             self._removals_done(trainer)
 
     def _save_topk_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
-        if (
-            self.monitor is not None
-            and self.save_top_k != 0
-            and self.monitor not in monitor_candidates
-            and trainer.fit_loop.epoch_loop.val_loop._has_run
-        ):
-            raise MonitoredMetricMissing(self.monitor, monitor_candidates)
+        if self.monitor is not None and self.save_top_k != 0 and self.monitor not in monitor_candidates:
+            if metric_is_due(trainer, self._validated):
+                raise MonitoredMetricMissing(self.monitor, monitor_candidates)
+            return  # before the first validation (a short run): nothing to rank yet, last.ckpt is kept
         super()._save_topk_checkpoint(trainer, monitor_candidates)

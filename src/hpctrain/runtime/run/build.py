@@ -42,6 +42,7 @@ from torchmetrics import Metric
 from hpctrain.callbacks.attempt_progress import AttemptProgress
 from hpctrain.callbacks.batch_limits import BatchLimits
 from hpctrain.callbacks.checkpoint_extras import CheckpointExtras
+from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
 from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
 from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
 from hpctrain.callbacks.one_rank_calls import OneRankCalls
@@ -551,10 +552,12 @@ def can_test(module: LightningModule, data: LightningDataModule) -> bool:
 
 
 def best_checkpoint(trainer: Trainer) -> str | None:
-    """The best checkpoint of this fit, if a ModelCheckpoint saved one; with no monitored metric, the
-    last one (last.ckpt)."""
+    """The best checkpoint of this fit, if a ModelCheckpoint saved one; with no monitored metric, or none
+    computed yet (a run that ended before its first validation), the last one: the template's last.ckpt
+    always holds the weights fit ended with."""
     callback = trainer.checkpoint_callback
     path = getattr(callback, "best_model_path", "") if callback is not None else ""
-    if not path and callback is not None and getattr(callback, "monitor", "") is None:
+    newest = isinstance(callback, ModelCheckpoint) or getattr(callback, "monitor", "") is None
+    if not path and callback is not None and newest:
         path = getattr(callback, "last_model_path", "")
     return path if path and os.path.exists(path) else None  # a file, or a sharded checkpoint's folder
