@@ -52,6 +52,7 @@ from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
 from hpctrain.loggers import job_metadata, tag_runs
 from hpctrain.runtime.config import redact, targets
+from hpctrain.runtime.config.arguments import check_arguments
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
@@ -245,10 +246,14 @@ def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDa
                 preset.name,
                 scratch,
             )
+    check_arguments(node, "data")
     return _checked_lightning_object(_instantiate(node), "data")
 
 
 def model(cfg: DictConfig) -> LightningModule:
+    check_arguments(
+        cfg.model, "model"
+    )  # an optimizer's key it does not take: one sentence, not a TypeError later
     return _checked_lightning_object(_instantiate(cfg.model), "model")
 
 
@@ -370,7 +375,9 @@ def callbacks(
             straggler_factor=settings.diagnostics.straggler_factor,
         )
     )
-    chosen.append(BatchLimits())  # a limit_*_batches fraction of a tiny split: one batch, not Lightning's refusal
+    chosen.append(
+        BatchLimits()
+    )  # a limit_*_batches fraction of a tiny split: one batch, not Lightning's refusal
     if training:
         # what eval, predict, export and hpctrain.load rebuild the run from
         recorded = redact.recorded(cfg)  # resolved, but no secret (hpctrain.runtime.config.redact)
