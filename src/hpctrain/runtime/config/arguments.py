@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.runtime.errors import UserError
@@ -21,8 +22,6 @@ from hpctrain.runtime.errors import UserError
 
 def check_arguments(node: DictConfig, key: str) -> None:
     """Refuse, in one sentence, a key of `node` (or of a node inside it) that its target does not take."""
-    from hydra.utils import get_object  # Hydra waits: a stored answer is printed before it is imported
-
     plain = OmegaConf.to_container(node, resolve=True)
     for path, entry in _targets(plain, key):
         try:
