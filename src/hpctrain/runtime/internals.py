@@ -190,12 +190,6 @@ INTERNALS = (
         "tests/test_differential.py::test_user_code_behaves_as_under_bare_lightning",
     ),
     Internal(
-        "pytorch_lightning.loops.evaluation_loop:_EvaluationLoop._has_run",
-        "callbacks/model_checkpoint.py",
-        "a monitored metric missing is refused only once a validation has run (before it, nothing is logged yet)",
-        "tests/test_bring_your_own.py",
-    ),
-    Internal(
         "lightning_fabric.strategies.launchers.subprocess_script:_ChildProcessObserver._child_processes",
         "runtime/distributed/launch.py",
         "Lightning's thread named child-process-observer SIGKILLs the main process when a local rank fails; "

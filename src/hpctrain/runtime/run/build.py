@@ -8,6 +8,7 @@ the trainer always gets:
   collective timeout from `dist.timeout_min`;
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
 - `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
+  `BatchLimits` (a `limit_*_batches` fraction of a tiny split is one batch),
   `NonFiniteLoss` (`nan.*`), `AttemptProgress` (run.yaml; a save too slow for `requeue.signal_lead_s`)
   and, when `requeue.enabled`, `RequeueOnSignal`.
 """
@@ -39,7 +40,9 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
 from hpctrain.callbacks.attempt_progress import AttemptProgress
+from hpctrain.callbacks.batch_limits import BatchLimits
 from hpctrain.callbacks.checkpoint_extras import CheckpointExtras
+from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
 from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
 from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
 from hpctrain.callbacks.one_rank_calls import OneRankCalls
@@ -49,6 +52,7 @@ from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
 from hpctrain.loggers import job_metadata, tag_runs
 from hpctrain.runtime.config import redact, targets
+from hpctrain.runtime.config.arguments import check_arguments
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
@@ -242,10 +246,14 @@ def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDa
                 preset.name,
                 scratch,
             )
+    check_arguments(node, "data")
     return _checked_lightning_object(_instantiate(node), "data")
 
 
 def model(cfg: DictConfig) -> LightningModule:
+    check_arguments(
+        cfg.model, "model"
+    )  # an optimizer's key it does not take: one sentence, not a TypeError later
     return _checked_lightning_object(_instantiate(cfg.model), "model")
 
 
@@ -367,6 +375,9 @@ def callbacks(
             straggler_factor=settings.diagnostics.straggler_factor,
         )
     )
+    chosen.append(
+        BatchLimits()
+    )  # a limit_*_batches fraction of a tiny split: one batch, not Lightning's refusal
     if training:
         # what eval, predict, export and hpctrain.load rebuild the run from
         recorded = redact.recorded(cfg)  # resolved, but no secret (hpctrain.runtime.config.redact)
@@ -548,10 +559,12 @@ def can_test(module: LightningModule, data: LightningDataModule) -> bool:
 
 
 def best_checkpoint(trainer: Trainer) -> str | None:
-    """The best checkpoint of this fit, if a ModelCheckpoint saved one; with no monitored metric, the
-    last one (last.ckpt)."""
+    """The best checkpoint of this fit, if a ModelCheckpoint saved one; with no monitored metric, or none
+    computed yet (a run that ended before its first validation), the last one: the template's last.ckpt
+    always holds the weights fit ended with."""
     callback = trainer.checkpoint_callback
     path = getattr(callback, "best_model_path", "") if callback is not None else ""
-    if not path and callback is not None and getattr(callback, "monitor", "") is None:
+    newest = isinstance(callback, ModelCheckpoint) or getattr(callback, "monitor", "") is None
+    if not path and callback is not None and newest:
         path = getattr(callback, "last_model_path", "")
     return path if path and os.path.exists(path) else None  # a file, or a sharded checkpoint's folder
