@@ -10,11 +10,13 @@
   it: `<!-- needs: gpu (the reason) -->` (or `cluster`, `network`, `data`, `suite`); its commands are
   checked and composed but not run, and a command that needs a GPU or a cluster outside such a block
   fails a test;
-- the Python and YAML a page shows as a file of the reader's are real files (docs/examples/), included
-  into the page with pymdownx.snippets and imported and run here; a block titled with a file of the
-  template is that file, included;
-- the reference pages are what the code says, no generated table cell is cut off, and the site builds
-  with `mkdocs build --strict`.
+- the Python and YAML a page shows as a file of the reader's are real files (docs/examples/), written
+  into the page below a `<!-- code: <file> -->` line (scripts/dev/docs_code.py; equal to the file, so a
+  reader on GitHub or in a terminal sees the code the tests run), named in the prose before the block,
+  and imported and run here; a block titled with a file of the template is that file, marked alike;
+- the reference pages are what the code says (those read from the project's conf/ are written when the
+  site is built, so a user's own configs change nothing committed), no generated table cell is cut off,
+  and the site builds with `mkdocs build --strict`.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ NEEDS_CLUSTER = re.compile(
 )
 SNIPPET = re.compile(r'^[ \t]*-{2,}8<-{2,}[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 MARK = re.compile(r"<!--\s*needs:\s*(\w+)\s*\(([^)]+)\)\s*-->")
+CODE_MARK = re.compile(r"^<!--\s*code:\s*([^\s>]+)\s*-->$", re.MULTILINE)
 TINY = (  # appended to every command that trains: seconds, not minutes
     "trainer.max_epochs=1",
     "trainer.limit_train_batches=2",
@@ -87,13 +90,12 @@ class Block:
     title: str | None
     body: str  # as written in the page (a snippet include is one line)
     needs: tuple[str, str] | None  # (what, why) from the <!-- needs: ... --> line before the block
+    source: str | None  # the file the block shows, from the <!-- code: ... --> line before it
+    before: str  # the page's text between the previous block and this one
 
     @property
     def snippets(self) -> list[str]:
         return SNIPPET.findall(self.body)
-
-    def expanded(self) -> str:
-        return SNIPPET.sub(lambda m: (ROOT / m.group(1)).read_text(), self.body)
 
 
 FENCE = re.compile(
@@ -105,7 +107,7 @@ FENCE = re.compile(
 @functools.cache
 def blocks(path: Path) -> tuple[Block, ...]:
     text = path.read_text()
-    found = []
+    found, end = [], 0
     for match in FENCE.finditer(text):
         info = match.group("info").strip()
         lang = info.split()[0] if info else ""
@@ -116,7 +118,10 @@ def blocks(path: Path) -> tuple[Block, ...]:
             line[len(indent) :] if line.startswith(indent) else line
             for line in match.group("body").splitlines(keepends=True)
         )
-        found.append(Block(lang, title and title.group(1), body, mark and (mark.group(1), mark.group(2))))
+        needs = mark and (mark.group(1), mark.group(2))
+        code = CODE_MARK.search(match.group("before"))
+        before, end = text[end : match.start("indent")], match.end()
+        found.append(Block(lang, title and title.group(1), body, needs, code and code.group(1), before))
     return tuple(found)
 
 
@@ -241,11 +246,11 @@ def documented_commands() -> list[tuple[str, str, list[str], bool]]:
 
 def readers_files(path: Path) -> dict[str, Path]:
     """The files a page shows as the reader's (a block titled with a path that the template does not
-    have, holding a snippet of docs/examples/): {the title: the real file}."""
+    have, showing a file of docs/examples/): {the title: the real file}."""
     found = {}
     for block in blocks(path):
-        if block.title and block.snippets and not (ROOT / block.title).exists():
-            found[block.title] = ROOT / block.snippets[0]
+        if block.title and block.source and not (ROOT / block.title).exists():
+            found[block.title] = ROOT / block.source
     return found
 
 
@@ -253,10 +258,51 @@ def readers_files(path: Path) -> dict[str, Path]:
 
 
 def test_the_reference_pages_are_what_the_code_says():
+    """The pages read from hpctrain's own code are committed and up to date (those read from the project's
+    configs are written when the site is built: test_the_pages_read_from_the_configs_are_written_as_the_site_builds)."""
     result = subprocess.run(
         [PYTHON, "scripts/dev/docs_reference.py", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+@functools.cache
+def _dev_script(name: str):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts" / "dev"))  # their own imports (generated, docs_code)
+    return _import(ROOT / "scripts" / "dev" / f"{name}.py", name)
+
+
+def built_reference_pages() -> dict[str, str]:
+    """The reference pages the site's build writes from the project's configs, as it writes them."""
+    docs_reference = _dev_script("docs_reference")
+    return {name: docs_reference.built(name) for name in docs_reference.BUILT_PAGES}
+
+
+def test_the_pages_read_from_the_configs_are_written_as_the_site_builds():
+    """config.md and groups.md come from conf/ when the site is built (no committed copy to go stale when a
+    user adds a config): every group option and key is on them, the site's hook puts them in place of
+    their committed stand-ins, and each stand-in tells a reader without the site where to look."""
+    hooks = _dev_script("mkdocs_hooks")
+    built = built_reference_pages()
+    assert set(built) == {"config.md", "groups.md"}
+    for group in config_groups():
+        if group.split("/")[0] != "local":
+            for option in group_options(group):
+                assert f"`{group}={option}`" in built["groups.md"], (group, option)
+    assert "| `trainer.max_epochs` |" in built["config.md"] and "| `monitor.metric` |" in built["config.md"]
+    for name, text in built.items():
+        stand_in = DOCS / "reference" / name
+        words = " ".join(stand_in.read_text().split())
+        assert (
+            "Generated" not in words
+            and "when the site is built" in words
+            and "Read without the site" in words
+        )
+        page = type("Page", (), {"file": type("File", (), {"src_uri": f"reference/{name}"})()})()
+        assert hooks.on_page_markdown(stand_in.read_text(), page=page) == text
+        assert f"reference/{name}" in (ROOT / "mkdocs.yml").read_text()  # still in the site's navigation
 
 
 def test_the_pages_show_commands_and_this_test_finds_them():
@@ -273,8 +319,10 @@ def test_the_pages_show_commands_and_this_test_finds_them():
 def test_no_generated_table_cell_is_cut_off():
     """A description in the generated tables is whole sentences: it ends as a sentence ends."""
     failures = []
-    for name in ("groups.md", "public-api.md"):
-        for line in (DOCS / "reference" / name).read_text().splitlines():
+    pages = {"public-api.md": (DOCS / "reference" / "public-api.md").read_text()}
+    pages["groups.md"] = built_reference_pages()["groups.md"]
+    for name, text in pages.items():
+        for line in text.splitlines():
             cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
             if not line.startswith("| `") or not cells[-1]:
                 continue
@@ -283,20 +331,60 @@ def test_no_generated_table_cell_is_cut_off():
     assert not failures, "cut off:\n" + "\n".join(failures)
 
 
-def test_python_and_the_readers_files_on_the_pages_are_real_files():
-    """Every Python block is a real file included with pymdownx.snippets; a block titled with a file of the
-    template is that file; every snippet exists."""
+def test_python_and_the_readers_files_on_the_pages_are_real_files_written_into_the_page():
+    """Every Python block is a real file, written into the page whole (below `<!-- code: <file> -->`), so
+    GitHub and a terminal show the code the tests run; a block titled with a file of the template is that
+    file; every file a block or snippet names exists."""
     failures = []
     for path in PAGES:
         for block in blocks(path):
-            for snippet in block.snippets:
-                if not (ROOT / snippet).is_file():
-                    failures.append(f"{_page(path)}: the snippet {snippet} does not exist")
-            if block.lang == "python" and not block.snippets:
+            for name in [*block.snippets, *([block.source] if block.source else [])]:
+                if not (ROOT / name).is_file():
+                    failures.append(f"{_page(path)}: {name} does not exist")
+            if block.snippets and block.snippets[0].startswith("docs/examples/"):
+                failures.append(f"{_page(path)}: {block.snippets[0]} is included, not written into the page")
+            if block.lang == "python" and not block.source:
                 failures.append(f"{_page(path)}: a python block that is not a file: {block.body[:60]!r}")
-            if block.title and (ROOT / block.title).is_file() and block.snippets != [block.title]:
-                failures.append(f"{_page(path)}: the block titled {block.title} is not that file, included")
+            if block.title and (ROOT / block.title).is_file() and block.source != block.title:
+                failures.append(f"{_page(path)}: the block titled {block.title} is not that file")
+            if (
+                block.source
+                and (ROOT / block.source).is_file()
+                and block.body != (ROOT / block.source).read_text()
+            ):
+                failures.append(
+                    f"{_page(path)}: the block of {block.source} differs from the file; run "
+                    "python scripts/dev/docs_code.py"
+                )
     assert not failures, "\n".join(failures)
+
+
+def test_each_file_a_page_shows_is_named_in_the_prose_before_it():
+    """A reader on GitHub or in a terminal sees no block title: the text before a file's block names the
+    file to create (or the template's file it is)."""
+    failures = []
+    for path in PAGES:
+        for block in blocks(path):
+            if block.source and block.title and f"`{block.title}`" not in block.before:
+                failures.append(f"{_page(path)}: the text before the block of {block.title} does not name it")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_pages_code_blocks_are_written_from_their_files(tmp_path: Path):
+    """scripts/dev/docs_code.py writes a marked block from its file, whole, with a fence its text cannot
+    close, and the site's build does the same (scripts/dev/mkdocs_hooks.py)."""
+    docs_code = _import(ROOT / "scripts" / "dev" / "docs_code.py", "docs_code")
+    page = 'Create `a.py`:\n\n<!-- code: a.py -->\n```python title="a.py"\nold\n```\n\nafter\n'
+    with_fence = "x = 1\n```\ninside a docstring\n```\n"
+    (tmp_path / "a.py").write_text(with_fence)
+    written = docs_code.refreshed(page, tmp_path)
+    assert written == (
+        'Create `a.py`:\n\n<!-- code: a.py -->\n````python title="a.py"\n' + with_fence + "````\n\nafter\n"
+    )
+    assert docs_code.refreshed(written, tmp_path) == written  # written once, stable
+    assert docs_code.sources(written) == ["a.py"]
+    hooks = (ROOT / "mkdocs.yml").read_text()
+    assert "scripts/dev/mkdocs_hooks.py" in hooks
 
 
 # Files a generated project has that the template does not, or has its own of (.copier/make_project.py
@@ -311,7 +399,7 @@ PATH_TOKEN = re.compile(
 def _named_paths(path: Path) -> set[str]:
     """The repository paths a page names: in inline code and in its code blocks (not in Python, whose
     dotted names are imports, nor in the files it includes)."""
-    texts = inline_code(path) + [b.body for b in blocks(path) if b.lang != "python" and not b.snippets]
+    texts = inline_code(path) + [b.body for b in blocks(path) if b.lang != "python" and not b.source]
     found = set()
     for text in texts:
         for token in PATH_TOKEN.findall(text):
@@ -439,7 +527,7 @@ def test_every_hpctrain_name_a_page_names_exists_and_the_guides_use_the_public_a
     public = PUBLIC | _public_data_names()
     failures = []
     for path in PAGES:
-        text = path.read_text() + "".join(b.expanded() for b in blocks(path) if b.snippets)
+        text = path.read_text()
         # the modules the page has the reader write (a block titled src/hpctrain/.../x.py)
         written = tuple(
             t.removeprefix("src/").removesuffix(".py").replace("/", ".")
