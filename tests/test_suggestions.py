@@ -100,7 +100,7 @@ def test_a_misspelt_target_gets_the_projects_own_class():
 
 
 def test_a_misspelt_target_in_an_installed_package_gets_its_name():
-    # any installed package, read not imported (Lightning's as well; omegaconf is imported here already)
+    # any installed package's (finding a module imports its parent packages; omegaconf's are imported already)
     assert closest_target("omegaconf.DictConfg") == "omegaconf.DictConfig"
     assert closest_target("omegaconf.dictconfg.DictConfig") == "omegaconf.dictconfig.DictConfig"
 

@@ -3,8 +3,9 @@
 
 Each dotted part is looked up among the names the part before it holds: the project's own packages first
 (src/<package>/), then a package's modules and the names a module's source defines or imports at its top
-level. Sources are read, not imported, so a misspelt path costs no import of the user's code; a part that
-matches no name closely ends the search with no suggestion. No torch here.
+level. A module's source is read, not imported (finding it imports its parent packages, which Hydra's
+own attempt to import the target did already); a part that matches no name closely ends the search with
+no suggestion. No torch here.
 """
 
 from __future__ import annotations
