@@ -42,7 +42,7 @@ GROUPS = (
     "callbacks",
     "logger",
 )
-GROUPS += ("debug", "experiment", "paths", "extras")
+GROUPS += ("debug", "experiment", "paths", "extras", "hparams_search")
 NEEDS_HARDWARE = {"gpu", "ddp", "mps", "fsdp"}  # trainer options built here with the CPU accelerator
 
 

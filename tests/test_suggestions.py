@@ -110,8 +110,10 @@ def test_a_refused_stored_target_names_the_searchpath_its_training_run_recorded(
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
+    (run / ".hydra").mkdir()
     searchpath = f"hydra.searchpath=[file://{tmp_path / 'their_conf'}]"
-    (run / "run.yaml").write_text(yaml.safe_dump({"overrides": ["model=theirs", searchpath]}))
+    record = {"hydra": {"overrides": {"hydra": [searchpath, "hydra.mode=RUN"], "task": ["model=theirs"]}}}
+    (run / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump(record))  # as Hydra records a run
     checkpoint = run / "checkpoints" / "last.ckpt"
     assert reading.recorded_searchpath(checkpoint) == searchpath
     assert reading.recorded_searchpath(tmp_path / "elsewhere.ckpt") == ""

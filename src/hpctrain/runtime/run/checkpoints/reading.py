@@ -80,12 +80,13 @@ def stored_config(
 
 def recorded_searchpath(path: str | Path) -> str:
     """The `hydra.searchpath=...` override of the training run that wrote the checkpoint at `path`
-    (<run dir>/checkpoints/<file>, its run.yaml beside), or "": what to pass again so that the configs it
-    was built from are the project's again. Only named in a refusal: nothing here is trusted."""
-    record = Path(path).parent.parent / "run.yaml"
+    (<run dir>/checkpoints/<file>; Hydra's record of the run, .hydra/hydra.yaml, beside), or "": what to
+    pass again so that the configs it was built from are the project's again. Only named in a refusal:
+    nothing here is trusted."""
+    record = Path(path).parent.parent / ".hydra" / "hydra.yaml"
     try:
-        overrides = (yaml.safe_load(record.read_text()) or {}).get("overrides") or []
-    except (OSError, yaml.YAMLError, AttributeError):
+        overrides = yaml.safe_load(record.read_text())["hydra"]["overrides"]["hydra"] or []
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
         return ""
     found = [str(o).lstrip("+") for o in overrides if str(o).lstrip("+").startswith("hydra.searchpath=")]
     return found[-1] if found else ""
