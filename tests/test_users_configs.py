@@ -151,6 +151,9 @@ def _clone_with_an_option_in_every_group(project: Path) -> Path:
     for name, text in OPTION_IN_EVERY_GROUP.items():
         (project / "conf" / name).parent.mkdir(parents=True, exist_ok=True)
         (project / "conf" / name).write_text(text)
+    git = ["git", "-c", "user.name=a user", "-c", "user.email=user@example.org"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "my configs"]):  # a clone is a repo
+        subprocess.run([*git, *command], cwd=project, check=True, capture_output=True)
     return project
 
 
@@ -163,8 +166,7 @@ def test_the_quick_tier_passes_in_a_clone_with_a_users_option_in_every_group(tmp
     env = {
         **local_env(),
         "PYTHONPATH": str(project / "src"),  # the clone's hpctrain and myproject, not this checkout's
-        "HPCTRAIN_CODE_ROOT": str(project),
-        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),  # (its code root: the clone that carries that hpctrain)
     }
     result = subprocess.run(
         [PYTHON, "-m", "pytest", "-m", "not slow", "-v", "-p", "no:cacheprovider"],

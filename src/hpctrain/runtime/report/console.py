@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich import print as rich_print
 from rich.syntax import Syntax
@@ -101,8 +102,6 @@ UNSHOWN_GROUPS = ("hydra", "paths", "extras", "local")
 
 def _hydra_choices_and_overrides() -> tuple[dict[str, str], list[str]]:
     """The running Hydra app's group choices and command-line overrides ({} and [] outside one)."""
-    from hydra.core.hydra_config import HydraConfig
-
     try:
         hydra = HydraConfig.get()
     except ValueError:  # not inside a Hydra app (the contract tests build a run directly)
