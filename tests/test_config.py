@@ -42,7 +42,7 @@ GROUPS = (
     "callbacks",
     "logger",
 )
-GROUPS += ("debug", "experiment", "paths", "extras")
+GROUPS += ("debug", "experiment", "paths", "extras", "hparams_search")
 NEEDS_HARDWARE = {"gpu", "ddp", "mps", "fsdp"}  # trainer options built here with the CPU accelerator
 
 
@@ -609,7 +609,7 @@ def test_help_names_both_config_sources_and_an_option_the_project_replaces(tmp_p
     project = tmp_path / "project"
     shutil.copytree(ROOT / "conf", project / "conf", ignore=shutil.ignore_patterns("local"))
     shutil.copytree(ROOT / "src", project / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    (project / "conf" / "trainer").mkdir()
+    (project / "conf" / "trainer").mkdir(exist_ok=True)  # a project may have trainer options of its own
     (project / "conf" / "trainer" / "cpu.yaml").write_text(
         "defaults:\n  - default\n  - _self_\naccelerator: cpu\ndevices: 1\nmax_epochs: 7\n"
     )

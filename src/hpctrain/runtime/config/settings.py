@@ -294,8 +294,12 @@ class Monitor:
 
 @dataclass(frozen=True)
 class Extras:
-    print_config: bool = setting(
-        True, {"type": "boolean"}, "true or false", "false", "print the config as a tree"
+    print_config: str | bool = setting(
+        "summary",
+        {"anyOf": [{"enum": ["summary", "full"]}, {"type": "boolean"}]},
+        "summary, full or false",
+        "full",
+        "what a run prints of its config: a few lines, the whole tree (true: the same), or nothing",
     )
     ignore_warnings: bool = setting(
         False, {"type": "boolean"}, "true or false", "true", "silence Python warnings"

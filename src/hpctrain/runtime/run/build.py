@@ -51,7 +51,7 @@ from hpctrain.callbacks.rank_watchdog import RankWatchdog
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
 from hpctrain.loggers import job_metadata, tag_runs
-from hpctrain.runtime.config import redact, targets
+from hpctrain.runtime.config import redact, target_spelling, targets
 from hpctrain.runtime.config.arguments import check_arguments
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
@@ -213,11 +213,16 @@ def _import_failure(err: InstantiationException) -> str | None:
         module_found = bool(module_name) and importlib.util.find_spec(module_name) is not None
     except (ImportError, ValueError):
         module_found = False
+    close = target_spelling.closest_target(target)  # a misspelt path: the name it most likely means
     if module_found and (missing.name or "").startswith(target):
-        return (
-            f"_target_: {target} cannot be imported: module {module_name} has no {name}; "
-            "check the spelling of the class or function name in the config."
+        fix = (
+            f"did you mean {close}?"
+            if close
+            else "check the spelling of the class or function name in the config."
         )
+        return f"_target_: {target} cannot be imported: module {module_name} has no {name}; {fix}"
+    if close:
+        return f"_target_: {target} cannot be imported ({type(missing).__name__}: {missing}); did you mean {close}?"
     return (
         f"_target_: {target} cannot be imported ({type(missing).__name__}: {missing}); put the package that "
         "holds it on PYTHONPATH (PYTHONPATH=/path/to/its/parent python src/train.py ...), install it "
