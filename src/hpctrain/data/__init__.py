@@ -29,6 +29,8 @@ _PUBLIC = {
     "FileImageDataModule": "files",
     "ImageFolderDataModule": "files",
     "ShardsDataModule": "shards",
+    "TokenizedDataModule": "tokens",
+    "made_once": "tokens",
     "TensorDataset": "loading",
     "ResumableDataLoader": "loading",
     "make_loader": "loading",
