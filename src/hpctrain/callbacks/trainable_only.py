@@ -26,6 +26,7 @@ class TrainableOnly(Callback):
         self.setting = setting
         self.active = False
         self._handles: list[Any] = []
+        self._fingerprint: dict[str, Any] | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         frozen = trainable_only.frozen_names(pl_module)
@@ -43,9 +44,7 @@ class TrainableOnly(Callback):
         )
         if not self.active:
             return
-        self._handles.append(
-            pl_module.register_state_dict_post_hook(trainable_only.without_frozen(pl_module))
-        )
+        self._handles.append(pl_module.register_state_dict_post_hook(self._without_frozen(pl_module)))
         if trainer.is_global_zero:
             log.info(
                 "checkpoints: the trainable parameters only (%s; checkpoints.trainable_only=%s%s); the "
@@ -56,6 +55,15 @@ class TrainableOnly(Callback):
                 len(frozen),
             )
 
+    def _without_frozen(self, module: LightningModule) -> Any:
+        leave_out = trainable_only.without_frozen(module)
+
+        def hook(*args: Any) -> None:
+            if self.active:  # read at each save: the state dict of a run that stores everything is whole
+                leave_out(*args)
+
+        return hook
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         for handle in self._handles:
             handle.remove()
@@ -64,8 +72,11 @@ class TrainableOnly(Callback):
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if self.active:
-            trainable_only.record(checkpoint, pl_module)
+        if not self.active:
+            return
+        if self._fingerprint is None:  # the frozen part does not change: measured at the first save only
+            self._fingerprint = trainable_only.fingerprint(pl_module)
+        checkpoint[trainable_only.FROZEN_KEY] = self._fingerprint
 
     def on_load_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]

@@ -102,10 +102,6 @@ def stored(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
-def record(checkpoint: dict[str, Any], module: nn.Module) -> None:
-    checkpoint[FROZEN_KEY] = fingerprint(module)
-
-
 def without_frozen(module: nn.Module) -> Any:
     """A state-dict hook that leaves the module's frozen parameters out of its state dict."""
     frozen = set(frozen_names(module))
