@@ -198,7 +198,9 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
     if (group, option) in LLM_OPTIONS:
         require_llm()
         overrides = LLM_VALUES
-        build.check_data_available(build.datamodule(compose_train(tmp_path, data_dir, *overrides)))  # the demo
+        build.check_data_available(
+            build.datamodule(compose_train(tmp_path, data_dir, *overrides))
+        )  # the demo
     if group == "trainer" and option in NEEDS_HARDWARE:
         overrides += ["trainer.accelerator=cpu", "trainer.devices=1"]
     cfg = compose_train(tmp_path, data_dir, *overrides)

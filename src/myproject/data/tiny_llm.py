@@ -24,8 +24,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 ARCHITECTURE = {
-    "hidden_size": 64,
-    "intermediate_size": 176,
+    "hidden_size": 128,
+    "intermediate_size": 352,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,

@@ -27,8 +27,7 @@ from pytorch_lightning import LightningModule
 from torch import Tensor
 from torch.optim import Optimizer
 
-import hpctrain
-from hpctrain import UserError
+from hpctrain import UserError, empty_weights
 from myproject.models import optim
 from myproject.models.metrics import Mean
 
@@ -54,7 +53,7 @@ class CausalLMLoRA(LightningModule):
         dtype = getattr(torch, str(base.get("dtype") or "float32"))
         if self.base_path is not None:
             config = AutoConfig.from_pretrained(self.base_path)
-            with hpctrain.empty_weights():  # read from its files by hpctrain (pretrained_files)
+            with empty_weights():  # read from its files by hpctrain (pretrained_files)
                 network = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
             fields = dict(base["config"])

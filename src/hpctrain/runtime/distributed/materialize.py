@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
 from hpctrain.runtime.errors import UserError
 
@@ -42,10 +43,9 @@ def empty_weights() -> Iterator[None]:
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
         if param is not None and param.device.type != "meta":
-            kind = type(module._parameters[name])
-            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
@@ -153,7 +153,5 @@ def _shard_of(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     mesh = getattr(target, "device_mesh", None)
     if mesh is None:
         return full
-    from torch.distributed.tensor import distribute_tensor
-
     placed: Any = distribute_tensor(full, mesh, target.placements, src_data_rank=None)
     return placed.to_local()
