@@ -1,7 +1,8 @@
 """A Hugging Face causal language model fine-tuned with LoRA adapters (PEFT): `model=causal_lm_lora`.
 
-The base is a local Hugging Face folder (`base.path`: config.json, *.safetensors, the tokenizer), or a
-new architecture from its config (`base.config`, random weights: tests and benchmarks). A base from a
+The base is a local Hugging Face folder (`base.path`: config.json, *.safetensors, the tokenizer; with
+`base.stage_dir`, copied to node-local disk once per node first), or a new architecture from its config
+(`base.config`, random weights: tests and benchmarks). A base from a
 folder is built empty (`hpctrain.empty_weights`) and its files named in `pretrained_files()`: hpctrain
 reads them once the model is built, or under FSDP2 each rank its own shards once it is sharded, so no
 process ever holds a whole large base it does not need. The base is frozen; only the adapters train
@@ -9,8 +10,9 @@ process ever holds a whole large base it does not need. The base is frozen; only
 frozen) checkpoints store the adapters and their optimizer state only.
 
 Batches are those of `data=instructions` (`hpctrain.data.TokenizedDataModule`): the loss is taken on the
-tokens whose label is not -100 (the assistant's, or all), next-token shifted. Packed examples (their
-positions restart inside a row) attend only inside themselves.
+tokens whose label is not -100 (the assistant's, or all), next-token shifted. With the data's
+`packing=concat` (`packing`), the examples packed in a row (their positions restart at 0 where each
+begins) attend only inside themselves.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from hpctrain import UserError, empty_weights
+from hpctrain.data import stage_folder
 from myproject.models import optim
 from myproject.models.metrics import Mean
 
@@ -43,6 +46,7 @@ class CausalLMLoRA(LightningModule):
         optimizer: Callable[..., Optimizer],
         scheduler: Callable[..., Any] | None = None,
         scheduler_interval: str = "step",
+        packing: str = "none",
     ) -> None:
         super().__init__()
         # imported here: the llm extra is optional, and the quick tier composes every model
@@ -52,7 +56,11 @@ class CausalLMLoRA(LightningModule):
         self.base_path = _base_folder(base)
         dtype = getattr(torch, str(base.get("dtype") or "float32"))
         if self.base_path is not None:
+            source = self.base_path
+            if base.get("stage_dir"):  # read from node-local disk: copied there once per node
+                self.base_path = str(stage_folder(source, base["stage_dir"]))
             config = AutoConfig.from_pretrained(self.base_path)
+            config.name_or_path = source  # what an exported adapter names as its base: the shared folder
             with empty_weights():  # read from its files by hpctrain (pretrained_files)
                 network = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
@@ -74,6 +82,7 @@ class CausalLMLoRA(LightningModule):
         _initialise_adapters(self.net)
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.scheduler_interval = scheduler_interval
+        self.packed = packing == "concat"  # rows of several examples: attention kept inside each
         self.val_loss = Mean()
 
     def pretrained_files(self) -> dict[str, tuple[str, str]]:
@@ -102,7 +111,7 @@ class CausalLMLoRA(LightningModule):
     ) -> Tensor:
         """Logits (B, T, vocab)."""
         mask = attention_mask
-        if position_ids is not None and attention_mask is not None and _packed(position_ids, attention_mask):
+        if self.packed and position_ids is not None and attention_mask is not None:
             mask = _inside_examples(position_ids, attention_mask)
         return self.net(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
 
@@ -119,10 +128,23 @@ class CausalLMLoRA(LightningModule):
         )
         return total / count.clamp(min=1), count
 
+    def flops_per_batch(self, batch: dict[str, Tensor]) -> float:
+        """A training step's FLOPs on `batch` (read by the performance callback for the MFU), as PaLM counts
+        a transformer's: per token, 2 per weight forward and 2 backward (to the inputs), 2 more for the
+        weights that train (the adapters; the frozen base gets no weight gradient), and 12 * layers * width
+        * context for attention; the tokens are those of the batch that are not padding."""
+        config = self.net.get_base_model().config
+        weights = [p for n, p in self.named_parameters() if "embed_tokens" not in n]  # a lookup, no FLOPs
+        every = sum(p.numel() for p in weights)
+        trainable = sum(p.numel() for p in weights if p.requires_grad)
+        tokens = int(batch["attention_mask"].sum())
+        context = batch["input_ids"].shape[1]
+        attention = 12 * config.num_hidden_layers * config.hidden_size * context
+        return float(tokens * (4 * every + 2 * trainable + attention))
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, _ = self.loss(batch)
-        if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
-            self.log("train/loss", loss)
+        self.log("train/loss", loss)  # written every trainer.log_every_n_steps steps
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -169,13 +191,10 @@ def _initialise_adapters(network: torch.nn.Module) -> None:
                 layers = [layer[name] for layer in (module.lora_A, module.lora_B) if name in layer]
                 if any(p.is_meta for layer in layers for p in layer.parameters()):
                     for layer in layers:
-                        layer.to_empty(device="cpu")
+                        layer.to_empty(
+                            device=torch.empty(0).device
+                        )  # the default device (meta in a meta copy)
                     module.reset_lora_parameters(name, True)
-
-
-def _packed(position_ids: Tensor, attention_mask: Tensor) -> bool:
-    """Whether some row holds several examples (its positions restart at 0 after its first token)."""
-    return bool(((position_ids[:, 1:] == 0) & (attention_mask[:, 1:] == 1)).any())
 
 
 def _inside_examples(position_ids: Tensor, attention_mask: Tensor) -> Tensor:
