@@ -21,7 +21,16 @@ from torch import nn
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import sharded, trainable_only
-from tests.helpers import ROOT, assert_ok, read_metrics, require_modules, run_dirs, run_entry, train
+from tests.helpers import (
+    ROOT,
+    assert_ok,
+    read_metrics,
+    require_modules,
+    run_dirs,
+    run_entry,
+    run_script,
+    train,
+)
 
 SHORT = (
     "trainer.max_epochs=1",
@@ -157,9 +166,9 @@ def test_tokens_per_second_are_logged(lora_run: Run):
 
 @pytest.mark.slow
 def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(lora_run: Run, llm_data: Path, tmp_path: Path):
-    """From the step-3 checkpoint (adapters only), in a new job whose data is staged to node-local disk:
-    the base is read again from its folder, nothing is tokenized again, and the final adapters and
-    optimizer state are bit-equal to the uninterrupted run's."""
+    """From the step-3 checkpoint (adapters only), in a new job whose data and base are staged to
+    node-local disk: the base is read again from its folder, nothing is tokenized again, and the final
+    adapters and optimizer state are bit-equal to the uninterrupted run's."""
     stage = tmp_path / "stage"
     result = train(
         tmp_path,
@@ -168,11 +177,15 @@ def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(lora_run: Run, ll
         *SHORT,
         f"ckpt_path={lora_run.logs / 'mid.ckpt'}",
         f"data.stage_dir={stage}",
+        f"model.base.stage_dir={stage}",
         timeout=400,
     )
     assert_ok(result)
     assert "tokenized " in lora_run.stdout and "tokenized " not in result.stdout
+    # the shards and the base copied to node-local disk, each by one rank while the other waited
     assert len(list(stage.glob("hpctrain-*/instructions-*/.staged.json"))) == 1
+    assert len(list(stage.glob("hpctrain-*/base/.staged.json"))) == 1
+    assert result.stdout.count(f"staging {llm_data / 'tiny_llm' / 'base'} ") == 1
     (resumed,) = run_dirs(tmp_path)
     final = [sharded.read_folder(r / "checkpoints" / "last.ckpt") for r in (lora_run.dir, resumed)]
     for part in ("state_dict", "optimizer_states"):
@@ -501,3 +514,68 @@ def test_the_experiments_compose_with_the_names_the_guide_gives(tmp_path: Path):
     assert gpu.trainer.strategy == "fsdp" and gpu.trainer.precision == "bf16-mixed"
     assert gpu.model.base.dtype == "bfloat16" and gpu.dist.fsdp.activation_checkpointing
     assert gpu.data.tokenizer == "/m"
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_lora_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupted_one(
+    slurm_cluster, llm_data: Path, tmp_path: Path
+):
+    """experiment=lora_sft over two Slurm nodes (one rank each): USR1 mid-epoch -> requeue.ckpt holding
+    the adapters only -> scontrol requeue -> the restarted job reads the base from its folder again and
+    ends with the uninterrupted job's adapters and optimizer state, bit for bit."""
+    from tests.test_slurm import CPU_JOB, SBATCH_FILE, _output
+
+    overrides = (
+        "experiment=lora_sft",
+        f"paths.data_dir={llm_data}",
+        *SHORT,
+        "callbacks.progress.log_every_n_s=0",
+        "+callbacks.slow._target_=tests.differential.user_code.SlowRankCallback",
+        f"paths.log_dir={tmp_path}",
+        "extras.print_config=false",
+    )
+    slow = {"PYTHONPATH": str(ROOT), "SLOW_RANK": "0", "SLOW_S": "1.0"}
+    submit = (f"--output={tmp_path}/%x-%j.out", *CPU_JOB, SBATCH_FILE, *overrides)
+    interrupted = slurm_cluster.sbatch(*submit, cwd=ROOT, env=slow)
+    reference = slurm_cluster.sbatch(*submit, cwd=ROOT, env=slow)
+    deadline = time.monotonic() + 400
+    while "epoch 0/1  step 3/" not in _output(tmp_path, interrupted):
+        assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
+        time.sleep(0.2)
+    assert slurm_cluster.run("scancel", "--signal=USR1", interrupted).returncode == 0
+    for job in (interrupted, reference):
+        info = slurm_cluster.wait(job, timeout_s=600)
+        assert info["JobState"] == "COMPLETED", _output(tmp_path, job)[-4000:]
+    runs = tmp_path / "train" / "runs"
+    resumed, uninterrupted = runs / f"slurm-{interrupted}", runs / f"slurm-{reference}"
+    requeue_ckpt = resumed / "checkpoints" / "requeue.ckpt"
+    log = _output(tmp_path, interrupted)
+    assert f"starting from {requeue_ckpt} (restart 1 of this job)" in log
+    assert (
+        log.count("pretrained base: 21 tensors read into their shards") == 2
+    )  # read again after the requeue
+    assert all("lora_" in k for k in _keys(requeue_ckpt) if k.startswith("state_dict."))
+    final = [sharded.read_folder(r / "checkpoints" / "last.ckpt") for r in (resumed, uninterrupted)]
+    for part in ("state_dict", "optimizer_states"):
+        a, b = (json_free(f[part]) for f in final)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+
+
+@pytest.mark.slow
+def test_the_ten_node_command_is_checked_and_not_run(tmp_path: Path):
+    result = run_script(
+        "scripts/submit.py",
+        "--dry-run",
+        "--nodes",
+        "10",
+        "--gpus-per-node",
+        "8",
+        "--",
+        "experiment=lora_sft_gpu",
+        "model.base.path=/scratch/someone/models/llama",
+        "data.path=/scratch/someone/sft.jsonl",
+    )
+    assert_ok(result)
+    assert "sbatch --nodes=10 --ntasks-per-node=8 --gres=gpu:8" in result.stdout
+    assert "experiment=lora_sft_gpu model.base.path=/scratch/someone/models/llama" in result.stdout
