@@ -10,6 +10,7 @@ fingerprint of a frozen base, FSDP2's grouping of tied and mixed-dtype parameter
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -76,7 +77,8 @@ def lora_run(llm_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
         f"paths.data_dir={llm_data}",
         *SHORT,
         "dist.timeout_min=0.5",
-        "dist.init_timeout_min=1",
+        "dist.init_timeout_min=3",  # until the first step: rank 1's interpreter starts in it
+        "callbacks.performance.peak_flops=1e12",  # a peak, as a GPU's is known: the MFU is reported
         "+callbacks.first_call._target_=tests.llm_code.GenerateAtStart",
         f"+callbacks.first_call.dir={logs / 'generated'}",
         "+callbacks.both._target_=tests.llm_code.SaveBothAtStep",
@@ -149,17 +151,19 @@ def test_a_trainable_only_checkpoint_holds_no_base_and_is_under_a_fifth_of_a_who
 
 @pytest.mark.slow
 def test_generation_is_the_first_call_after_sharding_and_ranks_stop_apart(lora_run: Run):
-    """Under dist.timeout_min=0.5: rank 0 stopped after 3 new tokens, rank 1 after 7; a chat sample after
-    the validation, each rank with its own draws."""
+    """Rank 0 stopped after 3 new tokens, rank 1 after 7, within dist.init_timeout_min=3 (no rank waited
+    for another into it); a chat sample after the validation, each rank with its own draws, within
+    dist.timeout_min=0.5."""
     generated = lora_run.logs / "generated"
     assert [(generated / f"generated-{r}.txt").read_text() for r in (0, 1)] == ["3", "7"]
     assert "sample after epoch 0: Reverse the word kalo. ->" in lora_run.stdout
 
 
 @pytest.mark.slow
-def test_tokens_per_second_are_logged(lora_run: Run):
+def test_tokens_per_second_and_the_mfu_are_logged(lora_run: Run):
     rows = [r for r in read_metrics(lora_run.dir) if r.get("train/tokens_per_s")]
     assert rows and float(rows[-1]["train/tokens_per_s"]) > 0
+    assert re.search(r"performance: .* TFLOP/s per device, MFU \d", lora_run.stdout)  # FLOPs from the shape
     assert "FSDP2: 2 block(s) sharded over 2 process(es) (LlamaDecoderLayer)" in lora_run.stdout
     assert "pretrained base: 21 tensors read into their shards" in lora_run.stdout
 
@@ -167,8 +171,9 @@ def test_tokens_per_second_are_logged(lora_run: Run):
 @pytest.mark.slow
 def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(lora_run: Run, llm_data: Path, tmp_path: Path):
     """From the step-3 checkpoint (adapters only), in a new job whose data and base are staged to
-    node-local disk: the base is read again from its folder, nothing is tokenized again, and the final
-    adapters and optimizer state are bit-equal to the uninterrupted run's."""
+    node-local disk and whose checkpoints are written asynchronously: the base is read again from its
+    folder, nothing is tokenized again, and the final adapters and optimizer state are bit-equal to the
+    uninterrupted run's."""
     stage = tmp_path / "stage"
     result = train(
         tmp_path,
@@ -178,6 +183,7 @@ def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(lora_run: Run, ll
         f"ckpt_path={lora_run.logs / 'mid.ckpt'}",
         f"data.stage_dir={stage}",
         f"model.base.stage_dir={stage}",
+        "checkpoints.async_save=true",  # its folders written while training goes on
         timeout=400,
     )
     assert_ok(result)
@@ -187,10 +193,37 @@ def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(lora_run: Run, ll
     assert len(list(stage.glob("hpctrain-*/base/.staged.json"))) == 1
     assert result.stdout.count(f"staging {llm_data / 'tiny_llm' / 'base'} ") == 1
     (resumed,) = run_dirs(tmp_path)
-    final = [sharded.read_folder(r / "checkpoints" / "last.ckpt") for r in (lora_run.dir, resumed)]
-    for part in ("state_dict", "optimizer_states"):
-        a, b = (json_free(f[part]) for f in final)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    a, b = (_everything(r / "checkpoints" / "last.ckpt", tmp_path / r.name) for r in (lora_run.dir, resumed))
+    assert any(k.startswith("optimizer_0.state.") for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _everything(folder: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint (the weights and the optimizer state), by dotted key."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(folder), str(scratch.with_suffix(".pt")))
+    return json_free(torch.load(scratch.with_suffix(".pt"), weights_only=True))
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_continues_the_newest_run_for_more_epochs(lora_run: Run, llm_data: Path):
+    """The guide's `ckpt_path=last trainer.max_epochs=N`: the newest last.ckpt of this task's runs (the
+    adapters only), one more epoch of 8 steps."""
+    last = lora_run.dir / "checkpoints" / "last.ckpt"
+    result = train(
+        lora_run.logs,
+        "experiment=lora_sft",
+        f"paths.data_dir={llm_data}",
+        *SHORT,
+        "ckpt_path=last",
+        "trainer.max_epochs=2",
+        timeout=400,
+    )
+    assert_ok(result)
+    assert f"starting from {last}" in result.stdout
+    (continued,) = [r for r in run_dirs(lora_run.logs) if r != lora_run.dir]
+    assert sharded.read_folder(continued / "checkpoints" / "last.ckpt", weights=False)["global_step"] == 16
 
 
 def json_free(value: object, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -259,7 +292,9 @@ def test_the_exports_load_with_peft_and_transformers_alone(lora_run: Run, llm_da
 
 
 @pytest.mark.slow
-def test_ddp_trains_the_adapters_into_a_file_checkpoint(llm_data: Path, tmp_path: Path):
+def test_ddp_trains_the_adapters_into_a_file_checkpoint_written_asynchronously(
+    llm_data: Path, tmp_path: Path
+):
     result = train(
         tmp_path,
         "experiment=lora_sft",
@@ -267,6 +302,7 @@ def test_ddp_trains_the_adapters_into_a_file_checkpoint(llm_data: Path, tmp_path
         f"paths.data_dir={llm_data}",
         *SHORT,
         "trainer.limit_train_batches=4",
+        "checkpoints.async_save=true",
         timeout=400,
     )
     assert_ok(result)
@@ -514,6 +550,10 @@ def test_the_experiments_compose_with_the_names_the_guide_gives(tmp_path: Path):
     assert gpu.trainer.strategy == "fsdp" and gpu.trainer.precision == "bf16-mixed"
     assert gpu.model.base.dtype == "bfloat16" and gpu.dist.fsdp.activation_checkpointing
     assert gpu.data.tokenizer == "/m"
+    # as slurm/train.sbatch runs it: its default trainer=ddp before the experiment; still FSDP2, bf16-mixed
+    job = ["trainer=ddp", "experiment=lora_sft_gpu", "model.base.path=/m", "data.path=/d.jsonl"]
+    sbatched = compose("train", [*job, f"paths.output_dir={tmp_path}"])
+    assert sbatched.trainer.strategy == "fsdp" and sbatched.trainer.precision == "bf16-mixed"
 
 
 @pytest.mark.slow
@@ -528,6 +568,7 @@ def test_a_lora_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupted_o
 
     overrides = (
         "experiment=lora_sft",
+        "trainer=fsdp_cpu",  # slurm/train.sbatch's trainer is the GPUs' unless the command names one
         f"paths.data_dir={llm_data}",
         *SHORT,
         "callbacks.progress.log_every_n_s=0",
@@ -556,10 +597,9 @@ def test_a_lora_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupted_o
         log.count("pretrained base: 21 tensors read into their shards") == 2
     )  # read again after the requeue
     assert all("lora_" in k for k in _keys(requeue_ckpt) if k.startswith("state_dict."))
-    final = [sharded.read_folder(r / "checkpoints" / "last.ckpt") for r in (resumed, uninterrupted)]
-    for part in ("state_dict", "optimizer_states"):
-        a, b = (json_free(f[part]) for f in final)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    a, b = (_everything(r / "checkpoints" / "last.ckpt", tmp_path / r.name) for r in (resumed, uninterrupted))
+    assert any(k.startswith("optimizer_0.state.") for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
