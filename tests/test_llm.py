@@ -476,6 +476,11 @@ def test_the_frozen_parts_fingerprint_tells_another_base_in_one_sentence():
     model[0].requires_grad_(False)
     stored = trainable_only.fingerprint(model)
     assert stored["names"] == ["0.bias", "0.weight"]
+    # auto: mostly frozen and read from files; a part frozen after init_from loaded it is stored whole
+    assert trainable_only.mostly_frozen(model) and not trainable_only.rebuilt_from_source(model)
+    model.pretrained_files = dict
+    assert trainable_only.rebuilt_from_source(model)
+    del model.pretrained_files
     trainable_only.check_same_base(stored, model, "x.ckpt")
     state = model.state_dict()
     hook = model.register_state_dict_post_hook(trainable_only.without_frozen(model))

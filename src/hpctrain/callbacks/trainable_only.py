@@ -17,7 +17,8 @@ log = logging.getLogger("hpctrain.runtime.run.checkpoints")
 
 
 class TrainableOnly(Callback):
-    """With `setting` true (or auto, where most parameters are frozen), the module's state dict leaves its
+    """With `setting` true (or auto, where most parameters are frozen and the module reads them from their
+    files, `pretrained_files()`), the module's state dict leaves its
     frozen parameters out for the whole run, so every checkpoint stores the trainable part only, with the
     frozen part's fingerprint; a checkpoint loaded at resume is checked against the base built now. A run
     resumed from a trainable-only checkpoint stores trainable-only checkpoints too, whatever the setting."""
@@ -35,7 +36,7 @@ class TrainableOnly(Callback):
         resumed = _marked(trainer.ckpt_path)
         self.active = (
             self.setting is True
-            or (self.setting == "auto" and trainable_only.mostly_frozen(pl_module))
+            or (self.setting == "auto" and trainable_only.rebuilt_from_source(pl_module))
             or resumed
         )
         # a checkpoint without the frozen parameters loads over the base the model built (both ways)

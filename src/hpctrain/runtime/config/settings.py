@@ -101,7 +101,7 @@ class Checkpoints:
         "auto, true or false",
         "true",
         "store the trainable parameters (and their optimizer state) only; the frozen part is rebuilt from its "
-        "source; auto: when most parameters are frozen",
+        "source; auto: when most parameters are frozen and the model reads them from files (pretrained_files)",
     )
 
 

@@ -1,7 +1,7 @@
 """Checkpoints of the trainable parameters only (`checkpoints.trainable_only`): a frozen part is rebuilt.
 
-A model whose larger part is frozen (a pretrained base with LoRA adapters, a frozen backbone) need not
-write that part into every checkpoint: a 16 GB base with a 0.2 GB adapter would write 16 GB at every
+A model whose larger part is frozen and rebuilt from its source (a pretrained base read from its files,
+with LoRA adapters) need not write that part into every checkpoint: a 16 GB base with a 0.2 GB adapter would write 16 GB at every
 save and every requeue. With trainable-only checkpoints the module's state dict leaves out its frozen
 parameters (their optimizer holds no state for them), so every save (single file or sharded folder,
 synchronous or asynchronous) stores the trainable parameters, buffers and optimizer state only. The
@@ -41,6 +41,13 @@ def mostly_frozen(module: nn.Module) -> bool:
     """Whether frozen parameters hold more than half of the module's parameter elements."""
     frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
     return frozen * 2 > sum(p.numel() for p in module.parameters())
+
+
+def rebuilt_from_source(module: nn.Module) -> bool:
+    """`checkpoints.trainable_only=auto`: most parameters are frozen, and the module builds them from their
+    files itself (`pretrained_files()`, hpctrain.runtime.distributed.materialize). A part frozen after
+    `init_from.path` loaded it is not: a resumed or evaluated run does not load it again, so it is stored."""
+    return callable(getattr(module, "pretrained_files", None)) and mostly_frozen(module)
 
 
 def fingerprint(module: nn.Module) -> dict[str, Any]:
