@@ -176,7 +176,12 @@ LLM_VALUES = [
     "data.max_length=32",
 ]
 LLM_EXPERIMENTS = {"lora_sft", "lora_sft_gpu"}
-NEEDS_VALUES[("experiment", "lora_sft_gpu")] = [*LLM_VALUES[2:], "model.base.dtype=float32"]
+NEEDS_VALUES[("experiment", "lora_sft_gpu")] = [  # one batch on one CPU process: the GPUs' settings off
+    *LLM_VALUES[2:],
+    "model.base.dtype=float32",
+    "trainer.strategy=auto",
+    "trainer.precision=32-true",
+]
 
 
 def require_llm() -> None:
@@ -297,6 +302,8 @@ def test_experiment_runs_a_batch(experiment: str, tmp_path: Path, data_dir: Path
         require_llm()
     cfg = compose_train(tmp_path, data_dir, f"experiment={experiment}", "debug=fdr", "trainer=cpu", *needs)
     check_config(cfg)
+    if experiment in LLM_EXPERIMENTS:  # the demo's base and instructions, made before the model reads them
+        build.check_data_available(build.datamodule(cfg))
     _one_batch_of_everything(cfg, tmp_path)
 
 
