@@ -30,7 +30,7 @@ from hpctrain.runtime.config.schema import PRECISIONS
 from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import build
-from tests.helpers import EXAMPLES, IMAGE_DATA, PYTHON, ROOT, compose_train, local_env
+from tests.helpers import EXAMPLES, IMAGE_DATA, PYTHON, ROOT, compose_train, local_env, require_modules
 
 GROUPS = (
     "data",
@@ -163,8 +163,33 @@ NEEDS_VALUES = {
     ("experiment", "cifar10_resnet18"): ["data.batch_size=8", "trainer.precision=32-true"],
 }
 
+# The llm extra's options (docs/guides/fine-tune-a-language-model.md) with the tiny base and instructions
+# that data.demo makes offline in the session's data dir; importing transformers takes seconds.
+LLM_OPTIONS = {("model", "causal_lm_lora"), ("data", "instructions")}
+LLM_VALUES = [
+    "model=causal_lm_lora",
+    "data=instructions",
+    "model.base.path=${paths.data_dir}/tiny_llm/base",
+    "data.tokenizer=${model.base.path}",
+    "data.path=${paths.data_dir}/tiny_llm/sft.jsonl",
+    "data.demo=true",
+    "data.max_length=32",
+]
+LLM_EXPERIMENTS = {"lora_sft", "lora_sft_gpu"}
+NEEDS_VALUES[("experiment", "lora_sft_gpu")] = [  # one batch on one CPU process: the GPUs' settings off
+    *LLM_VALUES[2:],
+    "model.base.dtype=float32",
+    "trainer.strategy=auto",
+    "trainer.precision=32-true",
+]
+
+
+def require_llm() -> None:
+    require_modules("transformers", "peft", "tokenizers", install="pip install -e '.[llm]'")
+
+
 # Loggers whose import alone takes seconds (mlflow, wandb): checked in the full suite, not the quick tier.
-HEAVY_OPTIONS = {("logger", "mlflow"), ("logger", "wandb")}
+HEAVY_OPTIONS = {("logger", "mlflow"), ("logger", "wandb"), *LLM_OPTIONS}
 
 
 @pytest.mark.parametrize(
@@ -175,6 +200,12 @@ HEAVY_OPTIONS = {("logger", "mlflow"), ("logger", "wandb")}
 def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path: Path, data_dir: Path):
     overrides = [] if group == "hydra" else [f"{group}={option}"]
     overrides += partners(group, option) + NEEDS_VALUES.get((group, option), [])
+    if (group, option) in LLM_OPTIONS:
+        require_llm()
+        overrides = LLM_VALUES
+        build.check_data_available(
+            build.datamodule(compose_train(tmp_path, data_dir, *overrides))
+        )  # the demo
     if group == "trainer" and option in NEEDS_HARDWARE:
         overrides += ["trainer.accelerator=cpu", "trainer.devices=1"]
     cfg = compose_train(tmp_path, data_dir, *overrides)
@@ -207,11 +238,18 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
         assert isinstance(build.model(cfg), torch.nn.Module)
 
 
-@pytest.mark.parametrize("option", options("data"))
+@pytest.mark.parametrize(
+    "option",
+    [pytest.param(o, marks=pytest.mark.slow) if ("data", o) in LLM_OPTIONS else o for o in options("data")],
+)
 def test_data_option_yields_a_batch(option: str, tmp_path: Path, data_dir: Path):
     """Every datamodule gives a first training batch, of whatever shape its model takes: `(x,)`, `((x1, x2),
     y)`, a dict. The template's own data give (inputs, targets) of the sizes models read from the config."""
-    cfg = compose_train(tmp_path, data_dir, f"data={option}", *partners("data", option))
+    overrides = [f"data={option}", *partners("data", option)]
+    if ("data", option) in LLM_OPTIONS:
+        require_llm()
+        overrides = LLM_VALUES
+    cfg = compose_train(tmp_path, data_dir, *overrides)
     datamodule = build.datamodule(cfg)
     build.check_data_available(datamodule)
     datamodule.setup("fit")
@@ -260,8 +298,12 @@ def test_template_model_runs_a_batch_of_each_template_data_it_fits(
 def test_experiment_runs_a_batch(experiment: str, tmp_path: Path, data_dir: Path):
     """An experiment names a model and the data it belongs with: a user's too runs a batch of each stage."""
     needs = NEEDS_VALUES.get(("experiment", experiment), [])
+    if experiment in LLM_EXPERIMENTS:
+        require_llm()
     cfg = compose_train(tmp_path, data_dir, f"experiment={experiment}", "debug=fdr", "trainer=cpu", *needs)
     check_config(cfg)
+    if experiment in LLM_EXPERIMENTS:  # the demo's base and instructions, made before the model reads them
+        build.check_data_available(build.datamodule(cfg))
     _one_batch_of_everything(cfg, tmp_path)
 
 

@@ -193,7 +193,11 @@ class ResumableDataLoader(DataLoader):
         for index in self.sampler:
             batch = self.dataset[index]
             if self.pin_memory:
-                batch = tuple(t.pin_memory() for t in batch)
+                batch = (
+                    {k: t.pin_memory() for k, t in batch.items()}
+                    if isinstance(batch, dict)
+                    else tuple(t.pin_memory() for t in batch)
+                )
             yield batch
 
     def state_dict(self) -> dict[str, int]:

@@ -141,6 +141,19 @@ INTERNALS = (
         "tests/test_differential.py::test_onecycle_resumed_mid_epoch_ends_as_the_uninterrupted_run",
     ),
     Internal(
+        "pytorch_lightning.loops.fit_loop:_FitLoop.on_load_checkpoint",
+        "callbacks/checkpoint_extras.py",
+        "under FSDP2 the early train loader is kept (the checkpoint is restored after on_fit_start); its saved "
+        "position (fit_loop._combined_loader_states_to_load) is given to it at on_train_start",
+        "tests/test_llm.py::test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one",
+    ),
+    Internal(
+        "pytorch_lightning.utilities.combined_loader:CombinedLoader._load_state_dicts",
+        "callbacks/checkpoint_extras.py",
+        "as _FitLoop.on_load_checkpoint: the saved loader position given to the loader built early",
+        "tests/test_llm.py::test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one",
+    ),
+    Internal(
         "pytorch_lightning.callbacks:ModelCheckpoint._save_last_checkpoint",
         "callbacks/model_checkpoint.py",
         "last.ckpt brought up to the current step at every epoch end (Lightning writes it only with a new best)",

@@ -95,6 +95,14 @@ class Checkpoints:
         "[mypackage.models.Net]",
         "classes a checkpoint's stored config may name besides those of the project's configs",
     )
+    trainable_only: bool | str = setting(
+        "auto",
+        {"anyOf": [{"type": "boolean"}, {"const": "auto"}]},
+        "auto, true or false",
+        "true",
+        "store the trainable parameters (and their optimizer state) only; the frozen part is rebuilt from its "
+        "source; auto: when most parameters are frozen and the model reads them from files (pretrained_files)",
+    )
 
 
 @dataclass(frozen=True)

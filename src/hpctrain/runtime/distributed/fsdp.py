@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -33,12 +33,19 @@ import torch.distributed as dist
 from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from hpctrain.runtime.distributed.job_store import set_data_parallel
 from hpctrain.runtime.distributed.launch import _HydraLaunched
+from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
 from hpctrain.runtime.errors import UserError
 
 log = logging.getLogger(__package__)
@@ -177,14 +184,85 @@ def apply_fsdp(module: nn.Module, mesh: Any, options: dict[str, Any]) -> list[nn
     if options.get("cpu_offload"):
         kwargs["offload_policy"] = CPUOffloadPolicy()
     networks = roots(module)
-    sharded = blocks(networks, options.get("shard", "auto"))
+    sharded = apart_from_tied(blocks(networks, options.get("shard", "auto")), networks)
     for block in sharded:
         if options.get("activation_checkpointing"):
             _checkpointed(block)
-        fully_shard(block, **kwargs)
+        _shard_by_dtype(block, kwargs)
     for net in networks:
-        fully_shard(net, **kwargs)
+        _shard_by_dtype(net, kwargs)
+        if callable(getattr(net, "generate", None)):
+            # generate (a Hugging Face model's, a PEFT model's) calls the inner model, not forward: without
+            # this the root's parameters are never gathered for it ("mixed torch.Tensor and DTensor")
+            register_fsdp_forward_method(net, "generate")
     return sharded
+
+
+def apart_from_tied(candidates: list[nn.Module], networks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks that may be sharded one by one: a block holding a parameter that is also used outside it
+    (tied input and output embeddings, a weight shared across blocks) stays in the unit around it, where
+    one gathering serves every use; a separate unit would hand the other users its unsharded shard."""
+    owners: dict[int, set[int]] = {}
+    for net in networks:
+        for owner in net.modules():
+            for param in owner.parameters(recurse=False):
+                owners.setdefault(id(param), set()).add(id(owner))
+    kept = []
+    for block in candidates:
+        inside = {id(m) for m in block.modules()}
+        if all(owners[id(p)] <= inside for p in block.parameters()):
+            kept.append(block)
+        else:
+            log.info(
+                "FSDP2: %s shares a parameter with modules outside it: sharded with its parent",
+                type(block).__name__,
+            )
+    return kept
+
+
+def _shard_by_dtype(unit: nn.Module, kwargs: dict[str, Any]) -> None:
+    """fully_shard(unit); where its trainable parameters have several dtypes (fp32 adapters on a bf16
+    base, one trainable norm kept in fp32), the modules holding the less common dtypes become units of
+    their own first: FSDP2 gathers and reduces one dtype per unit (else an AssertionError at the first step)."""
+    trainable = _unit_trainable(unit)
+    dtypes = {p.dtype for _, p in trainable}
+    if len(dtypes) > 1:
+        common = max(dtypes, key=lambda d: sum(p.numel() for _, p in trainable if p.dtype == d))
+        for name, holder in _holders(unit):
+            own = {p.dtype for p in holder.parameters(recurse=False) if p.requires_grad}
+            if len(own) > 1:
+                raise FSDPOptionsError(
+                    f"{name or type(unit).__name__} holds trainable parameters of several dtypes "
+                    f"({', '.join(sorted(str(d) for d in own))}), which FSDP2 cannot shard as one unit; cast them "
+                    "to one dtype in the model, or set dist.fsdp.param_dtype and keep the parameters in float32."
+                )
+            if own and common not in own and holder is not unit:
+                fully_shard(holder, **kwargs)
+        left = {str(p.dtype) for _, p in _unit_trainable(unit)}
+        if len(left) > 1:
+            raise FSDPOptionsError(
+                f"{type(unit).__name__} holds trainable parameters of several dtypes ({', '.join(sorted(left))}) "
+                "directly, which FSDP2 cannot shard as one unit; cast them to one dtype in the model."
+            )
+    fully_shard(unit, **kwargs)
+
+
+def _unit_trainable(unit: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters a fully_shard(unit) would manage (those of sub-units already sharded aside)."""
+    return [(n, p) for n, h in _holders(unit) for p in h.parameters(recurse=False) if p.requires_grad]
+
+
+def _holders(unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The modules under `unit` (itself included) whose own parameters it would manage."""
+    stack = [("", unit)]
+    while stack:
+        name, module = stack.pop()
+        yield name, module
+        stack += [
+            (f"{name}.{child_name}" if name else child_name, child)
+            for child_name, child in module.named_children()
+            if not isinstance(child, FSDPModule)
+        ]
 
 
 class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
@@ -263,6 +341,10 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
                 if self.global_rank == 0:
                     log.info("tensor parallel: %d layer(s) split over %d process(es) each", split, tensor)
             sharded = apply_fsdp(module, mesh["data_parallel"], options)
+            if has_empty_parameters(module):  # a pretrained base built empty: each rank reads its shards
+                read = materialize(module, self.root_device)
+                if self.global_rank == 0:
+                    log.info("pretrained base: %d tensors read into their shards", read)
             if self.global_rank == 0:
                 log.info(
                     "FSDP2: %d block(s) sharded over %d process(es) (%s), then %s as root(s)",

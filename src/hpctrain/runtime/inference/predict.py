@@ -42,7 +42,7 @@ from hpctrain.data import decode
 from hpctrain.data.loading import ResumableDataLoader, TensorDataset
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.export import tensors
-from hpctrain.runtime.run.checkpoints import reading
+from hpctrain.runtime.run.checkpoints import reading, trainable_only
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 from hpctrain.runtime.run.records import write_atomically
 
@@ -69,7 +69,7 @@ def predict(
     run.trainer.callbacks.append(writer)
     # The weights only (as trainer.predict(ckpt_path=...) would load), without Lightning's warning that
     # the training callbacks stored in the checkpoint are missing: prediction needs none of them.
-    run.model.load_state_dict(reading.read(checkpoint)["state_dict"])
+    trainable_only.load_weights(run.model, reading.read(checkpoint), f"ckpt_path={checkpoint}")
     run.trainer.predict(run.model, run.datamodule, return_predictions=False)
     return writer.written
 

@@ -9,7 +9,8 @@ the trainer always gets:
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
 - `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
   `BatchLimits` (a `limit_*_batches` fraction of a tiny split is one batch),
-  `NonFiniteLoss` (`nan.*`), `AttemptProgress` (run.yaml; a save too slow for `requeue.signal_lead_s`)
+  `NonFiniteLoss` (`nan.*`), `TrainableOnly` (`checkpoints.trainable_only`), `AttemptProgress` (run.yaml;
+  a save too slow for `requeue.signal_lead_s`)
   and, when `requeue.enabled`, `RequeueOnSignal`.
 """
 
@@ -50,6 +51,7 @@ from hpctrain.callbacks.performance_log import PerformanceLog
 from hpctrain.callbacks.rank_watchdog import RankWatchdog
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
+from hpctrain.callbacks.trainable_only import TrainableOnly
 from hpctrain.loggers import job_metadata, tag_runs
 from hpctrain.runtime.config import redact, target_spelling, targets
 from hpctrain.runtime.config.arguments import check_arguments
@@ -57,6 +59,7 @@ from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
+from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
 from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
@@ -256,10 +259,13 @@ def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDa
 
 
 def model(cfg: DictConfig) -> LightningModule:
-    check_arguments(
-        cfg.model, "model"
-    )  # an optimizer's key it does not take: one sentence, not a TypeError later
-    return _checked_lightning_object(_instantiate(cfg.model), "model")
+    """The LightningModule; a pretrained base it built empty (`hpctrain.empty_weights`) is read from its
+    files now, except under FSDP2, where each rank reads its shards once the model is sharded."""
+    check_arguments(cfg.model, "model")  # an optimizer's key it does not take: one sentence, not a TypeError later
+    module = _checked_lightning_object(_instantiate(cfg.model), "model")
+    if has_empty_parameters(module) and (cfg.get("trainer") or {}).get("strategy") != "fsdp":
+        materialize(module, "cpu")
+    return module
 
 
 def check_data_available(data: LightningDataModule) -> None:
@@ -372,6 +378,7 @@ def callbacks(
         chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
     for performance in (c for c in chosen if isinstance(c, PerformanceLog)):
         performance.model_config = cfg.get("model")  # its FLOPs are counted on a meta copy built from it
+    chosen.append(TrainableOnly(settings.checkpoints.trainable_only))  # also how eval reads such checkpoints
     chosen.append(
         RankWatchdog(
             settings.dist.timeout_min,

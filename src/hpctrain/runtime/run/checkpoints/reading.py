@@ -18,7 +18,7 @@ from torch import Tensor
 from hpctrain.runtime.config import targets
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import sharded
+from hpctrain.runtime.run.checkpoints import sharded, trainable_only
 
 log = logging.getLogger(__package__)
 
@@ -97,9 +97,14 @@ def check_matches_model(
 ) -> None:
     """Refuse a checkpoint whose weights do not fit `module` (another model, or other sizes); `content`:
     the checkpoint already read, if the caller has it."""
-    stored: dict[str, Tensor] = (content or read(path, what))["state_dict"]
+    content = content or read(path, what)
+    stored: dict[str, Tensor] = content["state_dict"]
     expected = module.state_dict()
     missing = sorted(set(expected) - set(stored))
+    if (
+        trainable_only.stored(content) is not None
+    ):  # its frozen part is the model's own, built from its source
+        missing = sorted(set(missing) - set(trainable_only.frozen_names(module)))
     unexpected = sorted(set(stored) - set(expected))
     resized = sorted(
         k for k in set(expected) & set(stored) if tuple(expected[k].shape) != tuple(stored[k].shape)
