@@ -222,7 +222,7 @@ def test_the_default_install_is_the_locks_build_unchanged(tmp_path: Path):
     (sync,) = _uv_commands(lines, "sync")
     assert sync == [
         *["sync", "--quiet", "--frozen", "--inexact"],
-        *["--extra", "dev", "--extra", "loggers", "--extra", "export", "--extra", "docs"],
+        *["--extra", "dev", "--extra", "loggers", "--extra", "export", "--extra", "docs", "--extra", "llm"],
         "--compile-bytecode",
     ]
     assert _uv_commands(lines, "pip") == []
