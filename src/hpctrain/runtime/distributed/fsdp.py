@@ -50,6 +50,11 @@ import torch.distributed as dist
 from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -430,8 +435,18 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
         module.configure_model = configure_model  # type: ignore[method-assign]
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
+        if not self.saves.asynchronous:
+            state = super().lightning_module_state_dict()
+        else:  # left where it is: the save's staging copies it, into host buffers it keeps (folder_saves)
+            state = get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
         return _agreed_buffers(state, self.lightning_module, self.root_device)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self.saves.asynchronous:
+            return super().optimizer_state(optimizer)
+        # Lightning's offloads every state to fresh host memory first, a second copy per save
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        return get_optimizer_state_dict(self.model, inner, options=StateDictOptions(cpu_offload=False))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A folder committed whole (`saves`, hpctrain.runtime.run.checkpoints.folder_saves); the write
@@ -447,7 +462,7 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
         self.saves.wait()
 
     def teardown(self) -> None:
-        self.saves.wait()  # the best checkpoint is tested next, and a process must not end mid-write
+        self.saves.close()  # the best checkpoint is tested next, and a process must not end mid-write
         super().teardown()
 
     def remove_checkpoint(self, filepath: Any) -> None:
