@@ -2,8 +2,9 @@
 training waits for (`async_writing` for single files, `folder_saves` for FSDP2's folders).
 
 The copy goes into buffers kept from one save to the next, pinned where CUDA exists: a fresh allocation
-per save pays for the host memory's first touch (page faults, zeroing) on every save, which made an
-asynchronous save stall training longer than a synchronous one writing the same bytes. The buffers are
+per save pays for the host memory's first touch (page faults, zeroing) on every save (on a busy host,
+twice the copy itself), and only pinned memory takes a copy from the GPU at full speed and without
+blocking. What is left of the stall is one copy of the state at the host's memory bandwidth. The buffers are
 torch.distributed.checkpoint's `DefaultStager`, which keys them by the storage of the tensor copied:
 parameters and optimizer states keep their storages from step to step, so after the first save each is
 copied into the buffer it had; a tensor made anew for each checkpoint (an RNG state) gets a fresh one.
