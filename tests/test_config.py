@@ -589,7 +589,11 @@ def test_bf16_emulated_on_a_gpu_is_named_once_with_the_override(precision, gpu, 
     assert (note is not None) == said
     if said:
         assert note.startswith(f"trainer.precision={precision} on {gpu} (compute capability {capability[0]}.")
-        assert "pass trainer.precision=16-mixed" in note
+        assert note.endswith("pass trainer.precision=16-mixed.")
+        # under FSDP2 Lightning refuses 16-mixed: the advice is one that runs there
+        sharded = emulated_bf16_gpu_note(precision, gpu, capability, sharded=True)
+        assert "pass trainer.precision=32-true" in sharded and "refuses 16-mixed" in sharded
+        assert "trainer=ddp trainer.precision=16-mixed" in sharded
 
 
 # Pure half precision needs an optimizer that tolerates it: Adam's eps=1e-8 rounds to 0 in float16.

@@ -314,3 +314,49 @@ def test_on_a_gpu_the_data_wait_is_the_devices_idle_time_not_the_hosts():
     meter.step_ended(8)
     late = performance.figures(meter.sums(), busy)
     assert late["data_wait"] == pytest.approx(60 / 160) and late["step_ms"] == pytest.approx(100.0)
+
+
+def _rates(world: int, tensor_parallel: int, monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
+    """What `train/samples_per_s` (summed over the ranks) and the progress line say when every rank trains
+    4 batches of 8 samples in 2 s: under tensor parallelism the ranks of a group read the same batch."""
+    from types import SimpleNamespace
+
+    from hpctrain.callbacks import progress_bar, throughput_log
+    from hpctrain.runtime import run_state
+    from hpctrain.runtime.distributed import job_store
+
+    run_state.begin()
+    if tensor_parallel > 1:
+        job_store.set_data_parallel(world // tensor_parallel, 0)
+    clock = [100.0]
+    monkeypatch.setattr(throughput_log.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(progress_bar.time, "monotonic", lambda: clock[0])
+    logged, lines = [], []
+    module = SimpleNamespace(log=lambda name, value, **kw: logged.append(value))
+    trainer = SimpleNamespace(world_size=world, is_global_zero=True, current_epoch=0, max_epochs=1)
+    monkeypatch.setattr(progress_bar.log, "info", lambda message, *args: lines.append(args))
+    throughput, bar = throughput_log.ThroughputLog(), progress_bar.LogProgress(every_n_s=1.0)
+    monkeypatch.setattr(bar, "_format", lambda *a: "")
+    throughput.on_train_epoch_start(trainer, module)
+    bar._last = bar._window_start = clock[0]
+    bar._total, bar._window_samples = 4, 0
+    batch = (torch.zeros(8, 3), torch.zeros(8))
+    for index in range(4):
+        throughput.on_train_batch_start(trainer, module, batch, index)
+        clock[0] += 0.5
+        throughput.on_train_batch_end(trainer, module, None, batch, index)
+        bar.on_train_batch_end(trainer, module, None, batch, index)
+    throughput.on_train_epoch_end(trainer, module)
+    run_state.begin()
+    (per_rank,) = logged
+    return per_rank * world, lines[-1][-1]  # sync_dist sums every rank's value; rank 0 prints the line
+
+
+def test_tensor_parallel_rates_equal_data_parallel_rates_for_the_same_global_batch(monkeypatch):
+    """2 processes of data parallelism and 4 in a 2 x 2 mesh train the same global batch (16) in the same
+    time: train/samples_per_s and the progress line's samples/s say the same 32 samples/s for both (they
+    said twice that under tensor parallelism)."""
+    alone = _rates(2, 1, monkeypatch)
+    split = _rates(4, 2, monkeypatch)
+    assert alone == pytest.approx((32.0, 32.0))
+    assert split == pytest.approx(alone)

@@ -609,3 +609,35 @@ class HangOnRankZero(Callback):
             import threading
 
             threading.Event().wait()
+
+
+class CountGradientReduces(Callback):
+    """Counts the gradient reductions (torch.distributed.reduce_scatter_single, FSDP2's) issued during each
+    training batch, and writes rank 0's list to `path` at the end of fit."""
+
+    def __init__(self, path: str):
+        self.path, self.per_batch, self._calls, self._before = path, [], [0], 0
+
+    def on_train_start(self, trainer, pl_module):
+        import torch.distributed as dist
+
+        original = self._original = dist.reduce_scatter_single
+
+        def counted(*args, **kwargs):
+            self._calls[0] += 1
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counted
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = self._calls[0]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.per_batch.append(self._calls[0] - self._before)
+
+    def on_train_end(self, trainer, pl_module):
+        import torch.distributed as dist
+
+        dist.reduce_scatter_single = self._original
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(self.per_batch))

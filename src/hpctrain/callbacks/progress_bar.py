@@ -15,6 +15,7 @@ from typing import Any
 from pytorch_lightning import LightningModule, Trainer
 from pytorch_lightning.callbacks import ProgressBar, RichProgressBar
 
+from hpctrain.runtime.report.performance import tensor_parallel
 from hpctrain.runtime.report.progress import batch_size_of
 
 log = logging.getLogger("hpctrain")
@@ -75,7 +76,9 @@ class LogProgress(ProgressBar):
             return
         if not (self._enabled and trainer.is_global_zero):
             return
-        rate = self._window_samples * trainer.world_size / max(now - self._window_start, 1e-9)
+        # the ranks of a tensor-parallel group train on the same samples: count each group once
+        groups = trainer.world_size // tensor_parallel(trainer)
+        rate = self._window_samples * groups / max(now - self._window_start, 1e-9)
         total = self._total
         share = f" ({100 * (batch_idx + 1) / total:.0f}%)" if isinstance(total, int) and total else ""
         log.info(

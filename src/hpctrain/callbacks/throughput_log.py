@@ -8,6 +8,7 @@ from typing import Any
 
 from pytorch_lightning import Callback, LightningModule, Trainer
 
+from hpctrain.runtime.report.performance import tensor_parallel
 from hpctrain.runtime.report.progress import batch_size_of, seconds_since_process_start, tokens_of
 
 log = logging.getLogger("hpctrain")
@@ -15,8 +16,9 @@ log = logging.getLogger("hpctrain")
 
 class ThroughputLog(Callback):
     """Logs `train/samples_per_s` once per epoch: the samples all ranks trained on per second of
-    training steps (validation, and the checkpointing that follows it, are not counted), and once
-    per run how long after the process started the first training step began.
+    training steps (validation, and the checkpointing that follows it, are not counted; the ranks of a
+    tensor-parallel group share their samples, counted once), and once per run how long after the
+    process started the first training step began.
 
     For token batches (a mapping with `labels`, -100 where no loss is taken: padding, masked prompts) it
     logs `train/tokens_per_s` too: the tokens a loss was taken on, all ranks together, per second. They are
@@ -65,7 +67,7 @@ class ThroughputLog(Callback):
             # Summed over ranks at the epoch end, where every rank already synchronises.
             pl_module.log(
                 "train/samples_per_s",
-                self.samples / self.seconds,
+                self.samples / self.seconds / tensor_parallel(trainer),
                 on_epoch=True,
                 sync_dist=True,
                 reduce_fx="sum",
@@ -73,7 +75,7 @@ class ThroughputLog(Callback):
             if self.tokens is not None:
                 pl_module.log(
                     "train/tokens_per_s",
-                    self.tokens.double() / self.seconds,
+                    self.tokens.double() / self.seconds / tensor_parallel(trainer),
                     on_epoch=True,
                     sync_dist=True,
                     reduce_fx="sum",

@@ -195,6 +195,13 @@ class FSDP:
         "true",
         "FSDP2: parameters and optimizer states in host memory",
     )
+    sync_each_micro_batch: bool = setting(
+        False,
+        {"type": "boolean"},
+        "true or false",
+        "true",
+        "FSDP2 with accumulate_grad_batches: reduce every micro-batch's gradients",
+    )
 
 
 @dataclass(frozen=True)

@@ -67,16 +67,24 @@ def emulated_bf16_note(precision: str, on_cpu: bool, flags: set[str] | None) -> 
     )
 
 
-def emulated_bf16_gpu_note(precision: str, gpu: str | None, capability: tuple[int, int] | None) -> str | None:
+def emulated_bf16_gpu_note(
+    precision: str, gpu: str | None, capability: tuple[int, int] | None, sharded: bool = False
+) -> str | None:
     """A sentence when bf16 would run emulated on this GPU: before Ampere (compute capability 8.0; a V100,
-    a T4, an RTX 8000) there are no bfloat16 units, and torch emulates them, slower than float16."""
+    a T4, an RTX 8000) there are no bfloat16 units, and torch emulates them, slower than float16. Its
+    advice must run: under FSDP2 (`sharded`) Lightning refuses 16-mixed, which needs loss scaling."""
     if gpu is None or capability is None or not precision.startswith("bf16") or capability >= (8, 0):
         return None
     major, minor = capability
+    advice = (
+        "pass trainer.precision=32-true (FSDP2 in Lightning has no float16 mixed precision: it refuses 16-mixed); "
+        "a model that fits one GPU trains faster with trainer=ddp trainer.precision=16-mixed."
+        if sharded
+        else "pass trainer.precision=16-mixed."
+    )
     return (
         f"trainer.precision={precision} on {gpu} (compute capability {major}.{minor}), which has no bfloat16 units: "
-        "torch emulates them, slower than float16; pass trainer.precision=16-mixed (and, under FSDP2, "
-        "dist.fsdp.param_dtype=float16)."
+        f"torch emulates them, slower than float16; {advice}"
     )
 
 
@@ -87,10 +95,14 @@ def warn_if_bf16_is_emulated(trainer: Any, precision: Any) -> None:
     note = emulated_bf16_note(str(precision), isinstance(trainer.accelerator, CPUAccelerator), cpu_flags())
     if note is None and isinstance(trainer.accelerator, CUDAAccelerator):
         import torch
+        from pytorch_lightning.strategies import ModelParallelStrategy
 
         device = trainer.strategy.root_device
         note = emulated_bf16_gpu_note(
-            str(precision), torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+            str(precision),
+            torch.cuda.get_device_name(device),
+            torch.cuda.get_device_capability(device),
+            sharded=isinstance(trainer.strategy, ModelParallelStrategy),
         )
     if note is not None:
         log.warning(note)

@@ -438,8 +438,12 @@ def _processes(trainer_cfg: DictConfig) -> int | None:
         return None
 
 
-def strategy(trainer_cfg: DictConfig, dist: Dist, async_save: bool = False) -> Any:
-    """DDP and FSDP2 with the Hydra-aware launcher and the configured collective timeout; else as given."""
+def strategy(
+    trainer_cfg: DictConfig, dist: Dist, async_save: bool = False, compile_backend: str | None = None
+) -> Any:
+    """DDP and FSDP2 with the Hydra-aware launcher and the configured collective timeout; else as given.
+    `compile_backend` (compile=true): FSDP2 compiles each block before sharding it (`tune_model` leaves
+    those networks alone)."""
     chosen = trainer_cfg.get("strategy", "auto")
     # Created with the startup timeout; RankWatchdog sets dist.timeout_min once the first step is done.
     common = {
@@ -452,6 +456,7 @@ def strategy(trainer_cfg: DictConfig, dist: Dist, async_save: bool = False) -> A
             fsdp=fsdp_dtypes(dataclasses.asdict(dist.fsdp), str(trainer_cfg.get("precision"))),
             tensor_parallel_size=dist.tensor_parallel,
             tensor_parallel_plan=dist.tensor_parallel_plan,  # shipped with the model's config
+            compile_backend=compile_backend,
             **common,
         )
     if chosen == "ddp" or (chosen == "auto" and _processes(trainer_cfg) not in (None, 1)):
@@ -461,12 +466,12 @@ def strategy(trainer_cfg: DictConfig, dist: Dist, async_save: bool = False) -> A
     return chosen
 
 
-MIXED_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+MIXED_DTYPES = {"bf16-mixed": "bfloat16"}  # 16-mixed: refused under FSDP2 (config/checks.py)
 
 
 def fsdp_dtypes(fsdp: dict[str, Any], precision: str) -> dict[str, Any]:
-    """FSDP2's mixed precision from the trainer's: under bf16-mixed (16-mixed) with `dist.fsdp.param_dtype`
-    unset, parameters are gathered and computed in bfloat16 (float16) and gradients reduced in float32.
+    """FSDP2's mixed precision from the trainer's: under bf16-mixed with `dist.fsdp.param_dtype` unset,
+    parameters are gathered and computed in bfloat16 and gradients reduced in float32.
     Autocast alone would compute in half precision yet gather and reduce float32: twice the traffic.
     An explicit `param_dtype` or `reduce_dtype` is kept; said once on rank 0."""
     half = MIXED_DTYPES.get(precision)
@@ -490,7 +495,8 @@ def tune_model(module: LightningModule, cfg: DictConfig) -> LightningModule:
     - `channels_last`: parameters and 4-D inputs of its networks in channels-last memory order (faster
       convolutions on GPUs under mixed precision);
     - `compile`: torch.compile each network in place (`nn.Module.compile`): the module and its
-      state-dict keys stay the same, so checkpoints load with or without it.
+      state-dict keys stay the same, so checkpoints load with or without it. Under FSDP2, for a module
+      that hpctrain shards, the strategy compiles each block instead (`strategy`).
     Networks are the module's direct children that hold parameters (metrics are left alone).
     """
     nets = [c for c in module.children() if not isinstance(c, Metric) and any(True for _ in c.parameters())]
@@ -498,7 +504,8 @@ def tune_model(module: LightningModule, cfg: DictConfig) -> LightningModule:
         module.to(memory_format=torch.channels_last)
         for net in nets:
             net.register_forward_pre_hook(_channels_last_inputs)
-    if cfg.get("compile"):
+    sharded_here = cfg.trainer.get("strategy") == "fsdp" and not is_overridden("configure_model", module)
+    if cfg.get("compile") and not sharded_here:
         for net in nets:
             net.compile(backend=cfg.get("compile_backend") or "inductor")
     return module
@@ -528,7 +535,12 @@ def trainer(
     kwargs: dict[str, Any] = {
         "logger": chosen_loggers or False,
         "callbacks": callbacks(cfg, run_dir, bool(chosen_loggers), training, sweep, settings),
-        "strategy": strategy(cfg.trainer, settings.dist, asynchronous),
+        "strategy": strategy(
+            cfg.trainer,
+            settings.dist,
+            asynchronous,
+            (cfg.get("compile_backend") or "inductor") if cfg.get("compile") else None,
+        ),
         "plugins": [
             launch.lightning_cluster_environment(),
             (AsyncAtomicCheckpointIO if asynchronous else AtomicCheckpointIO)(redact.environment_values(cfg)),
