@@ -261,7 +261,9 @@ def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDa
 def model(cfg: DictConfig) -> LightningModule:
     """The LightningModule; a pretrained base it built empty (`hpctrain.empty_weights`) is read from its
     files now, except under FSDP2, where each rank reads its shards once the model is sharded."""
-    check_arguments(cfg.model, "model")  # an optimizer's key it does not take: one sentence, not a TypeError later
+    check_arguments(
+        cfg.model, "model"
+    )  # an optimizer's key it does not take: one sentence, not a TypeError later
     module = _checked_lightning_object(_instantiate(cfg.model), "model")
     if has_empty_parameters(module) and (cfg.get("trainer") or {}).get("strategy") != "fsdp":
         materialize(module, "cpu")
