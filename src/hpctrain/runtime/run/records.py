@@ -309,6 +309,7 @@ def _ending(err: BaseException) -> tuple[str, str | None]:
 def read_outcome(run_dir: str | Path) -> dict[str, Any]:
     path = Path(run_dir) / OUTCOME_FILE
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        outcome = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {}
+    return outcome if isinstance(outcome, dict) else {}  # a file of another shape records nothing
