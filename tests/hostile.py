@@ -87,8 +87,9 @@ def safetensors_file(path: Path, repo: Path) -> Path:
     return path
 
 
-def index_folder(folder: Path, relative_path: str, shard_bytes: int = 8) -> Path:
-    """A checkpoint folder whose (well-formed) index names one shard at `relative_path`."""
+def index_folder(folder: Path, relative_path: str, shard_bytes: int = 8, elements: int = 2) -> Path:
+    """A checkpoint folder whose (well-formed) index names one shard at `relative_path`, holding one tensor
+    of `elements` float32 values in `shard_bytes` bytes."""
     import pickle
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -101,11 +102,75 @@ def index_folder(folder: Path, relative_path: str, shard_bytes: int = 8) -> Path
     )
 
     folder.mkdir(parents=True)
-    chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))
-    meta = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2]), [chunk])
+    chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([elements]))
+    meta = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([elements]), [chunk])
     index = Metadata(state_dict_metadata={"state_dict.w": meta})
     index.storage_data = {
         MetadataIndex("state_dict.w", torch.Size([0])): _StorageInfo(relative_path, 0, shard_bytes)
     }
     (folder / ".metadata").write_bytes(pickle.dumps(index))
     return folder
+
+
+def shell_pickle(marker: Path) -> bytes:
+    """A pickle that runs `touch <marker>` when loaded by plain `pickle.load` (os.system, by its own name)."""
+    command = _shell(marker)
+    return b"\x80\x04cos\nsystem\nX" + len(command).to_bytes(4, "little") + command + b"\x85R."
+
+
+def sharded_folder(folder: Path, content: dict) -> Path:
+    """A sharded checkpoint folder as hpctrain writes one (torch.distributed.checkpoint's index and shard,
+    Lightning's meta.pt, hpctrain's shards.json) from a checkpoint's `content`: its state_dict and an
+    optimizer's plain hyperparameters (non-tensor items in the index)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from hpctrain.runtime.run.checkpoints.folders import record_shards
+
+    state = {"state_dict": content["state_dict"], "optimizer_0": {"lr": 0.1, "betas": (0.9, 0.99)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    meta = {k: v for k, v in content.items() if k not in ("state_dict", "optimizer_states")}
+    torch.save(meta, folder / "meta.pt")
+    record_shards(folder)
+    return folder
+
+
+class SwappedAfterFirstRead:
+    """While active, every open of `path` after the first finds `payload` in its place: a colleague (or an
+    attacker) replacing a file on a shared filesystem between a check and a load. `opens` counts them.
+    Python's audit hook sees every `open` before it happens; one hook per process, idle when inactive."""
+
+    _active: SwappedAfterFirstRead | None = None
+    _installed = False
+
+    def __init__(self, path: Path, payload: bytes) -> None:
+        self.path, self.payload, self.opens = str(path), payload, 0
+
+    @classmethod
+    def _hook(cls, event: str, args: tuple) -> None:
+        swap = cls._active
+        if swap is None or event != "open" or str(args[0]) != swap.path:
+            return
+        swap.opens += 1
+        if swap.opens == 2:
+            cls._active = None  # the write below opens the file too
+            try:
+                with open(swap.path, "wb") as file:
+                    file.write(swap.payload)
+            finally:
+                cls._active = swap
+
+    def __enter__(self) -> SwappedAfterFirstRead:
+        if not SwappedAfterFirstRead._installed:
+            import sys
+
+            sys.addaudithook(SwappedAfterFirstRead._hook)
+            SwappedAfterFirstRead._installed = True
+        SwappedAfterFirstRead._active = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        SwappedAfterFirstRead._active = None

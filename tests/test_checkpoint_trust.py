@@ -121,6 +121,19 @@ def test_a_shard_outside_its_folder_is_refused(tmp_path: Path, shard: str):
         sharded.check_folder(folder)
 
 
+def test_an_index_that_declares_more_than_its_shards_hold_is_one_sentence_before_any_allocation(
+    tmp_path: Path,
+):
+    """2**42 float32 values (16 TiB) declared over an 8-byte shard: refused from the sizes alone."""
+    folder = hostile.index_folder(tmp_path / "last.ckpt", "__0_0.distcp", shard_bytes=8, elements=2**42)
+    (folder / "__0_0.distcp").write_bytes(b"\0" * 8)
+    says = r"does not match its shards on disk: state_dict.w declares 4398046511104 elements of float32"
+    with pytest.raises(UserError, match=says):
+        reading.read(folder)
+    with pytest.raises(UserError, match=says):
+        hpctrain.load(folder)
+
+
 def test_an_index_or_a_shard_record_of_another_shape_is_one_sentence(tmp_path: Path):
     folder = tmp_path / "a.ckpt"
     folder.mkdir()
@@ -134,6 +147,85 @@ def test_an_index_or_a_shard_record_of_another_shape_is_one_sentence(tmp_path: P
     (folder / "shards.json").write_text("[]")
     with pytest.raises(UserError, match=r"its shards\.json is not a record of shard files"):
         sharded.check_folder(folder)
+
+
+def _sharded_net_folder(folder: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """An FSDP2-sharded network and its AdamW state, saved as hpctrain saves a sharded checkpoint, on a
+    one-process gloo group (destroyed by the caller); the network and optimizer, to compare with."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hpctrain.runtime.run.checkpoints.folders import record_shards
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    net(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    state = {"state_dict": get_model_state_dict(net), "optimizer_0": get_optimizer_state_dict(net, optimizer)}
+    dcp.save(state, checkpoint_id=str(folder))
+    torch.save({"epoch": 0, "global_step": 1}, folder / sharded.META_FILE)
+    record_shards(folder)
+    return net, optimizer
+
+
+@pytest.mark.slow  # DCP saves and loads, a one-process gloo group: seconds
+def test_a_sharded_folder_is_read_once_whatever_is_swapped_in_after(tmp_path: Path, marker: Path):
+    """The index is parsed once, by hpctrain; torch gets that parse and never opens .metadata: a file
+    swapped in after the first read (a shared filesystem, a colleague's folder) is never read, through
+    reading a folder whole (eval, predict, export, hpctrain.load, consolidate) and through a resumed
+    FSDP2 run's load of weights and optimizer states (`load_into`)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    content = {"state_dict": {"w": torch.arange(6.0).view(3, 2)}, "epoch": 1, "global_step": 2}
+    folder = hostile.sharded_folder(tmp_path / "file.ckpt", content)
+    with hostile.SwappedAfterFirstRead(folder / sharded.INDEX_FILE, hostile.shell_pickle(marker)) as swap:
+        read = reading.read(folder)
+    assert swap.opens == 1 and torch.equal(read["state_dict"]["w"], content["state_dict"]["w"])
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        saved, saved_optimizer = _sharded_net_folder(tmp_path / "fsdp.ckpt")
+        torch.manual_seed(1)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1.0, betas=(0.1, 0.2))
+        index = tmp_path / "fsdp.ckpt" / sharded.INDEX_FILE
+        with hostile.SwappedAfterFirstRead(index, hostile.shell_pickle(marker)) as swap:
+            meta = sharded.load_into(tmp_path / "fsdp.ckpt", net, {"optimizer_0": optimizer})
+        assert swap.opens == 1 and meta == {"epoch": 0, "global_step": 1}
+        for mine, theirs in zip(net.parameters(), saved.parameters(), strict=True):
+            assert torch.equal(mine.full_tensor(), theirs.full_tensor())
+        group = optimizer.param_groups[0]
+        assert group["lr"] == 1e-3 and tuple(group["betas"]) == (0.8, 0.9)  # non-tensor items, weights_only
+        assert saved_optimizer.state and len(optimizer.state) == len(saved_optimizer.state)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # a DCP save and load
+def test_a_non_tensor_item_is_loaded_with_weights_only_even_past_the_check(tmp_path: Path, marker: Path):
+    """torch's planner loads a non-tensor item with weights_only=False; hpctrain's refuses a pickled object
+    there, in one sentence, even for a shard changed after `check_folder` looked at it."""
+
+    class Payload:
+        def __reduce__(self):
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    folder = hostile.sharded_folder(tmp_path / "last.ckpt", {"state_dict": {"w": torch.ones(2)}})
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"optimizer_0": {"lr": Payload()}}, checkpoint_id=str(folder), no_dist=True)  # after the check
+    reader = sharded._ParsedIndexReader(folder, sharded.read_index(folder))
+    with pytest.raises(UserError, match=r"its item optimizer_0.lr holds Python objects that weights_only"):
+        sharded._load({"optimizer_0": {"lr": 0.0}}, folder, reader, "ckpt_path")
 
 
 # ---------------------------------------------------------------------------- a checkpoint's config

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from hpctrain.runtime.run.checkpoints import sharded
 from hpctrain.runtime.run.checkpoints.folders import (
     CheckpointNotSaved,
     commit_folder,
@@ -103,6 +104,15 @@ class FolderSaves:
         commit.done.wait()  # the callback may still run after result() returned
         if commit.error is not None:
             raise CheckpointNotSaved(commit.path, commit.error) from commit.error
+
+    @staticmethod
+    def is_folder(path: Any) -> bool:
+        return sharded.is_sharded(path)
+
+    @staticmethod
+    def load(path: Any, module: Any, optimizers: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        """A resumed run's folder, read once (`sharded.load_into`)."""
+        return sharded.load_into(path, module, optimizers, strict)
 
     def remove(self, rank: int, filepath: Any) -> None:
         """Never before the new checkpoint is committed (an asynchronous save is waited for, and its
