@@ -39,6 +39,7 @@ LAYERS = [
         "hpctrain.runtime.snapshot",
         "hpctrain.runtime.remote",
         "hpctrain.runtime.run_state",
+        "hpctrain.runtime.secrets",
         "hpctrain.conf",
     },
     {"hpctrain.runtime.config"},

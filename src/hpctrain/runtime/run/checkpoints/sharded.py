@@ -36,8 +36,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
 )
 
 from hpctrain.runtime.errors import UserError
@@ -216,7 +223,7 @@ def _check_sizes(folder: Path, index: Any, what: str) -> None:
                 lie = f"{key}'s chunks do not add up to its {math.prod(meta.size)} elements"
                 break
             for chunk in chunks:
-                info = index.storage_data.get(_index_key(key, chunk.offsets))
+                info = index.storage_data.get(MetadataIndex(key, chunk.offsets))
                 if info is None or getattr(info, "transform_descriptors", None):
                     lie = f"{key} has a chunk that is not stored as a plain tensor"
                     break
@@ -235,12 +242,6 @@ def _check_sizes(folder: Path, index: Any, what: str) -> None:
             f"{what}={folder} has an index ({INDEX_FILE}) that does not match its shards on disk: {lie}; nothing was "
             "allocated or loaded: pass a complete checkpoint folder written by hpctrain."
         )
-
-
-def _index_key(fqn: str, offsets: Any) -> Any:
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    return MetadataIndex(fqn, offsets)
 
 
 def _recorded(folder: Path, what: str) -> dict[str, tuple[int, str]]:
@@ -369,13 +370,6 @@ def load_into(
     `optimizers` (Lightning's keys, optimizer_0, ...), from one read of its index, as
     Lightning's ModelParallelStrategy.load_checkpoint does with torch's own reader; Lightning's part
     (meta.pt, read with weights_only) is returned."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
     folder = Path(folder)
     index = check_folder(folder)
     reader = _ParsedIndexReader(folder, index)
