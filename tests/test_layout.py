@@ -40,6 +40,7 @@ LAYERS = [
         "hpctrain.runtime.remote",
         "hpctrain.runtime.run_state",
         "hpctrain.runtime.secrets",
+        "hpctrain.runtime.confined",
         "hpctrain.conf",
     },
     {"hpctrain.runtime.config"},

@@ -1,15 +1,33 @@
 """`ModelCheckpoint` (the `callbacks` group's model_checkpoint): Lightning's, following the monitored
-metric, with hpctrain's commit protocol (the old best is removed only once the new one is saved)."""
+metric, with hpctrain's commit protocol (the old best is removed only once the new one is saved), and
+the paths its state names kept inside its folder: a resumed checkpoint may come from someone else, and
+Lightning would test the "best" file it names and remove the "worse" ones, wherever they are."""
 
 from __future__ import annotations
 
+import logging
+import numbers
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning import LightningModule, Trainer
 
 from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing
 from hpctrain.callbacks.state_key import CachedStateKey
+from hpctrain.runtime.confined import inside
+
+log = logging.getLogger("hpctrain")
+_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
+_SCORES = ("best_model_score", "kth_value")
+
+
+def _score(value: Any) -> bool:
+    return (
+        value is None
+        or isinstance(value, numbers.Real)
+        or (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point())
+    )
 
 
 class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
@@ -33,11 +51,49 @@ class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
             self.save_top_k = 0
         self._pending_removals: list[str] = []
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's, given only the paths that lie inside this callback's folder (symlinks followed)
+        and scores that are numbers: the rest is dropped, with one warning."""
+        state, dropped = dict(state_dict), []
+        for key in _PATHS:
+            path = state.get(key)
+            if path and not (isinstance(path, str) and self._kept(path, None)):
+                state[key] = ""
+                dropped.append(f"{key}={str(path)[:120]}")
+        models = state.get("best_k_models")
+        if models is not None:
+            models = models if isinstance(models, dict) else {"(not a mapping)": None}
+            kept = {p: v for p, v in models.items() if v is not None and self._kept(p, v)}
+            dropped += [f"best_k_models: {str(p)[:120]}" for p in models if p not in kept]
+            state["best_k_models"] = kept
+        for key in _SCORES:
+            if not _score(state.get(key)):
+                state[key] = None
+                dropped.append(key)
+        if dropped:
+            log.warning(
+                "the checkpoint's %s state names %s outside %s (or not a score): %s dropped, so nothing outside "
+                "the run's checkpoints is read or removed",
+                type(self).__name__,
+                dropped[0],
+                self.dirpath,
+                "it is" if len(dropped) == 1 else f"those {len(dropped)} are",
+            )
+        state.setdefault("best_model_score", None)  # Lightning reads both unconditionally
+        state.setdefault("best_model_path", "")
+        super().load_state_dict(state)
+
+    def _kept(self, path: Any, score: Any) -> bool:
+        return isinstance(path, str) and bool(self.dirpath) and inside(path, self.dirpath) and _score(score)
+
     def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         """Lightning removes the previous best right after saving the new one, while last.ckpt (what a
         restart resumes from) still names the previous best as the run's best: a kill before last.ckpt is
         saved again would leave it naming a checkpoint that is gone. The removal waits until last.ckpt is
-        up to date, at the end of the same hook (`_removals_done`)."""
+        up to date, at the end of the same hook (`_removals_done`). Never a path outside the folder."""
+        if not (self.dirpath and inside(filepath, self.dirpath)):
+            log.warning("not removing %s: it lies outside %s", filepath, self.dirpath)
+            return
         if self.save_last:
             self._pending_removals.append(filepath)
         else:

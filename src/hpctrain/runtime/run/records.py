@@ -52,7 +52,8 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any]:
         raise UserError(
             f"{record_file} is not valid YAML ({err.__class__.__name__}); move the run dir aside."
         ) from err
-    if not isinstance(record, dict) or not isinstance(record.get("attempts", []), list):
+    attempts = record.get("attempts", []) if isinstance(record, dict) else None
+    if not isinstance(attempts, list) or not all(isinstance(a, dict) for a in attempts):
         raise UserError(
             f"{record_file} is not a run's record (it holds a {type(record).__name__} where a mapping with a list "
             "of attempts should be); move the run dir aside, or start in a new run dir."
