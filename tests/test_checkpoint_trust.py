@@ -8,6 +8,7 @@ a torch release that adds a class to its index fails here first."""
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 
@@ -228,6 +229,59 @@ def test_a_non_tensor_item_is_loaded_with_weights_only_even_past_the_check(tmp_p
         sharded._load({"optimizer_0": {"lr": 0.0}}, folder, reader, "ckpt_path")
 
 
+def test_a_checkpoint_callbacks_state_names_only_files_inside_its_folder(tmp_path: Path, caplog):
+    """Lightning tests the "best" file a restored ModelCheckpoint names and removes the "worse" ones (its
+    inside-the-folder test keeps `..`): paths outside the folder, symlinks followed, are dropped with one
+    warning, and nothing outside it is ever removed."""
+    from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
+
+    folder, outside = tmp_path / "run" / "checkpoints", tmp_path / "outside"
+    folder.mkdir(parents=True)
+    outside.mkdir()
+    (outside / "victim.ckpt").write_bytes(b"mine")
+    (folder / "link.ckpt").symlink_to(outside / "victim.ckpt")
+    callback = ModelCheckpoint(dirpath=str(folder), monitor="val/acc", mode="max")
+    sneaky = f"{folder}/../../outside/victim.ckpt"
+    callback.load_state_dict(
+        {
+            "dirpath": str(folder),
+            "best_model_path": str(folder / "epoch_001.ckpt"),
+            "best_model_score": torch.tensor(0.5),
+            "best_k_models": {
+                sneaky: torch.tensor(0.1),
+                str(folder / "link.ckpt"): torch.tensor(0.2),
+                str(folder / "epoch_001.ckpt"): torch.tensor(0.5),
+                "s3://b/x.ckpt": 0.3,
+            },
+            "kth_best_model_path": sneaky,
+            "kth_value": "text",
+            "last_model_path": str(outside / "victim.ckpt"),
+        }
+    )
+    assert callback.best_k_models == {str(folder / "epoch_001.ckpt"): torch.tensor(0.5)}
+    assert (
+        callback.kth_best_model_path == "" and callback.last_model_path == "" and callback.kth_value is None
+    )
+    assert [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()] != []
+    callback._remove_checkpoint(None, sneaky)  # never outside, whoever asks
+    assert (outside / "victim.ckpt").read_bytes() == b"mine"
+
+
+def test_a_folder_with_a_link_out_of_it_is_refused_and_hydras_log_goes_nowhere(tmp_path: Path):
+    from hpctrain.runtime import confined
+    from hpctrain.runtime.config import resolvers
+
+    run = tmp_path / "run"
+    (run / "stacks").mkdir(parents=True)
+    (run / "stacks" / "rank0.txt").symlink_to(tmp_path / "notes.txt")
+    (run / "inside.txt").symlink_to(run / "stacks")  # a link that stays inside is the folder's own
+    with pytest.raises(UserError, match=r"holds stacks/rank0.txt, a link to .*notes.txt outside it"):
+        confined.check_no_links_out(run)
+    (run / "train.log").symlink_to(tmp_path / "train.log")
+    assert resolvers._rank_zero_file(str(run / "train.log")) == os.devnull
+    assert resolvers._rank_zero_file(str(run / "eval.log")) == str(run / "eval.log")
+
+
 # ---------------------------------------------------------------------------- a checkpoint's config
 
 
@@ -308,6 +362,21 @@ def test_a_stored_interpolation_is_refused_unless_the_command_line_gives_the_val
         given = reading.config_from_checkpoint(cfg, path, ["model.name=mine", "model.deep=[]"])
         assert OmegaConf.to_container(given.model, resolve=True)["name"] == "mine"
         assert SECRET not in OmegaConf.to_yaml(given)
+
+
+def test_a_name_hydra_would_find_elsewhere_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A package that rebinds the name of one of its modules: importing `pkg.mod` finds the class the module
+    defines, Hydra's attribute-by-attribute lookup finds the package's `mod`, something else. Refused."""
+    package = tmp_path / "rebinding_pkg"
+    package.mkdir()
+    (package / "mod.py").write_text("class Name:\n    pass\n")
+    (package / "__init__.py").write_text(
+        "from rebinding_pkg import mod as _real\n\nclass mod:\n    Name = print\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert targets.resolve("rebinding_pkg.mod.Name").__module__ == "rebinding_pkg.mod"
+    with pytest.raises(UserError, match="leads Hydra's attribute-by-attribute lookup to another object"):
+        targets.resolved_for_hydra("rebinding_pkg.mod.Name")
 
 
 def test_a_classic_pickle_is_refused_before_it_runs(tmp_path: Path, marker: Path):

@@ -71,6 +71,19 @@ def test_no_userinfo_or_query_value_survives_whatever_characters_it_holds():
             assert shown.startswith("uri: ") and shown.endswith(" done")
 
 
+def test_an_error_sentence_printed_or_recorded_shows_no_secret_of_a_url(capsys: pytest.CaptureFixture[str]):
+    from hpctrain.runtime.distributed.endings import ending
+    from hpctrain.runtime.errors import UserError, reported_as_one_sentence
+
+    err = UserError(f"logger.mlflow.tracking_uri=https://alice:{PASSWORD}@h.example/?token={TOKEN} is wrong")
+    with pytest.raises(SystemExit), reported_as_one_sentence():
+        raise err
+    printed = capsys.readouterr().err
+    assert printed.startswith("error: logger.mlflow.tracking_uri=https://***@h.example/?token=***")
+    recorded = ending(err).detail or ""  # outcome.yaml's error, the webhook's message
+    assert PASSWORD not in printed + recorded and TOKEN not in printed + recorded
+
+
 def test_a_record_keeps_every_value_a_resolver_gives_as_written(monkeypatch: pytest.MonkeyPatch):
     """oc.env, oc.decode, a project's own resolver (reading a vault, say): recorded as written; only
     hpctrain's own path and name resolvers resolve."""
