@@ -58,7 +58,7 @@ def test_no_userinfo_or_query_value_survives_whatever_characters_it_holds():
     (the cases a pattern of key names and `user:password` missed: a token alone, `;`, `%40`, `:` twice)."""
     rng = random.Random(0)
     alphabet = string.ascii_letters + string.digits + "-._~!$&'()*+,;=:%"
-    for _ in range(2000):
+    for _ in range(600):
         secret = "S" + "".join(rng.choice(alphabet) for _ in range(rng.randint(4, 24))) + "Z"
         userinfo_only = secret.replace("'", "")  # a quote ends a URL in text, as in a repr or YAML
         for written in (
