@@ -31,29 +31,10 @@ from hpctrain.runtime.config import targets
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import sharded
 from tests import hostile
-from tests.helpers import require_modules, run_dirs, run_entry, run_script, train
+from tests.helpers import require_modules, run_dirs, run_entry, run_script
 
 SECRET = "s3cret-7e1d-not-for-output"
 SECRET_ENV = {hostile.SECRET_ENV: SECRET}
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One small trained run dir (quickstart, one epoch of three batches), shared by both tests."""
-    logs = tmp_path_factory.mktemp("trained")
-    result = train(
-        logs,
-        "experiment=quickstart",
-        "trainer.max_epochs=1",
-        "trainer.limit_train_batches=3",
-        "trainer.limit_val_batches=2",
-        "test=false",
-        "extras.print_config=false",
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:]
-    (run,) = run_dirs(logs)
-    return run
 
 
 def _holder() -> str:
@@ -124,8 +105,9 @@ class Place:
 
 
 @pytest.fixture
-def place(tmp_path: Path, trained: Path):
-    found = Place(tmp_path, trained)
+def place(tmp_path: Path, trained_run: Path):
+    """The session's trained run dir (tests/conftest.py), copied and made hostile."""
+    found = Place(tmp_path, trained_run)
     yield found
     found.close()
 

@@ -68,6 +68,12 @@ def preprocessing_of(datamodule: Any) -> nn.Module:
     return make() if callable(make) else nn.Identity()
 
 
+def _here(data: dict[str, Any]) -> dict[str, Any]:
+    """The stored data config without the training job's node-local staging folder: nothing is staged,
+    copied or removed where a file says (its preprocessing is all that is built here)."""
+    return {**data, "stage_dir": None} if "stage_dir" in data else data
+
+
 def load(
     ckpt_path: str | Path, trusted_targets: Iterable[str] | None = None, from_config: bool = False
 ) -> Predictor:
@@ -92,6 +98,8 @@ def load(
     reading.check_matches_model(path, module, content=content)
     module.load_state_dict(content["state_dict"])
     preprocess = (
-        preprocessing_of(built_from_file(stored["data"], "data")) if "data" in stored else nn.Identity()
+        preprocessing_of(built_from_file(_here(stored["data"]), "data"))
+        if "data" in stored
+        else nn.Identity()
     )
     return Predictor(module, preprocess, stored)
