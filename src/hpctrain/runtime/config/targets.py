@@ -218,7 +218,6 @@ def resolve(target: str) -> Any:
             f"_target_: {target!r} is not the dotted name of a module's class or function "
             "(<module>.<name>, e.g. myproject.models.classifier.ImageClassifier); write the full path."
         )
-    missing: ModuleNotFoundError | None = None
     for cut in (len(parts) - 1, len(parts) - 2):  # module.name, then module.Class.name
         if cut < 1:
             break
@@ -228,7 +227,6 @@ def resolve(target: str) -> Any:
         except ModuleNotFoundError as err:
             raise _cannot_import(target, err) from err
         if module is None:
-            missing = missing or ModuleNotFoundError(f"No module named {module_name!r}", name=module_name)
             continue
         name, rest = parts[cut], parts[cut + 1 :]
         if not hasattr(module, name):
@@ -251,7 +249,10 @@ def resolve(target: str) -> Any:
             if isinstance(obj, types.ModuleType):
                 raise _walk_refusal(target, f"{module_name}.{name}", rest[0], obj)
         return obj
-    top = _module(parts[0]) if missing is not None else None
+    try:
+        top = _module(parts[0])
+    except ModuleNotFoundError as err:
+        raise _cannot_import(target, err) from err
     if top is None:
         raise _cannot_import(target, ModuleNotFoundError(f"No module named {parts[0]!r}", name=parts[0]))
     raise _not_a_module_attribute(target, parts)
