@@ -9,6 +9,12 @@ the same place together, e.g.
 
 (the innermost call, and the innermost frame outside torch, Lightning and the standard library).
 Works while the job hangs: the stacks are written by a C signal handler. No torch is imported.
+
+A run dir may be someone else's: the signal must be one `diagnostics.stacks_signal` allows; a process
+on this machine is signalled only if it holds the run's own stack file open (it is that run's rank,
+whatever pid `stacks/pids` names); the SLURM job a run dir's name gives is signalled only with a signal
+that processes which did not register it ignore (SIGURG, SIGWINCH), others by the job id you type; and
+a run dir holding a link out of it is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import yaml
 
+from hpctrain.runtime.config.settings import Diagnostics
+from hpctrain.runtime.confined import check_no_links_out
 from hpctrain.runtime.distributed import stacks
+from hpctrain.runtime.errors import UserError
+
+# what processes that did not register them do on these: nothing (a signal from a file's word harms none)
+IGNORED_BY_DEFAULT = ("SIGURG", "SIGWINCH")
 
 
 def fail(sentence: str) -> NoReturn:
@@ -55,11 +67,33 @@ def find_run_dir(target: str, log_dir: Path) -> tuple[Path, str | None]:
 
 
 def stacks_signal(run_dir: Path) -> signal.Signals:
+    """The run's `diagnostics.stacks_signal` (config.yaml, read as plain values), one the setting allows."""
     config = run_dir / "config.yaml"
     name = None
     if config.is_file():
-        name = ((yaml.safe_load(config.read_text()) or {}).get("diagnostics") or {}).get("stacks_signal")
+        try:
+            found = yaml.safe_load(config.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            found = {}
+        diagnostics = found.get("diagnostics") if isinstance(found, dict) else None
+        name = diagnostics.get("stacks_signal") if isinstance(diagnostics, dict) else None
+    allowed = [s for s in Diagnostics.__dataclass_fields__["stacks_signal"].metadata["schema"]["enum"] if s]
+    if name is not None and name not in allowed:
+        fail(
+            f"{config} sets diagnostics.stacks_signal={str(name)[:40]!r}, which is not one of {', '.join(allowed)}; "
+            "nothing was sent: its ranks registered no such signal (pass the run dir of a run of this project)."
+        )
     return signal.Signals[name or "SIGURG"]
+
+
+def holds_open(pid: int, path: Path) -> bool:
+    """Whether process `pid` of this machine has `path` open: a rank holds its stack file open while it
+    runs (hpctrain.runtime.distributed.stacks), so a pid a file names is that rank only if it does."""
+    target = path.resolve()
+    try:
+        return any(Path(os.readlink(fd)).resolve() == target for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # gone, another user's, or no /proc (not Linux): not provably the rank
+        return False
 
 
 def main() -> int:
@@ -69,12 +103,22 @@ def main() -> int:
     parser.add_argument("--log-dir", type=Path, default=Path("logs"), help="where runs are (paths.log_dir)")
     args = parser.parse_args()
     run_dir, job = find_run_dir(args.target, args.log_dir)
+    try:
+        check_no_links_out(run_dir)  # stack files are appended to: never through a link out of the run dir
+    except UserError as err:
+        fail(str(err))
     ranks = stacks.known_ranks(run_dir)
     if not ranks:
         fail(
             f"{run_dir} has no {stacks.STACKS_DIR}/rank<N>{stacks.PID_SUFFIX}: its ranks never started building the run."
         )
     sig = stacks_signal(run_dir)
+    named_by_the_folder = job is not None and Path(args.target).is_dir()
+    if named_by_the_folder and sig.name not in IGNORED_BY_DEFAULT:
+        fail(
+            f"{run_dir}'s config asks for {sig.name}, which ends a process that did not register it, and the job id "
+            f"comes from the folder's name: pass the SLURM job id itself (python scripts/stacks.py {job}) to send it."
+        )
     files = {rank: stacks.rank_file(run_dir, rank) for rank in ranks}
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     sizes = {}
@@ -96,10 +140,13 @@ def main() -> int:
                 f"{stacks.ranges(away)} run on other machines; pass the SLURM job id to reach them",
                 file=sys.stderr,
             )
-        for pid, where in ranks.values():
-            if where == host:
-                with contextlib.suppress(ProcessLookupError):  # a rank that has ended
-                    os.kill(pid, sig)
+        for rank, (pid, where) in ranks.items():
+            if where != host:
+                continue
+            if not holds_open(pid, files[rank]):  # ended, or not this run's rank at all
+                continue
+            with contextlib.suppress(ProcessLookupError):  # a rank that has ended since
+                os.kill(pid, sig)
     time.sleep(args.wait)
     places = {}
     for rank, path in files.items():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from hpctrain.runtime.errors import reported_as_one_sentence
 from hpctrain.runtime.sweeps.groups import OVER
 from hpctrain.runtime.sweeps.summary import report
 
@@ -48,7 +49,8 @@ def main(argv: list[str]) -> int:
             f"{args.sweep_dir} is not a directory; pass a sweep's multirun dir (it holds 0/, 1/, ...)"
         )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report(args.sweep_dir, over=args.over, group_by=args.group_by)
+    with reported_as_one_sentence():  # a sweep dir holding a link out of it, say
+        report(args.sweep_dir, over=args.over, group_by=args.group_by)
     return 0
 
 

@@ -36,8 +36,7 @@ def main(cfg: DictConfig) -> str | None:
         # one sample more than the traced batch: the export is checked at a batch size it was not traced with
         inputs = export.sample_inputs(predictor, cfg.paths.data_dir, rows=cfg.export.batch_size + 1)
         job.record()  # config.yaml and run.yaml in the run dir, as for train and eval
-        rebuild = export.rebuild_overrides(checkpoint)  # how the project's configs build this model again
-        exported = export.write(predictor, chosen, path, inputs, cfg.export.batch_size, rebuild)
+        exported = export.write(predictor, chosen, path, inputs, cfg.export.batch_size)
         card = model_card.write(exported, predictor, checkpoint)  # beside the export
         export.report(exported, card, job.run_dir)
         return str(exported.path)

@@ -53,6 +53,27 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(scope="session")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One small trained run dir (quickstart: the classic CNN on the bundled digits, one epoch of five
+    batches, tested), trained once per session: the export tests and the hostile-folder tests read it."""
+    from tests.helpers import assert_ok, run_dirs, train
+
+    log_dir = tmp_path_factory.mktemp("trained_quickstart")
+    assert_ok(
+        train(
+            log_dir,
+            "experiment=quickstart",
+            "trainer.max_epochs=1",
+            "trainer.limit_train_batches=5",
+            "trainer.limit_val_batches=2",
+            timeout=300,
+        )
+    )
+    (run,) = run_dirs(log_dir)
+    return run
+
+
+@pytest.fixture(scope="session")
 def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The digits as an image folder (1,797 PNG and JPEG files), written once per session."""
     from tests.helpers import write_image_folder

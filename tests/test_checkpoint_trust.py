@@ -8,6 +8,7 @@ a torch release that adds a class to its index fails here first."""
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 
@@ -121,6 +122,19 @@ def test_a_shard_outside_its_folder_is_refused(tmp_path: Path, shard: str):
         sharded.check_folder(folder)
 
 
+def test_an_index_that_declares_more_than_its_shards_hold_is_one_sentence_before_any_allocation(
+    tmp_path: Path,
+):
+    """2**42 float32 values (16 TiB) declared over an 8-byte shard: refused from the sizes alone."""
+    folder = hostile.index_folder(tmp_path / "last.ckpt", "__0_0.distcp", shard_bytes=8, elements=2**42)
+    (folder / "__0_0.distcp").write_bytes(b"\0" * 8)
+    says = r"does not match its shards on disk: state_dict.w declares 4398046511104 elements of float32"
+    with pytest.raises(UserError, match=says):
+        reading.read(folder)
+    with pytest.raises(UserError, match=says):
+        hpctrain.load(folder)
+
+
 def test_an_index_or_a_shard_record_of_another_shape_is_one_sentence(tmp_path: Path):
     folder = tmp_path / "a.ckpt"
     folder.mkdir()
@@ -134,6 +148,138 @@ def test_an_index_or_a_shard_record_of_another_shape_is_one_sentence(tmp_path: P
     (folder / "shards.json").write_text("[]")
     with pytest.raises(UserError, match=r"its shards\.json is not a record of shard files"):
         sharded.check_folder(folder)
+
+
+def _sharded_net_folder(folder: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """An FSDP2-sharded network and its AdamW state, saved as hpctrain saves a sharded checkpoint, on a
+    one-process gloo group (destroyed by the caller); the network and optimizer, to compare with."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hpctrain.runtime.run.checkpoints.folders import record_shards
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    net(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    state = {"state_dict": get_model_state_dict(net), "optimizer_0": get_optimizer_state_dict(net, optimizer)}
+    dcp.save(state, checkpoint_id=str(folder))
+    torch.save({"epoch": 0, "global_step": 1}, folder / sharded.META_FILE)
+    record_shards(folder)
+    return net, optimizer
+
+
+@pytest.mark.slow  # DCP saves and loads, a one-process gloo group: seconds
+def test_a_sharded_folder_is_read_once_whatever_is_swapped_in_after(tmp_path: Path, marker: Path):
+    """The index is parsed once, by hpctrain; torch gets that parse and never opens .metadata: a file
+    swapped in after the first read (a shared filesystem, a colleague's folder) is never read, through
+    reading a folder whole (eval, predict, export, hpctrain.load, consolidate) and through a resumed
+    FSDP2 run's load of weights and optimizer states (`load_into`)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    content = {"state_dict": {"w": torch.arange(6.0).view(3, 2)}, "epoch": 1, "global_step": 2}
+    folder = hostile.sharded_folder(tmp_path / "file.ckpt", content)
+    with hostile.SwappedAfterFirstRead(folder / sharded.INDEX_FILE, hostile.shell_pickle(marker)) as swap:
+        read = reading.read(folder)
+    assert swap.opens == 1 and torch.equal(read["state_dict"]["w"], content["state_dict"]["w"])
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        saved, saved_optimizer = _sharded_net_folder(tmp_path / "fsdp.ckpt")
+        torch.manual_seed(1)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1.0, betas=(0.1, 0.2))
+        index = tmp_path / "fsdp.ckpt" / sharded.INDEX_FILE
+        with hostile.SwappedAfterFirstRead(index, hostile.shell_pickle(marker)) as swap:
+            meta = sharded.load_into(tmp_path / "fsdp.ckpt", net, {"optimizer_0": optimizer})
+        assert swap.opens == 1 and meta == {"epoch": 0, "global_step": 1}
+        for mine, theirs in zip(net.parameters(), saved.parameters(), strict=True):
+            assert torch.equal(mine.full_tensor(), theirs.full_tensor())
+        group = optimizer.param_groups[0]
+        assert group["lr"] == 1e-3 and tuple(group["betas"]) == (0.8, 0.9)  # non-tensor items, weights_only
+        assert saved_optimizer.state and len(optimizer.state) == len(saved_optimizer.state)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # a DCP save and load
+def test_a_non_tensor_item_is_loaded_with_weights_only_even_past_the_check(tmp_path: Path, marker: Path):
+    """torch's planner loads a non-tensor item with weights_only=False; hpctrain's refuses a pickled object
+    there, in one sentence, even for a shard changed after `check_folder` looked at it."""
+
+    class Payload:
+        def __reduce__(self):
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    folder = hostile.sharded_folder(tmp_path / "last.ckpt", {"state_dict": {"w": torch.ones(2)}})
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"optimizer_0": {"lr": Payload()}}, checkpoint_id=str(folder), no_dist=True)  # after the check
+    reader = sharded._ParsedIndexReader(folder, sharded.read_index(folder))
+    with pytest.raises(UserError, match=r"its item optimizer_0.lr holds Python objects that weights_only"):
+        sharded._load({"optimizer_0": {"lr": 0.0}}, folder, reader, "ckpt_path")
+
+
+def test_a_checkpoint_callbacks_state_names_only_files_inside_its_folder(tmp_path: Path, caplog):
+    """Lightning tests the "best" file a restored ModelCheckpoint names and removes the "worse" ones (its
+    inside-the-folder test keeps `..`): paths outside the folder, symlinks followed, are dropped with one
+    warning, and nothing outside it is ever removed."""
+    from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
+
+    folder, outside = tmp_path / "run" / "checkpoints", tmp_path / "outside"
+    folder.mkdir(parents=True)
+    outside.mkdir()
+    (outside / "victim.ckpt").write_bytes(b"mine")
+    (folder / "link.ckpt").symlink_to(outside / "victim.ckpt")
+    callback = ModelCheckpoint(dirpath=str(folder), monitor="val/acc", mode="max")
+    sneaky = f"{folder}/../../outside/victim.ckpt"
+    callback.load_state_dict(
+        {
+            "dirpath": str(folder),
+            "best_model_path": str(folder / "epoch_001.ckpt"),
+            "best_model_score": torch.tensor(0.5),
+            "best_k_models": {
+                sneaky: torch.tensor(0.1),
+                str(folder / "link.ckpt"): torch.tensor(0.2),
+                str(folder / "epoch_001.ckpt"): torch.tensor(0.5),
+                "s3://b/x.ckpt": 0.3,
+            },
+            "kth_best_model_path": sneaky,
+            "kth_value": "text",
+            "last_model_path": str(outside / "victim.ckpt"),
+        }
+    )
+    assert callback.best_k_models == {str(folder / "epoch_001.ckpt"): torch.tensor(0.5)}
+    assert (
+        callback.kth_best_model_path == "" and callback.last_model_path == "" and callback.kth_value is None
+    )
+    assert [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()] != []
+    callback._remove_checkpoint(None, sneaky)  # never outside, whoever asks
+    assert (outside / "victim.ckpt").read_bytes() == b"mine"
+
+
+def test_a_folder_with_a_link_out_of_it_is_refused_and_hydras_log_goes_nowhere(tmp_path: Path):
+    from hpctrain.runtime import confined
+    from hpctrain.runtime.config import resolvers
+
+    run = tmp_path / "run"
+    (run / "stacks").mkdir(parents=True)
+    (run / "stacks" / "rank0.txt").symlink_to(tmp_path / "notes.txt")
+    (run / "inside.txt").symlink_to(run / "stacks")  # a link that stays inside is the folder's own
+    with pytest.raises(UserError, match=r"holds stacks/rank0.txt, a link to .*notes.txt outside it"):
+        confined.check_no_links_out(run)
+    (run / "train.log").symlink_to(tmp_path / "train.log")
+    assert resolvers._rank_zero_file(str(run / "train.log")) == os.devnull
+    assert resolvers._rank_zero_file(str(run / "eval.log")) == str(run / "eval.log")
 
 
 # ---------------------------------------------------------------------------- a checkpoint's config
@@ -165,16 +311,72 @@ def test_the_project_s_targets_and_the_trusted_ones_are_allowed():
         targets.check_stored({"model": {"_target_": "x.Y", "net": [{"_target_": "x.Z"}]}}, "f", ["x.Y"])
 
 
-def test_a_stored_config_resolves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """An interpolation in a file's config stays text: no resolver (a project's `eval`, say) runs on it."""
+SECRET = "s3cret-not-for-output"
+B = "\\"
+# a file's string, with every escaping OmegaConf knows: none may reach the secret through any reader
+STORED_STRINGS = [
+    "${oc.env:HPCTRAIN_TEST_SECRET}",
+    B + "${oc.env:HPCTRAIN_TEST_SECRET}",
+    2 * B + "${oc.env:HPCTRAIN_TEST_SECRET}",
+    3 * B + "${oc.env:HPCTRAIN_TEST_SECRET}",
+    "$${oc.env:HPCTRAIN_TEST_SECRET}",
+    "a ${oc.env:HPCTRAIN_TEST_SECRET,x} b",
+    "${oc.env:HPCTRAIN_TEST_SECRET",
+    "???",
+]
+
+
+def test_a_stored_string_is_built_as_text_whatever_escaping_it_carries(monkeypatch: pytest.MonkeyPatch):
+    """A file's config is built from plain values (targets.build_stored): a string reaches the class as it
+    is in the file, nested, in lists, through a partial; no resolver runs on it."""
+    monkeypatch.setenv("HPCTRAIN_TEST_SECRET", SECRET)
+    for text in STORED_STRINGS:
+        node = {
+            "_target_": "builtins.dict",
+            "name": text,
+            "inner": {"_target_": "builtins.list", "_args_": [[{"_target_": "builtins.dict", "v": [text]}]]},
+            "later": {"_target_": "builtins.dict", "_partial_": True, "w": text},
+        }
+        built = targets.build_stored(node)
+        assert built["name"] == text and built["inner"] == [{"v": [text]}] and built["later"]()["w"] == text
+        assert SECRET not in repr(built)
+
+
+def test_a_stored_interpolation_is_refused_unless_the_command_line_gives_the_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """eval and predict put the stored config into the job's (OmegaConf) config: a stored string holding
+    `${` never enters it; the command line's value replaces it, else one sentence says to pass it."""
     from omegaconf import OmegaConf
 
-    monkeypatch.setenv("HPCTRAIN_TEST_SECRET", "s3cret")
-    path = tmp_path / "last.ckpt"
-    stored = {"model": {"_target_": "pytorch_lightning.Trainer", "name": "${oc.env:HPCTRAIN_TEST_SECRET}"}}
-    torch.save({"state_dict": {}, reading.CONFIG_KEY: stored}, path)
-    config = OmegaConf.create(reading.stored_config(path))
-    assert OmegaConf.to_container(config, resolve=True)["model"]["name"] == "${oc.env:HPCTRAIN_TEST_SECRET}"
+    monkeypatch.setenv("HPCTRAIN_TEST_SECRET", SECRET)
+    for i, text in enumerate(STORED_STRINGS):
+        path = tmp_path / f"{i}.ckpt"
+        stored = {"model": {"_target_": "pytorch_lightning.Trainer", "name": text, "deep": [{"v": text}]}}
+        torch.save({"state_dict": {}, reading.CONFIG_KEY: stored}, path)
+        cfg = OmegaConf.create({"paths": {"data_dir": str(tmp_path)}})
+        with pytest.raises(
+            UserError, match=r"stores model\.name=.*pass the value on the command line: model\.name="
+        ):
+            reading.config_from_checkpoint(cfg, path, [])
+        given = reading.config_from_checkpoint(cfg, path, ["model.name=mine", "model.deep=[]"])
+        assert OmegaConf.to_container(given.model, resolve=True)["name"] == "mine"
+        assert SECRET not in OmegaConf.to_yaml(given)
+
+
+def test_a_name_hydra_would_find_elsewhere_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A package that rebinds the name of one of its modules: importing `pkg.mod` finds the class the module
+    defines, Hydra's attribute-by-attribute lookup finds the package's `mod`, something else. Refused."""
+    package = tmp_path / "rebinding_pkg"
+    package.mkdir()
+    (package / "mod.py").write_text("class Name:\n    pass\n")
+    (package / "__init__.py").write_text(
+        "from rebinding_pkg import mod as _real\n\nclass mod:\n    Name = print\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert targets.resolve("rebinding_pkg.mod.Name").__module__ == "rebinding_pkg.mod"
+    with pytest.raises(UserError, match="leads Hydra's attribute-by-attribute lookup to another object"):
+        targets.resolved_for_hydra("rebinding_pkg.mod.Name")
 
 
 def test_a_classic_pickle_is_refused_before_it_runs(tmp_path: Path, marker: Path):

@@ -39,6 +39,8 @@ LAYERS = [
         "hpctrain.runtime.snapshot",
         "hpctrain.runtime.remote",
         "hpctrain.runtime.run_state",
+        "hpctrain.runtime.secrets",
+        "hpctrain.runtime.confined",
         "hpctrain.conf",
     },
     {"hpctrain.runtime.config"},

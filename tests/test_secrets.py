@@ -5,7 +5,9 @@ snapshot leaves files that hold secrets behind."""
 
 from __future__ import annotations
 
+import random
 import shutil
+import string
 import subprocess
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.runtime import snapshot
 from hpctrain.runtime.config import redact
+from hpctrain.runtime.config.compose import PROJECT_ROOT
 from hpctrain.runtime.run import records
 from tests.helpers import IMAGE_DATA, assert_ok, run_dirs, train
 
@@ -22,16 +25,27 @@ TOKEN = "tok-3f9a1c-not-for-files"
 PASSWORD = "pw-77c2e-not-for-files"
 
 
-def test_urls_and_hydra_environment_values_are_hidden():
+def test_every_url_is_parsed_and_its_secret_parts_hidden():
+    """By what a part of a URL is, not by its key's name: userinfo whole, query values but harmless keys,
+    fragments, a webhook's path."""
     assert (
-        redact.text(f"https://alice:{PASSWORD}@mlflow.example:5000/x")
-        == "https://alice:***@mlflow.example:5000/x"
+        redact.text(f"https://alice:{PASSWORD}@mlflow.example:5000/x") == "https://***@mlflow.example:5000/x"
     )
     assert (
-        redact.text(f"postgresql://u:{PASSWORD}@db/runs?sslmode=require")
-        == "postgresql://u:***@db/runs?sslmode=require"
+        redact.text(f"see https://{TOKEN}@github.com/o/r.git now") == "see https://***@github.com/o/r.git now"
     )
-    assert redact.text(f"https://h.example/x?api_key={TOKEN}&n=1") == "https://h.example/x?api_key=***&n=1"
+    assert redact.text(f"postgresql://u:p%40{PASSWORD}@db/runs?sslmode=require") == (
+        "postgresql://***@db/runs?sslmode=require"
+    )
+    assert redact.text(f"https://h.example/x?api_key={TOKEN}&n=1&timeout=30") == (
+        "https://h.example/x?api_key=***&n=***&timeout=30"
+    )
+    assert (
+        redact.text(f"https://h.example/x?q={TOKEN}#access_token={TOKEN}") == "https://h.example/x?q=***#***"
+    )
+    assert redact.text(f"https://hooks.slack.com/services/T0/B0/{TOKEN}") == "https://hooks.slack.com/***"
+    assert redact.text(f"https://api.telegram.org/bot{TOKEN}/sendMessage") == "https://api.telegram.org/***"
+    assert redact.text(f"https://chat.example/hooks/{TOKEN}") == "https://chat.example/***"
     assert redact.text("https://h.example/plain/path") == "https://h.example/plain/path"
     assert (
         redact.override(f"hydra.job.env_set.WANDB_API_KEY={TOKEN}") == "hydra.job.env_set.WANDB_API_KEY=***"
@@ -39,14 +53,53 @@ def test_urls_and_hydra_environment_values_are_hidden():
     assert redact.override("model.optimizer.lr=0.1") == "model.optimizer.lr=0.1"
 
 
-def test_a_record_keeps_what_the_environment_gives_as_written(monkeypatch: pytest.MonkeyPatch):
+def test_no_userinfo_or_query_value_survives_whatever_characters_it_holds():
+    """Generated: userinfo and query values of every printable character but the URL's own delimiters
+    (the cases a pattern of key names and `user:password` missed: a token alone, `;`, `%40`, `:` twice)."""
+    rng = random.Random(0)
+    alphabet = string.ascii_letters + string.digits + "-._~!$&'()*+,;=:%"
+    for _ in range(600):
+        secret = "S" + "".join(rng.choice(alphabet) for _ in range(rng.randint(4, 24))) + "Z"
+        userinfo_only = secret.replace("'", "")  # a quote ends a URL in text, as in a repr or YAML
+        for written in (
+            f"https://{userinfo_only}@host.example/p",
+            f"https://u:{userinfo_only}@host.example:1/p?x=1",
+            f"s3://bucket/key?X-Amz-Signature={secret.replace('&', '').replace(';', '').replace(chr(39), '')}",
+        ):
+            shown = redact.text(f"uri: {written} done")
+            assert userinfo_only.replace("&", "").replace(";", "") not in shown, (written, shown)
+            assert shown.startswith("uri: ") and shown.endswith(" done")
+
+
+def test_an_error_sentence_printed_or_recorded_shows_no_secret_of_a_url(capsys: pytest.CaptureFixture[str]):
+    from hpctrain.runtime.distributed.endings import ending
+    from hpctrain.runtime.errors import UserError, reported_as_one_sentence
+
+    err = UserError(f"logger.mlflow.tracking_uri=https://alice:{PASSWORD}@h.example/?token={TOKEN} is wrong")
+    with pytest.raises(SystemExit), reported_as_one_sentence():
+        raise err
+    printed = capsys.readouterr().err
+    assert printed.startswith("error: logger.mlflow.tracking_uri=https://***@h.example/?token=***")
+    recorded = ending(err).detail or ""  # outcome.yaml's error, the webhook's message
+    assert PASSWORD not in printed + recorded and TOKEN not in printed + recorded
+
+
+def test_a_record_keeps_every_value_a_resolver_gives_as_written(monkeypatch: pytest.MonkeyPatch):
+    """oc.env, oc.decode, a project's own resolver (reading a vault, say): recorded as written; only
+    hpctrain's own path and name resolvers resolve."""
+    from hpctrain.runtime.config.versions import register_resolver
+
     monkeypatch.setenv("HPCTRAIN_TEST_TOKEN", TOKEN)
+    register_resolver("test_vault", lambda name: TOKEN)
     cfg = OmegaConf.create(
         {
             "token": "${oc.env:HPCTRAIN_TEST_TOKEN}",
             "header": "Bearer ${token}",  # depends on it: shows the interpolation, not the value
+            "vault": "${test_vault:wandb}",
+            "escaped": "\\\\${test_vault:wandb}",  # a backslash, then the resolver: as written too
             "uri": f"https://alice:{PASSWORD}@mlflow.example",
             "lr": "${oc.decode:'0.1'}",
+            "root": "${project_root:}",
             "width": 8,
         }
     )
@@ -54,10 +107,14 @@ def test_a_record_keeps_what_the_environment_gives_as_written(monkeypatch: pytes
     assert recorded == {
         "token": "${oc.env:HPCTRAIN_TEST_TOKEN}",
         "header": "Bearer ${oc.env:HPCTRAIN_TEST_TOKEN}",
-        "uri": "https://alice:***@mlflow.example",
-        "lr": 0.1,
+        "vault": "${test_vault:wandb}",
+        "escaped": "\\\\${test_vault:wandb}",
+        "uri": "https://***@mlflow.example",
+        "lr": "${oc.decode:'0.1'}",
+        "root": str(PROJECT_ROOT.resolve()),
         "width": 8,
     }
+    assert TOKEN not in repr(recorded) and TOKEN not in redact.yaml_text(cfg)
 
 
 def test_the_run_dir_records_hold_no_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -112,7 +169,7 @@ def test_a_value_the_environment_gave_is_scrubbed_from_kept_hyperparameters(monk
     )
     assert kept["hyper_parameters"] == {
         "token": "${oc.env:HPCTRAIN_TEST_TOKEN}",
-        "uri": "https://a:***@h",
+        "uri": "https://***@h",
         "n": 4,
     }
 

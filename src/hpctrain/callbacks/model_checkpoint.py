@@ -1,21 +1,37 @@
 """`ModelCheckpoint` (the `callbacks` group's model_checkpoint): Lightning's, following the monitored
 metric, with hpctrain's commit protocol (the old best is removed only once the new one is saved), and
-the best so far carried across a resume into a new run dir."""
+the best so far carried across a resume into a new run dir; the paths its state names are kept inside
+the folders they belong to: a resumed checkpoint may come from someone else, and Lightning would test the
+"best" file it names and remove the "worse" ones, wherever they are."""
 
 from __future__ import annotations
 
 import logging
+import numbers
 import os
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning import LightningModule, Trainer
 
 from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing, metric_is_due
 from hpctrain.callbacks.state_key import CachedStateKey
+from hpctrain.runtime.confined import inside
 from hpctrain.runtime.environment import launched
 
-log = logging.getLogger("hpctrain.runtime.run")
+log = logging.getLogger("hpctrain")
+_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
+_SCORES = ("best_model_score", "kth_value")
+
+
+def _score(value: Any) -> bool:
+    return (
+        value is None
+        or isinstance(value, numbers.Real)
+        or (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point())
+    )
 
 
 class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
@@ -34,6 +50,7 @@ class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
     _last_saved_at: int | None = None  # the global step last.ckpt holds
     _validated = False  # a validation (not the sanity check) ended in this process
     _carried_said = False  # the earlier run's best, carried into this run dir, has been said
+    _resumed_dir: str | None = None  # the folder of the checkpoint resumed from (setup)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -49,14 +66,18 @@ class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
         remember the earlier one. Here the earlier run's best checkpoints and scores stay the run's best, in
         the earlier run dir (never removed from there), as long as their files exist; this run's epochs
         replace them only by being better. Where they are gone, this run's best is picked among its own
-        epochs, said once."""
-        saved_dir = state_dict.get("dirpath", self.dirpath)
-        if saved_dir == self.dirpath:
-            super().load_state_dict(state_dict)
+        epochs, said once.
+
+        The state is a file's: only paths inside this callback's folder, or inside the folder of the
+        checkpoint resumed from (symlinks followed), and scores that are numbers are taken; the rest is
+        dropped, with one warning."""
+        state = self._confined(state_dict)
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:
+            super().load_state_dict(state)
             return
-        saved: dict[str, Any] = dict(state_dict.get("best_k_models") or {})
-        if not saved and state_dict.get("best_model_path"):
-            saved = {state_dict["best_model_path"]: state_dict.get("best_model_score")}
+        saved: dict[str, Any] = dict(state.get("best_k_models") or {})
+        if not saved and state.get("best_model_path"):
+            saved = {state["best_model_path"]: state.get("best_model_score")}
         kept = {path: score for path, score in saved.items() if score is not None and os.path.exists(path)}
         self.best_k_models = kept
         if kept:
@@ -88,11 +109,55 @@ class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
                 self.monitor,
             )
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        # the folder of the checkpoint this run resumes from (its state's paths may lie there)
+        self._resumed_dir = str(Path(trainer.ckpt_path).parent) if trainer.ckpt_path else None
+
+    def _confined(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state with every path outside this callback's folder and the resumed checkpoint's folder, and
+        every score that is not a number, dropped (said once)."""
+        state, dropped = dict(state_dict), []
+        for key in _PATHS:
+            path = state.get(key)
+            if path and not (isinstance(path, str) and self._kept(path, None)):
+                state[key] = ""
+                dropped.append(f"{key}={str(path)[:120]}")
+        models = state.get("best_k_models")
+        if models is not None:
+            models = models if isinstance(models, dict) else {"(not a mapping)": None}
+            kept = {p: v for p, v in models.items() if v is not None and self._kept(p, v)}
+            dropped += [f"best_k_models: {str(p)[:120]}" for p in models if p not in kept]
+            state["best_k_models"] = kept
+        for key in _SCORES:
+            if not _score(state.get(key)):
+                state[key] = None
+                dropped.append(key)
+        if dropped:
+            log.warning(
+                "the checkpoint's %s state names %s outside %s (or not a score): %s dropped, so nothing outside "
+                "the run's checkpoints is read or removed",
+                type(self).__name__,
+                dropped[0],
+                self.dirpath,
+                "it is" if len(dropped) == 1 else f"those {len(dropped)} are",
+            )
+        state.setdefault("best_model_score", None)  # Lightning reads both unconditionally
+        state.setdefault("best_model_path", "")
+        return state
+
+    def _kept(self, path: Any, score: Any) -> bool:
+        folders = [f for f in (self.dirpath, self._resumed_dir) if f]
+        return isinstance(path, str) and _score(score) and any(inside(path, f) for f in folders)
+
     def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         """Lightning removes the previous best right after saving the new one, while last.ckpt (what a
         restart resumes from) still names the previous best as the run's best: a kill before last.ckpt is
         saved again would leave it naming a checkpoint that is gone. The removal waits until last.ckpt is
-        up to date, at the end of the same hook (`_removals_done`)."""
+        up to date, at the end of the same hook (`_removals_done`). Never a path outside the folder."""
+        if not (self.dirpath and inside(filepath, self.dirpath)):
+            log.warning("not removing %s: it lies outside %s", filepath, self.dirpath)
+            return
         if self.save_last:
             self._pending_removals.append(filepath)
         else:

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from hpctrain.runtime.secrets import hide
+
 EXIT_USER_ERROR = 2
 
 
@@ -31,5 +33,5 @@ def reported_as_one_sentence() -> Iterator[None]:
     try:
         yield
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"error: {hide(str(err))}", file=sys.stderr, flush=True)  # a URL's secret parts hidden
         sys.exit(EXIT_USER_ERROR)

@@ -227,4 +227,17 @@ INTERNALS = (
         "a resumed run appends to metrics.csv instead of Lightning deleting it",
         "tests/test_outputs.py::test_csv_logger_appends_when_a_run_continues",
     ),
+    Internal(
+        "torch.distributed.checkpoint.filesystem:_StorageInfo",
+        "runtime/run/checkpoints/sharded.py",
+        "what a DCP index says of each stored item (shard file, offset, length, transforms): the index "
+        "unpickler admits it by name, and every shard path and size is checked from it before a load",
+        "tests/test_checkpoint_trust.py::test_the_index_unpickler_admits_exactly_what_dcp_writes",
+    ),
+    Internal(
+        "torch.distributed.checkpoint.filesystem:FileSystemReader.load_id",
+        "runtime/run/checkpoints/sharded.py",
+        "the parsed index handed to torch's reader carries the reader's load id, as its own read_metadata sets it",
+        "tests/test_checkpoint_trust.py::test_a_sharded_folder_is_read_once_whatever_is_swapped_in_after",
+    ),
 )

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from hpctrain.runtime.config import answers
+from hpctrain.runtime.config import answers, redact
 from hpctrain.runtime.config.compose import CODE_ROOT, HPCTRAIN_CONF_DIR, config_dirs, config_groups
 from hpctrain.runtime.errors import EXIT_USER_ERROR
 
@@ -60,7 +60,7 @@ def install(config_name: str, answer_key: str | None = None) -> None:
                     raise failure
 
                 return original(reraise)
-            print(f"error: {sentence}", file=sys.stderr, flush=True)
+            print(f"error: {redact.text(sentence)}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         if isinstance(result, Hydra):
             _list_groups_from_the_repository(result)

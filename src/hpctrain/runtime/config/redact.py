@@ -3,12 +3,15 @@
 A run writes its config down in many places: config.yaml and .hydra/ in the run dir, run.yaml's command
 and overrides, outcome.yaml, every checkpoint (the model and data config), the trackers' params
 (MLflow, W&B) and the printed config in the log. Each goes through `recorded` (a config) or `text` (a
-string), which keep:
+string), which keep secrets out by construction, not by the names they go under:
 
-- a value read from the environment (`${oc.env:NAME}`, `${oc.env:NAME,default}`) as written, not its
-  value: a token passed that way never lands in a file; what depends on it shows the interpolation;
-- a URL's credentials (`scheme://user:password@host`) as `user:***`, and the value of a URL's query
-  parameters that hold keys (`token=`, `api_key=`, `password=`, `sig=`, ...) as `***`.
+- a value that came from a resolver (`${oc.env:NAME}`, `${hydra:...}`, `${oc.decode:...}`, a project's
+  own resolver) is recorded as written, not as its value: whatever a resolver reads (the environment, a
+  vault, Hydra's `job.env_set`) never lands in a file; what depends on it shows the interpolation. Only
+  hpctrain's own path and name resolvers, which read nothing secret (`HARMLESS_RESOLVERS`), resolve;
+- every URL is parsed (`hpctrain.runtime.secrets`): its userinfo, its query values (but a few harmless
+  keys), its fragment and a webhook's path are hidden as `***`;
+- the values of `hydra.job.env_set` (API keys are set that way) are hidden whole.
 
 No torch here.
 """
@@ -21,22 +24,21 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-HIDDEN = "***"
-_CREDENTIALS = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*):(?P<secret>[^/@\s]+)@")
-_SECRET_QUERY = re.compile(
-    r"(?P<head>[?&;](?:access_token|token|api[_-]?key|apikey|key|password|passwd|pwd|secret|sig|signature|auth)=)"
-    r"(?P<secret>[^&#;\s]+)",
-    re.IGNORECASE,
-)
-_FROM_ENVIRONMENT = re.compile(r"\$\{\s*(?:oc\.env|env)\s*:")
+from hpctrain.runtime.secrets import HIDDEN, hide
+
+# hpctrain's own resolvers whose values are paths and names it makes itself (hpctrain.runtime.config.resolvers)
+HARMLESS_RESOLVERS = frozenset({"project_root", "project_name", "run_id"})
+_RESOLVER = re.compile(r"\$\{\s*([\w.\-]+)\s*:")
 
 
 def text(value: str) -> str:
-    """`value` with the credentials of any URL in it hidden."""
-    if "://" not in value and "=" not in value:
-        return value
-    value = _CREDENTIALS.sub(lambda m: f"{m['head']}:{HIDDEN}@", value)
-    return _SECRET_QUERY.sub(lambda m: f"{m['head']}{HIDDEN}", value)
+    """`value` with the secret parts of every URL in it hidden (`hpctrain.runtime.secrets`)."""
+    return hide(value)
+
+
+def _from_a_resolver(value: str) -> bool:
+    """Whether a config string calls a resolver other than hpctrain's harmless ones."""
+    return any(name not in HARMLESS_RESOLVERS for name in _RESOLVER.findall(value))
 
 
 ENV_SET = "hydra.job.env_set."
@@ -62,14 +64,20 @@ def plain(node: Any) -> Any:
     return node
 
 
-def _environment_kept(node: Any) -> Any:
-    """Strings that read the environment made literals (`${` escaped), so resolving keeps them as written."""
+def _escaped(value: str) -> str:
+    """`value` as an OmegaConf string that resolves to exactly `value` (k backslashes before `${` become
+    2k+1: each pair reads as one backslash, the last escapes the interpolation)."""
+    return re.sub(r"(\\*)\$\{", lambda m: "\\" * (2 * len(m[1]) + 1) + "${", value)
+
+
+def _resolvers_kept(node: Any) -> Any:
+    """Strings that call a resolver made literals, so that resolving keeps them as written."""
     if isinstance(node, Mapping):
-        return {key: _environment_kept(value) for key, value in node.items()}
+        return {key: _resolvers_kept(value) for key, value in node.items()}
     if isinstance(node, list):
-        return [_environment_kept(value) for value in node]
-    if isinstance(node, str) and _FROM_ENVIRONMENT.search(node):
-        return node.replace("${", "\\${")
+        return [_resolvers_kept(value) for value in node]
+    if isinstance(node, str) and _from_a_resolver(node):
+        return _escaped(node)
     return node
 
 
@@ -77,7 +85,7 @@ def recorded(cfg: DictConfig | ListConfig) -> Any:
     """`cfg` resolved for a record (see the module docstring), as plain containers. A value that cannot be
     resolved here is kept as written."""
     raw = OmegaConf.to_container(cfg, resolve=False)
-    kept = OmegaConf.create(_environment_kept(raw), flags={"allow_objects": True})
+    kept = OmegaConf.create(_resolvers_kept(raw), flags={"allow_objects": True})
     try:
         resolved = OmegaConf.to_container(kept, resolve=True)
     except Exception:  # an interpolation that only resolves elsewhere (a rank, a node): keep it unresolved
@@ -86,9 +94,10 @@ def recorded(cfg: DictConfig | ListConfig) -> Any:
 
 
 def environment_values(cfg: DictConfig | ListConfig) -> dict[str, str]:
-    """{value: interpolation} for each string the config reads from the environment: a class that keeps
-    what it was given (`save_hyperparameters()`) keeps the value, and `scrub` puts the interpolation back
-    in its place in a checkpoint. Values shorter than 4 characters are left alone (they say nothing)."""
+    """{value: interpolation} for each string the config gets from a resolver (the environment, most
+    often): a class that keeps what it was given (`save_hyperparameters()`) keeps the value, and `scrub`
+    puts the interpolation back in its place in a checkpoint. Values shorter than 4 characters are left
+    alone (they say nothing)."""
     found: dict[str, str] = {}
 
     def visit(raw: Any, key: str) -> None:
@@ -98,7 +107,7 @@ def environment_values(cfg: DictConfig | ListConfig) -> dict[str, str]:
         elif isinstance(raw, list):
             for i, value in enumerate(raw):
                 visit(value, f"{key}[{i}]")
-        elif isinstance(raw, str) and _FROM_ENVIRONMENT.search(raw):
+        elif isinstance(raw, str) and _from_a_resolver(raw):
             try:
                 value = OmegaConf.select(cfg, key, throw_on_missing=False)
             except Exception:

@@ -5,8 +5,10 @@
   ${run_id:}                     slurm-<job id>, torchrun-<rdzv id> or a timestamp
                                  (hpctrain.runtime.environment.launched.run_id)
   ${rank_zero_only:<value>}      <value> on global rank 0, null on the other ranks
-  ${rank_zero_file:<path>}       <path> on global rank 0, os.devnull on the other ranks
   ${help_examples:<entry>}       the examples `python src/<entry>.py --help` ends with (help_text)
+  ${rank_zero_file:<path>}       <path> on global rank 0, os.devnull on the other ranks (and where <path>
+                                 is a link out of its folder: Hydra's log file is opened before any check,
+                                 and a received run dir is refused once the job's checks run)
 
 They are registered when the package is imported (`hpctrain/__init__.py`): a config rebuilt from a
 pickle in another process (a SLURM job started by the submitit launcher) resolves them too.
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from hpctrain.runtime import confined
 from hpctrain.runtime.config import help_text, versions
 from hpctrain.runtime.environment import launched
 
@@ -32,6 +35,12 @@ def cached_run_id() -> str:
     return launched.run_id()
 
 
+def _rank_zero_file(path: str) -> str:
+    if not launched.is_rank_zero() or not confined.inside(path, Path(path).parent):
+        return os.devnull
+    return path
+
+
 def register_resolvers(project_root: Path) -> None:
     root = str(Path(project_root).resolve())
     resolvers = {
@@ -39,8 +48,8 @@ def register_resolvers(project_root: Path) -> None:
         "project_name": lambda: __name__.split(".")[0],
         "run_id": cached_run_id,
         "rank_zero_only": lambda value: value if launched.is_rank_zero() else None,
-        "rank_zero_file": lambda path: path if launched.is_rank_zero() else os.devnull,
         "help_examples": help_text.examples,
+        "rank_zero_file": _rank_zero_file,
     }
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name) or name == "project_root":

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from hpctrain.runtime.distributed.signals import Interrupted
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.secrets import hide
 
 COMPLETED, REFUSED, REQUEUED, STOPPED, EXITED, FAILED = (
     "completed",
@@ -37,6 +38,10 @@ class Stopped(UserError):
 class Ending:
     status: str
     detail: str | None = None  # the sentence, the signal, or the error, for outcome.yaml
+
+    def __post_init__(self) -> None:
+        if self.detail:  # recorded and posted: a URL's secret parts hidden (hpctrain.runtime.secrets)
+            object.__setattr__(self, "detail", hide(self.detail))
 
     @property
     def on_purpose(self) -> bool:

@@ -551,6 +551,16 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         self.saves.remove(self.global_rank, filepath)
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded folder is read once, by hpctrain (`saves.load`: its index parsed and checked, then
+        handed to torch, which never reads it again); a file as Lightning reads it."""
+        path = self.broadcast(checkpoint_path)
+        if not self.saves.is_folder(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
+        assert self.lightning_module is not None
+        return self.saves.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+
 
 def _agreed_buffers(state: dict[str, Any], module: Any, device: Any) -> dict[str, Any]:
     """Buffers are not sharded: each rank keeps its own, and a distributed checkpoint stores one rank's.

@@ -3,9 +3,9 @@
     export.format  file               holds                               loads with
     torch_export   model.pt2          the traced program (torch.export)   torch.export.load(path).module()
     onnx           model.onnx         that program as an ONNX graph       onnxruntime.InferenceSession(path)
-    safetensors    model.safetensors  the LightningModule's weights;      the model as the project's configs
-                                      its model and data config (JSON,    build it; safetensors' load_model
-                                      a description, never built from)
+    safetensors    model.safetensors  the LightningModule's weights;      its config built through the
+                                      its model and data config (JSON:    project's own rule of targets;
+                                      values, checked before any build)   safetensors' load_model
     peft           adapter/           a PEFT model's adapters, tokenizer  peft's PeftModel.from_pretrained
     hf_merged      merged/            the adapters merged into the base   transformers' from_pretrained alone
                                       (the last two: hpctrain.runtime.inference.hf_formats, the llm extra)
@@ -33,15 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import OmegaConf
-
-from hpctrain.runtime.config.compose import compose
+from hpctrain.runtime.config import targets
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference import hf_formats
 from hpctrain.runtime.inference.describe import describe, describe_tensor, file_size, input_name, tensors
 from hpctrain.runtime.inference.exporter_errors import reason, reported
-from hpctrain.runtime.run import records
-from hpctrain.runtime.run.checkpoints import CHECKPOINT_DIR
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -64,7 +60,7 @@ class Format:
     suffix: str
     packages: tuple[str, ...]  # beyond torch: what pyproject.toml's `export` extra installs for it
     write: Callable[[Any, Any, Path], None]  # (predictor, example inputs, path)
-    run: Callable[[Path, Any, Any, Any], Any]  # (path, inputs, predictor, rebuild overrides) -> outputs
+    run: Callable[[Path, Any, Any], Any]  # (path, inputs, predictor) -> outputs
     card: Callable[[Any, Any], list[str]]  # (exported, predictor) -> the card's Python lines
     extra: str = "export"  # the extra of pyproject.toml that installs `packages`
     stem: str = "model"  # the default name in the run dir: <stem><suffix> (a folder where suffix is "")
@@ -81,7 +77,6 @@ class Exported:
     inputs: Tensor  # the batch it was checked on: one sample more
     outputs: Any  # the checkpoint model's outputs on them
     difference: float  # the largest absolute difference of the export's outputs from those
-    rebuild: list[str] | None = None  # the overrides the project's configs build the model with (safetensors)
 
 
 # ------------------------------------------------------------------------------- before torch
@@ -136,17 +131,21 @@ def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
     from pytorch_lightning.utilities.model_helpers import is_overridden
     from torch import Tensor
 
-    from hpctrain.runtime.run.build import check_data_available, datamodule
+    from hpctrain.runtime.run.build import built_from_file, check_data_available
 
     if "data" not in config:
         raise UserError(
             "the checkpoint holds no data config, so what its model takes is unknown; export a checkpoint "
             "written by src/train.py (it stores the model and data config)."
         )
-    cfg = OmegaConf.create(config)
-    if "data_dir" in cfg.data:
-        cfg.data.data_dir = data_dir  # this machine's, as src/eval.py does
-    data = datamodule(cfg)
+    node = dict(config["data"])  # plain values, checked when the checkpoint was read: built as they are
+    if "data_dir" in node:
+        node["data_dir"] = data_dir  # this machine's, as src/eval.py does
+    if "stage_dir" in node:
+        node["stage_dir"] = None  # the training job's node-local scratch
+    if node.get("num_workers") == "auto":
+        node["num_workers"] = 0  # one batch, in this process
+    data = built_from_file(node, "data")
     check_data_available(data)
     data.prepare_data()
     splits = (("test", "test_dataloader"), ("validate", "val_dataloader"), ("fit", "train_dataloader"))
@@ -168,46 +167,14 @@ def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
 # ------------------------------------------------------------------------------- writing, checking
 
 
-def rebuild_overrides(checkpoint: Path) -> list[str] | None:
-    """The overrides of the run that trained `checkpoint` (its run.yaml, when the checkpoint is in its run
-    dir's checkpoints/) that say which model the project's configs build: not where it wrote, nor how it
-    started. None when no record is found."""
-
-    if checkpoint.parent.name != CHECKPOINT_DIR:
-        return None
-    try:
-        record = records.read_run_record(checkpoint.resolve().parent.parent)
-    except UserError:
-        return None
-    if not isinstance(record.get("overrides"), list):
-        return None
-    dropped = (
-        "hydra",
-        "paths",
-        "ckpt_path",
-        "init_from",
-        "extras",
-        "trainer",
-        "logger",
-        "callbacks",
-        "debug",
-        "-",
-    )
-    return [
-        str(o) for o in record["overrides"] if not str(o).lstrip("+~").startswith(dropped)
-    ]  # nor how it ran
-
-
 def write(
     predictor: Predictor,
     chosen: Format,
     path: Path,
     inputs: Tensor,
     traced_rows: int,
-    rebuild: list[str] | None = None,
 ) -> Exported:
-    """Trace on `inputs[:traced_rows]` and write `path`, then load it back and check it on all of `inputs`
-    (`rebuild`: the overrides the project's configs build the model with, for a safetensors file)."""
+    """Trace on `inputs[:traced_rows]` and write `path`, then load it back and check it on all of `inputs`."""
     import torch
 
     log.info(
@@ -222,8 +189,8 @@ def write(
     seconds = time.perf_counter() - started
     with torch.no_grad():
         outputs = predictor(inputs)
-        difference = _check(path, chosen, predictor, inputs, outputs, rebuild)
-    return Exported(path, chosen, seconds, traced_rows, inputs, outputs, difference, rebuild)
+        difference = _check(path, chosen, predictor, inputs, outputs)
+    return Exported(path, chosen, seconds, traced_rows, inputs, outputs, difference)
 
 
 def _traced(predictor: Predictor, example: Tensor, name: str) -> Any:
@@ -276,13 +243,13 @@ def safetensors_metadata(predictor: Predictor, example: Tensor) -> dict[str, str
     }
 
 
-def _run_torch_export(path: Path, inputs: Tensor, predictor: Predictor, rebuild: list[str] | None) -> Any:
+def _run_torch_export(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
     import torch
 
     return torch.export.load(path).module()(inputs)
 
 
-def _run_onnx(path: Path, inputs: Tensor, predictor: Predictor, rebuild: list[str] | None) -> Any:
+def _run_onnx(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
     import onnxruntime
     import torch
 
@@ -291,24 +258,24 @@ def _run_onnx(path: Path, inputs: Tensor, predictor: Predictor, rebuild: list[st
     return [torch.from_numpy(output) for output in outputs]
 
 
-def _run_safetensors(path: Path, inputs: Tensor, predictor: Predictor, rebuild: list[str] | None) -> Any:
-    """As the model card says: the model as this project's configs build it (with the training run's
-    overrides; without a record of them, from the checkpoint's config, checked against the project's),
-    its weights loaded from the file; the preprocessing, which the file does not hold, in front. The
-    file's metadata describes the model, and is never built from."""
+def _run_safetensors(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
+    """As the model card says: the model config of the file's metadata, values only, checked against the
+    project's configs (`targets.check_stored`) and built from plain containers (`targets.build_stored`),
+    its weights loaded from the file; the preprocessing, which the file does not hold, in front."""
+    from safetensors import safe_open
     from safetensors.torch import load_model
 
-    from hpctrain.runtime.run.build import model as build_model
+    from hpctrain.runtime.run.build import built_from_file
 
-    cfg = compose("train", rebuild) if rebuild is not None else OmegaConf.create(predictor.config)
-    model = build_model(cfg).eval()
+    with safe_open(str(path), "pt") as file:
+        config = json.loads(file.metadata()["config"])["model"]
+    targets.check_stored({"model": config}, str(path))
+    model = built_from_file(config, "model").eval()
     load_model(model, str(path))
     return model(predictor.preprocess(inputs))
 
 
-def _check(
-    path: Path, chosen: Format, predictor: Predictor, inputs: Tensor, outputs: Any, rebuild: list[str] | None
-) -> float:
+def _check(path: Path, chosen: Format, predictor: Predictor, inputs: Tensor, outputs: Any) -> float:
     """The export, loaded back, on a batch size it was not traced with: the largest difference of its
     outputs from the checkpoint model's (refused beyond RTOL and ATOL)."""
     import torch
@@ -316,7 +283,7 @@ def _check(
     rows = len(inputs)
     where = f"export.format={chosen.name} wrote {path}, but loaded back and run on a batch of {rows}"
     try:
-        got = tensors(chosen.run(path, inputs, predictor, rebuild))
+        got = tensors(chosen.run(path, inputs, predictor))
     except Exception as err:
         raise UserError(
             f"{where} it fails ({reason(err)}); if the forward fixes the batch size (a view or reshape "
@@ -377,31 +344,31 @@ def _onnx_card(exported: Exported, predictor: Predictor) -> list[str]:
 
 
 def _safetensors_card(exported: Exported, predictor: Predictor) -> list[str]:
-    """The model as the project's own configs build it (the file's metadata describes it, and is never
-    built from: a file anyone can send must not choose the code that runs)."""
+    """The model built in the recipient's project: the file's metadata gives its config as values, and
+    the project's own configs decide which classes may be built from them (rule 1 of
+    `hpctrain.runtime.config.targets`); nothing in the file is resolved or composed."""
     from torch import nn
 
     from hpctrain.data.images import Normalise
 
     preprocess = predictor.preprocess
-    if exported.rebuild is None:
-        overrides = ["model=<the option it was trained with>"]
-        said = "# its run.yaml was not found: pass the model= (or experiment=) options it was trained with"
-    else:
-        overrides = exported.rebuild
-        said = "# the overrides of the run that trained it (its run.yaml)"
+    name = json.dumps(exported.path.name)  # a double-quoted Python string, as the other cards write it
     lines = [
-        "# In the project that trained it (its code and conf/), with its environment: the model is built",
-        "# from the project's own configs, never from the file's metadata (which only describes it).",
+        "# In the project that trained it (its code and conf/), with its environment: the file's metadata",
+        "# gives the model's config as values; the classes built are those your project's configs name.",
+        "import json",
+        "",
         "import torch",
+        "from safetensors import safe_open",
         "from safetensors.torch import load_model",
         "",
-        "from hpctrain.runtime.config.compose import compose  # the project's conf/, any Hydra of its window",
-        "from hpctrain.runtime.config.targets import instantiate  # the targets its configs name, allowed",
+        "from hpctrain.runtime.config.targets import build_stored, check_stored",
         "",
-        f'cfg = compose("train", {overrides!r})  {said}',
-        'model = instantiate(cfg.model, _convert_="all").eval()',
-        f'load_model(model, "{exported.path.name}")',
+        f'with safe_open({name}, "pt") as file:',
+        '    config = json.loads(file.metadata()["config"])["model"]',
+        f'check_stored({{"model": config}}, {name})  # a class no config of your project names: refused',
+        "model = build_stored(config).eval()  # from plain values: nothing in the file is resolved",
+        f"load_model(model, {name})",
     ]
     inputs = describe_tensor(exported.inputs)
     if isinstance(preprocess, Normalise):
@@ -415,7 +382,8 @@ def _safetensors_card(exported: Exported, predictor: Predictor) -> list[str]:
     if isinstance(preprocess, nn.Identity):
         call = f"model(inputs)  # inputs: {inputs}"
     else:
-        call = f"model(preprocess(inputs))  # preprocess: {preprocess!r}, as the Input line above says"
+        shown = " ".join(repr(preprocess).split())  # one line: a comment cannot end and let code begin
+        call = f"model(preprocess(inputs))  # preprocess: {shown}, as the Input line above says"
     return [*lines, "with torch.no_grad():", f"    outputs = {call}"]
 
 

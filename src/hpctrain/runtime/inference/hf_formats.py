@@ -72,7 +72,7 @@ def write_merged(predictor: Predictor, example: Tensor, path: Path) -> None:
     _copy_tokenizer(predictor, path)
 
 
-def run_peft(path: Path, inputs: Tensor, predictor: Predictor, rebuild: Any) -> Any:
+def run_peft(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
     """As a user loads it: the base from its folder (as the adapter's config names it), the adapters on it."""
     import torch
     from peft import PeftConfig, PeftModel
@@ -84,7 +84,7 @@ def run_peft(path: Path, inputs: Tensor, predictor: Predictor, rebuild: Any) -> 
         return model(input_ids=inputs).logits
 
 
-def run_merged(path: Path, inputs: Tensor, predictor: Predictor, rebuild: Any) -> Any:
+def run_merged(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
     """As a user loads it: transformers alone; it must also generate."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -101,9 +101,9 @@ def peft_card(exported: Any, predictor: Predictor) -> list[str]:
         "from peft import PeftConfig, PeftModel",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        f'base = PeftConfig.from_pretrained("{exported.path.name}").base_model_name_or_path  # the base folder',
-        f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "{exported.path.name}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{exported.path.name}")',
+        f"base = PeftConfig.from_pretrained({exported.path.name!r}).base_model_name_or_path  # the base folder",
+        f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), {exported.path.name!r})",
+        f"tokenizer = AutoTokenizer.from_pretrained({exported.path.name!r})",
         'prompt = tokenizer.apply_chat_template([{"role": "user", "content": "..."}], add_generation_prompt=True,'
         ' return_tensors="pt", return_dict=True)',
         "answer = model.generate(**prompt, max_new_tokens=64)",
@@ -114,8 +114,8 @@ def merged_card(exported: Any, predictor: Predictor) -> list[str]:
     return [
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        f'model = AutoModelForCausalLM.from_pretrained("{exported.path.name}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{exported.path.name}")',
+        f"model = AutoModelForCausalLM.from_pretrained({exported.path.name!r})",
+        f"tokenizer = AutoTokenizer.from_pretrained({exported.path.name!r})",
         'prompt = tokenizer.apply_chat_template([{"role": "user", "content": "..."}], add_generation_prompt=True,'
         ' return_tensors="pt", return_dict=True)',
         "answer = model.generate(**prompt, max_new_tokens=64)",

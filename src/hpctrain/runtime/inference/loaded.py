@@ -5,24 +5,29 @@
     logits = model(images)            # uint8 images (B, C, H, W), as the datamodule's batches were
 
 The checkpoint holds the resolved model and data config it was trained with (`reading.CONFIG_KEY`):
-the LightningModule is rebuilt from it and gets the weights (read with weights_only=True), and the
+the LightningModule is rebuilt from it, as plain values whose every class is one this project's configs
+name (`targets.check_stored`, `targets.build_stored`), and gets the weights (read with weights_only=True), and the
 datamodule's `preprocessing()` (for the template's image datamodules: the normalisation) goes in front,
 so the model is fed exactly what it was trained on. src/predict.py and src/export.py start from here.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
 from pytorch_lightning import LightningModule
 from torch import Tensor, nn
 
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.build import datamodule, model
+from hpctrain.runtime.run.build import built_from_file
 from hpctrain.runtime.run.checkpoints import reading, trainable_only
+
+MAX_SAMPLE_ELEMENTS = (
+    1 << 28
+)  # a sample larger than this (a 16k x 16k RGB image) is no image a file should claim
 
 
 class Predictor(nn.Module):
@@ -40,8 +45,21 @@ class Predictor(nn.Module):
 
     @property
     def image_shape(self) -> tuple[int, ...] | None:
+        """The data's image shape as stored in the checkpoint's config (a file's value: checked)."""
         shape = (self.config.get("data") or {}).get("image_shape")
-        return tuple(int(d) for d in shape) if shape else None
+        if not shape:
+            return None
+        if not (
+            isinstance(shape, list | tuple)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+            and math.prod(shape) <= MAX_SAMPLE_ELEMENTS
+        ):
+            raise UserError(
+                f"the checkpoint's config stores data.image_shape={str(shape)[:80]}, which is not the shape of an "
+                f"image (positive whole numbers, at most {MAX_SAMPLE_ELEMENTS} values in all); pass a checkpoint "
+                "written by src/train.py."
+            )
+        return tuple(shape)
 
 
 def preprocessing_of(datamodule: Any) -> nn.Module:
@@ -70,9 +88,10 @@ def load(
             f"{path} holds no model config (it was not written by this template); build its LightningModule "
             "yourself and call load_state_dict(torch.load(path, weights_only=True)['state_dict'])."
         )
-    config = OmegaConf.create(stored)
-    module = model(config)
+    module = built_from_file(stored["model"], "model")
     reading.check_matches_model(path, module, content=content)
     trainable_only.load_weights(module, content, str(path))
-    preprocess = preprocessing_of(datamodule(config)) if "data" in stored else nn.Identity()
+    preprocess = (
+        preprocessing_of(built_from_file(stored["data"], "data")) if "data" in stored else nn.Identity()
+    )
     return Predictor(module, preprocess, stored)

@@ -1,12 +1,19 @@
 """model_card.md beside an export: what the model is, what it takes and gives, how well it did, and how
-to load it with no template code. Everything comes from what exists: the checkpoint, the config stored in
-it, and the records of the run that trained it (its run dir is usually the checkpoint's folder's parent:
-run.yaml, outcome.yaml, metrics.csv, see `records`); a record that is missing is said, not guessed.
+to load it. Everything comes from what exists: the checkpoint, the config stored in it, and the records of
+the run that trained it (its run dir is usually the checkpoint's folder's parent: run.yaml, outcome.yaml,
+metrics.csv, see `records`); a record that is missing is said, not guessed.
+
+Those are files someone else may have written: what they give is shown as data, one line of text each
+(`_text`: no line break, no backtick, so nothing they hold can end a comment or open a code block), a
+number only where a number is expected, a commit only if it is one; and the code a card shows builds from
+the reader's project, never from them (`export.FORMATS`' card functions).
 """
 
 from __future__ import annotations
 
 import csv
+import math
+import re
 import time
 from importlib import metadata
 from pathlib import Path
@@ -70,7 +77,7 @@ def text(exported: Exported, predictor: Predictor, checkpoint: Path) -> str:
             "",
             "## Data",
             "",
-            f"`{data_target}`: {_data_summary(config.get('data') or {})} (all of it under Config below).",
+            f"`{_text(data_target)}`: {_data_summary(config.get('data') or {})} (all of it under Config below).",
             "",
             "## Code",
             "",
@@ -79,15 +86,36 @@ def text(exported: Exported, predictor: Predictor, checkpoint: Path) -> str:
             "## Config (model and data, as stored in the checkpoint)",
             "",
             "```yaml",
-            yaml.safe_dump(config, sort_keys=False).rstrip(),
+            yaml.safe_dump(_described(config), sort_keys=False, width=1 << 16).rstrip(),
             "```",
             "",
         ]
     )
 
 
-def _short(target: str) -> str:
-    return target.rsplit(".", 1)[-1]
+def _text(value: Any, limit: int = 200) -> str:
+    """A value from a file, as one line of text for the card (see the module docstring)."""
+    return " ".join(str(value).replace("`", "'").split())[:limit]
+
+
+def _number(value: Any) -> float | None:
+    """A finite number from a file, else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _described(node: Any) -> Any:
+    """A stored config for the card's Config section: every string made `_text`."""
+    if isinstance(node, dict):
+        return {_text(key): _described(value) for key, value in node.items()}
+    if isinstance(node, list | tuple):
+        return [_described(value) for value in node]
+    return _text(node, 400) if isinstance(node, str) else node
+
+
+def _short(target: Any) -> str:
+    return _text(str(target).rsplit(".", 1)[-1], 80)
 
 
 def _versions(exported: Exported) -> str:
@@ -104,10 +132,11 @@ def _position(checkpoint: Path) -> str:
     """`(epoch 3, step 120)`, from the checkpoint itself, when it records them."""
     from hpctrain.runtime.run.checkpoints import reading
 
-    content = reading.read(checkpoint)
-    if "epoch" not in content or "global_step" not in content:
+    content = reading.read(checkpoint, weights=False)
+    epoch, step = content.get("epoch"), content.get("global_step")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (epoch, step)):
         return ""
-    return f" (saved at epoch {content['epoch']}, step {content['global_step']})"
+    return f" (saved at epoch {epoch}, step {step})"
 
 
 def _input_and_output(exported: Exported, predictor: Predictor) -> list[str]:
@@ -151,13 +180,14 @@ def _metrics(run_dir: Path | None) -> list[str]:
         return ["Not found: the checkpoint is not in a run dir's checkpoints/ folder."]
     lines = []
     outcome = records.read_outcome(run_dir)
-    if outcome.get("metric") and outcome.get("value") is not None:
-        status = outcome.get("status", "status unknown")
-        lines += [f"Monitored: best {outcome['metric']} {outcome['value']:.4g} (run {status}).", ""]
+    value = _number(outcome.get("value"))
+    if outcome.get("metric") and value is not None:
+        status = _text(outcome.get("status", "status unknown"), 40)
+        lines += [f"Monitored: best {_text(outcome['metric'], 80)} {value:.4g} (run {status}).", ""]
     last = _last_values(run_dir / "metrics.csv")
     if last:
         lines += ["| metric | last logged value |", "| --- | ---: |"]
-        lines += [f"| {name} | {value:.4g} |" for name, value in last.items()]
+        lines += [f"| {_text(name, 80).replace('|', '/')} | {value:.4g} |" for name, value in last.items()]
         lines += ["", "(the checkpoint may be of an earlier epoch than the last values)"]
     if not lines:
         return [f"None recorded: {run_dir} has no outcome.yaml or metrics.csv."]
@@ -174,29 +204,33 @@ def _last_values(metrics_csv: Path) -> dict[str, float]:
             for key, value in row.items():
                 if key and value and key not in ("epoch", "step") and not key.startswith("lr-"):
                     try:
-                        last[key] = float(value)
+                        number = float(value)
                     except ValueError:
                         continue
+                    if math.isfinite(number):
+                        last[key] = number
     return dict(sorted(last.items()))
 
 
 def _data_summary(data: dict[str, Any]) -> str:
     keys = ("num_classes", "image_shape", "mean", "std", "batch_size")
-    shown = [f"{key}={data[key]}" for key in keys if data.get(key) is not None]
+    shown = [f"{key}={_text(data[key], 80)}" for key in keys if data.get(key) is not None]
     return ", ".join(shown) or "no sizes recorded"
 
 
+_COMMIT = re.compile(r"[0-9a-f]{7,64}")
+
+
 def _code(run_dir: Path | None) -> list[str]:
-    """The training run's git commit and command, from its run.yaml."""
+    """The training run's git commit, from its run.yaml (a commit's hash, or nothing). Its command is
+    not shown: a card says how to load the model in the reader's project, not what to type from a file."""
     try:
         record: dict[str, Any] = records.read_run_record(run_dir) if run_dir is not None else {}
     except UserError:
         record = {}
-    git = record.get("git") or {}
-    if not git.get("commit"):
+    git = record.get("git") if isinstance(record.get("git"), dict) else {}
+    commit = git.get("commit")
+    if not (isinstance(commit, str) and _COMMIT.fullmatch(commit)):
         return ["Git commit: not recorded (no run.yaml with a commit beside the checkpoint)."]
-    dirty = " (with uncommitted changes)" if git.get("dirty") else ""
-    lines = [f"Git commit: `{git['commit']}`{dirty}."]
-    if record.get("command"):
-        lines += ["", f"Trained with: `{record['command']}`."]
-    return lines
+    dirty = " (with uncommitted changes)" if git.get("dirty") is True else ""
+    return [f"Git commit: `{commit}`{dirty}."]

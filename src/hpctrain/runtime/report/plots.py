@@ -28,13 +28,16 @@ def read_series(metrics_csv: Path) -> dict[str, list[tuple[float, float]]]:
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     with open(metrics_csv, newline="") as file:
         for row in csv.DictReader(file):
-            step = float(row.get("step") or 0)
+            try:
+                step = float(row.get("step") or 0)
+            except (TypeError, ValueError):  # a row of another file's shape: not a point of any curve
+                continue
             for key, value in row.items():
                 if key in ("step", "epoch") or value in (None, ""):
                     continue
                 try:
-                    series[key].append((step, float(value)))
-                except ValueError:
+                    series[str(key)].append((step, float(value)))
+                except (TypeError, ValueError):
                     continue
     return dict(series)
 

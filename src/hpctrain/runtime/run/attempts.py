@@ -316,10 +316,17 @@ _SUMMED = COST_COLUMNS[:-1]
 
 def cost_cells(run_cost: dict[str, Any] | None) -> dict[str, Any]:
     """A run's cost (outcome.yaml `cost`) as summary cells: empty for a run that recorded none."""
-    if not run_cost:
+    total = run_cost.get("total") if isinstance(run_cost, dict) else None
+    if not isinstance(total, dict):
         return dict.fromkeys(COST_COLUMNS, "")
-    total = run_cost.get("total") or {}
-    return {**{key: total.get(key, "") for key in _SUMMED}, "cost_unit": run_cost.get("unit", "")}
+    cells = {key: _number_or_blank(total.get(key)) for key in _SUMMED}
+    unit = run_cost.get("unit", "")  # type: ignore[union-attr]
+    return {**cells, "cost_unit": str(unit) if unit else ""}
+
+
+def _number_or_blank(value: Any) -> Any:
+    """A number recorded in outcome.yaml (a file a sweep dir holds: perhaps someone else's), else ""."""
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else ""
 
 
 def summed_cost(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -202,6 +202,32 @@ def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
         raise UserError(sentence) from err
 
 
+def built_from_file(node: Any, key: str) -> Any:
+    """A model or data config read from a file (already admitted by `targets.check_stored`), built from
+    its plain values (`targets.build_stored`: no interpolation on a file's strings), and checked as the
+    project's own are."""
+    try:
+        built = _checked_lightning_object(targets.build_stored(_not_staged(node)), key)
+    except TypeError as err:  # arguments the class does not take: the file was written for other code
+        raise UserError(
+            f"{key}: the stored config does not fit the class it names ({err}); build this project's own with "
+            f"{key}=<option>, or use a checkpoint of this version of the code."
+        ) from err
+    if has_empty_parameters(built):  # a pretrained base built empty (`hpctrain.empty_weights`): read it now
+        materialize(built, "cpu")
+    return built
+
+
+def _not_staged(node: Any) -> Any:
+    """A file's config with every `stage_dir` (a node-local copy of data or of a base model) set to null:
+    nothing is copied to, or removed from, a folder a received file names."""
+    if isinstance(node, dict):
+        return {k: None if k == "stage_dir" else _not_staged(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_not_staged(v) for v in node]
+    return node
+
+
 def _import_failure(err: InstantiationException) -> str | None:
     """One sentence for a `_target_` that cannot be imported (the usual case: a user's package that
     is not on the path), instead of Hydra's three chained tracebacks."""

@@ -29,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from hpctrain.runtime import run_state
+from hpctrain.runtime import confined, run_state
 from hpctrain.runtime.config.checks import check_config, check_hydra_env
 from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
 from hpctrain.runtime.config.settings import Settings, Sources
@@ -143,6 +143,7 @@ class Job:
         chosen = network.settle_gloo_interface(int_or_none(cfg.trainer.num_nodes))  # gloo's side groups
         if chosen and launched.is_rank_zero():
             log.info(chosen)
+        confined.check_no_links_out(self.run_dir)  # a received run dir continued in place: its own files only
         if launched.is_rank_zero():
             records.check_writable(self.run_dir)
 

@@ -52,7 +52,8 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any]:
         raise UserError(
             f"{record_file} is not valid YAML ({err.__class__.__name__}); move the run dir aside."
         ) from err
-    if not isinstance(record, dict) or not isinstance(record.get("attempts", []), list):
+    attempts = record.get("attempts", []) if isinstance(record, dict) else None
+    if not isinstance(attempts, list) or not all(isinstance(a, dict) for a in attempts):
         raise UserError(
             f"{record_file} is not a run's record (it holds a {type(record).__name__} where a mapping with a list "
             "of attempts should be); move the run dir aside, or start in a new run dir."
@@ -309,6 +310,7 @@ def _ending(err: BaseException) -> tuple[str, str | None]:
 def read_outcome(run_dir: str | Path) -> dict[str, Any]:
     path = Path(run_dir) / OUTCOME_FILE
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        outcome = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {}
+    return outcome if isinstance(outcome, dict) else {}  # a file of another shape records nothing

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from hpctrain.runtime.confined import check_no_links_out
 from hpctrain.runtime.moved import moved_names
 from hpctrain.runtime.report import plots
 from hpctrain.runtime.run import records
@@ -70,6 +71,13 @@ def _overrides(run_dir: Path, *records: dict[str, Any]) -> list[str]:
     return []
 
 
+def _number(value: Any) -> float | str:
+    """A recorded number as a float, else "" (no value)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return ""
+
+
 def rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """One row per job, and the keys whose values differ between jobs (what was swept). Besides its
     csv cells a row holds its `point` (key -> value of all its overrides) and its `test` metrics."""
@@ -78,18 +86,19 @@ def rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
         outcome, record = records.read_outcome(run_dir), records.read_run_record(run_dir)
         attempts = record.get("attempts") or [{}]
         overrides = _overrides(run_dir, record, outcome)
-        found.append(
+        test = outcome.get("test") if isinstance(outcome.get("test"), dict) else {}
+        found.append(  # values only, numbers where numbers go: a sweep dir may be someone else's
             {
                 "job": int(run_dir.name),
-                "status": outcome.get("status") or ("running" if attempts != [{}] else "not started"),
+                "status": str(outcome.get("status") or ("running" if attempts != [{}] else "not started")),
                 "overrides": overrides,
-                "metric": outcome.get("metric") or "",
-                "value": outcome.get("value") if outcome.get("value") is not None else "",
+                "metric": str(outcome.get("metric") or ""),
+                "value": _number(outcome.get("value")),
                 "run_dir": str(run_dir),
-                "slurm_log": attempts[-1].get("slurm_log") or "",
-                "error": outcome.get("error") or "",
+                "slurm_log": str(attempts[-1].get("slurm_log") or ""),
+                "error": str(outcome.get("error") or ""),
                 "point": point_of(overrides),
-                "test": outcome.get("test") or {},
+                "test": {str(k): v for k, v in test.items() if _number(v) != ""},
                 **cost_cells(outcome.get("cost")),
             }
         )
@@ -188,7 +197,9 @@ def report(
     sweep_dir: str | Path, over: Sequence[str] = OVER, group_by: Sequence[str] | None = None
 ) -> Summary:
     """Write the summary and log one line per job (status, value, where its run dir and log are) and one
-    per group of more than one point (its mean and 95 % interval, what failed or is missing)."""
+    per group of more than one point (its mean and 95 % interval, what failed or is missing). A sweep dir
+    holding a link out of it is refused before anything is written."""
+    check_no_links_out(sweep_dir, "the sweep dir")
     summary = summarise(sweep_dir, over, group_by)
     for row in summary.table:
         value = f"{row['metric']}={row['value']:.4g}" if isinstance(row["value"], float) else "no value"

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from hpctrain.runtime.run.checkpoints import sharded
 from hpctrain.runtime.run.checkpoints.folders import (
     CheckpointNotSaved,
     commit_folder,
@@ -112,6 +113,15 @@ class FolderSaves:
         """The asynchronous save in flight written, and the host buffers freed (the end of fit)."""
         self.wait()
         self._staging.close()
+
+    @staticmethod
+    def is_folder(path: Any) -> bool:
+        return sharded.is_sharded(path)
+
+    @staticmethod
+    def load(path: Any, module: Any, optimizers: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        """A resumed run's folder, read once (`sharded.load_into`)."""
+        return sharded.load_into(path, module, optimizers, strict)
 
     def remove(self, rank: int, filepath: Any) -> None:
         """Never before the new checkpoint is committed (an asynchronous save is waited for, and its

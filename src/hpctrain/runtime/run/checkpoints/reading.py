@@ -64,8 +64,9 @@ def stored_config(
     content: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The groups of the config a checkpoint of this template was trained with ({} for others), as data:
-    every `_target_` in them one the project's configs name (or `trusted_targets`), else refused in one
-    sentence (`hpctrain.runtime.config.targets`), and their strings literals that resolve nothing."""
+    plain containers whose every `_target_` is one the project's configs name (or `trusted_targets`),
+    else refused in one sentence (`hpctrain.runtime.config.targets`, rule 1). Build them with
+    `targets.build_stored`: their strings are text, never resolved."""
     stored = (content if content is not None else read(path, what, weights=False)).get(CONFIG_KEY) or {}
     if not isinstance(stored, dict) or not all(isinstance(stored.get(g, {}), dict) for g in groups):
         raise UnreadableCheckpoint(
@@ -75,7 +76,32 @@ def stored_config(
     chosen = {group: stored[group] for group in groups if group in stored}
     searchpath = "" if how else recorded_searchpath(path)  # `how`: hpctrain.load, which no searchpath helps
     targets.check_stored(chosen, f"{what}={path}", trusted_targets, how, searchpath)
-    return targets.literal(chosen)
+    return chosen
+
+
+def _without_unresolved(checkpoint: Path, group: str, node: Any, given: set[str]) -> Any:
+    """`node` (a stored group, plain) ready for OmegaConf, which would resolve a string holding `${` (a
+    file's `${oc.env:...}` would read this machine's environment): such a string is refused in one
+    sentence, unless the command line replaces it (`given`: its dotted keys), when it is left out. Such a
+    string is most often a value the training run read through an interpolation, which its records keep
+    as written (`hpctrain.runtime.config.redact`): the command line gives this machine's value."""
+
+    def clean(value: Any, key: str) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v, f"{key}.{k}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v, f"{key}[{i}]") for i, v in enumerate(value)]
+        if not (isinstance(value, str) and ("${" in value or value == "???")):
+            return value  # (OmegaConf reads "???" as a missing value)
+        if any(key == g or key.startswith((f"{g}.", f"{g}[")) for g in given):
+            return None  # replaced by the command line's value
+        raise UnreadableCheckpoint(
+            f"ckpt_path={checkpoint} stores {key}={value[:80]!r}, an interpolation kept as written (a file's strings "
+            "are never resolved, so that one cannot read this machine's environment or run a resolver); pass "
+            f"the value on the command line: {key}=<value>."
+        )
+
+    return clean(node, group)
 
 
 def recorded_searchpath(path: str | Path) -> str:
@@ -89,7 +115,8 @@ def recorded_searchpath(path: str | Path) -> str:
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return ""
     found = [str(o).lstrip("+") for o in overrides if str(o).lstrip("+").startswith("hydra.searchpath=")]
-    return found[-1] if found else ""
+    # words to type, from a file: printable and short, or nothing
+    return found[-1] if found and found[-1].isprintable() and len(found[-1]) <= 300 else ""
 
 
 def check_matches_model(
@@ -200,26 +227,22 @@ def config_from_checkpoint(
         if group not in stored:
             continue
         dotted = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith(f"{group}.")]
-        replacement = OmegaConf.merge(
-            OmegaConf.create(stored[group]), OmegaConf.from_dotlist(dotted).get(group) or {}
-        )
-        if group == "data" and "data_dir" in replacement:
+        given = {o.partition("=")[0] for o in dotted}
+        node = dict(stored[group])
+        if group == "data" and "data_dir" in node and "data.data_dir" not in given:
             # the checkpoint's data_dir is where the training job's machine kept its data
-            if not any(o.startswith("data.data_dir=") for o in dotted):
-                replacement.data_dir = cfg.paths.data_dir
+            node["data_dir"] = str(cfg.paths.data_dir)
             if launched.is_rank_zero():
                 log.info(
                     "data: read from %s (paths.data_dir of this command; the checkpoint was trained on %s); "
                     "pass paths.data_dir=<dir> to read another",
-                    replacement.data_dir,
+                    node["data_dir"],
                     stored[group].get("data_dir"),
                 )
-        if (
-            group == "data"
-            and "stage_dir" in replacement
-            and not any(o.startswith("data.stage_dir=") for o in dotted)
-        ):
-            replacement.stage_dir = None  # the training job's node-local scratch is gone (or another job's)
+        if group == "data" and "stage_dir" in node and "data.stage_dir" not in given:
+            node["stage_dir"] = None  # the training job's node-local scratch is gone (or another job's)
+        node = _without_unresolved(checkpoint, group, node, given)
+        replacement = OmegaConf.merge(OmegaConf.create(node), OmegaConf.from_dotlist(dotted).get(group) or {})
         with open_dict(cfg):
             cfg[group] = replacement
     return cfg

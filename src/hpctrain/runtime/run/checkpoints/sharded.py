@@ -6,28 +6,46 @@
         meta.pt          Lightning's part (epoch, loops, callbacks, hpctrain's stored config)
         shards.json      hpctrain's record of the shard files (size, digest of their start)
 
-torch.distributed.checkpoint reads `.metadata` with `pickle.load` and non-tensor items with
-`torch.load(weights_only=False)`: either could run code. `check_folder` reads `.metadata` with an
-unpickler that admits only DCP's own index classes, and every non-tensor item with
-`weights_only=True`, before anything else reads the folder; it also names a missing shard, a shard
-from another checkpoint and a folder that is not a checkpoint, each in one sentence. `read_folder`
-then gives the folder's content as one Lightning checkpoint dict (the whole model's weights, on one
-process, without a process group), and `consolidate` writes that as a single file (and a
-.safetensors file) for any tool that wants one.
+torch.distributed.checkpoint's own reader opens `.metadata` with `pickle.load` and loads non-tensor items
+with `torch.load(weights_only=False)`: either could run code, and a check made on an earlier read proves
+nothing about the file torch opens later (it may be swapped in between, on a shared filesystem). So the
+folder is read once: `check_folder` parses `.metadata` with an unpickler that admits only DCP's own index
+classes, checks every size it declares against the bytes on disk (before anything is allocated), every
+shard path against the folder and every non-tensor item with `weights_only=True`; torch is then handed
+that parsed index (`_ParsedIndexReader`, which never opens `.metadata`) and a planner that loads
+non-tensor items with `weights_only=True` (`_WeightsOnlyPlanner`). A missing shard, a shard from another
+checkpoint and a folder that is not a checkpoint are each one sentence. `read_folder` gives the folder's
+content as one Lightning checkpoint dict (the whole model's weights, on one process, without a process
+group), `load_into` loads it into a sharded module and its optimizers (a resumed FSDP2 run), and
+`consolidate` writes it as a single file (and a .safetensors file) for any tool that wants one.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import pickle
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints.folders import SHARDS_FILE, start_digest
@@ -171,6 +189,7 @@ def check_folder(folder: str | Path, what: str = "ckpt_path") -> Any:
                 f"{what}={folder}: its shard {name} is shorter than its index says ({shard.stat().st_size} < {end} "
                 "bytes): it is truncated or from another checkpoint; use another checkpoint of the run."
             )
+    _check_sizes(folder, index, what)
     recorded = _recorded(folder, what)
     for name, (size, digest) in recorded.items():
         shard = shard_path(folder, name, what)
@@ -181,6 +200,48 @@ def check_folder(folder: str | Path, what: str = "ckpt_path") -> Any:
             )
     _check_plain_items(folder, index, what)
     return index
+
+
+def _check_sizes(folder: Path, index: Any, what: str) -> None:
+    """Every tensor the index declares fits in the bytes its shards hold on disk, before anything is
+    allocated: its chunks cover it (their elements add up to its own) and each chunk's stored bytes are at
+    least its elements' (a tensor of 2**42 elements needs that many on disk, else it is a lie)."""
+    lie = None
+    try:
+        for key, meta in index.state_dict_metadata.items():
+            if not isinstance(meta, TensorStorageMetadata):
+                continue
+            dtype = meta.properties.dtype
+            if not isinstance(dtype, torch.dtype) or not all(
+                isinstance(d, int) and d >= 0 for d in meta.size
+            ):
+                lie = f"{key} has no plain shape and dtype"
+                break
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            chunks = list(meta.chunks)
+            if sum(math.prod(c.sizes) for c in chunks) != math.prod(meta.size):
+                lie = f"{key}'s chunks do not add up to its {math.prod(meta.size)} elements"
+                break
+            for chunk in chunks:
+                info = index.storage_data.get(MetadataIndex(key, chunk.offsets))
+                if info is None or getattr(info, "transform_descriptors", None):
+                    lie = f"{key} has a chunk that is not stored as a plain tensor"
+                    break
+                if int(info.length) < math.prod(chunk.sizes) * itemsize:
+                    lie = (
+                        f"{key} declares {math.prod(meta.size)} elements of {str(dtype).removeprefix('torch.')}, "
+                        f"more than its shard holds ({int(info.length)} bytes for a chunk)"
+                    )
+                    break
+            if lie:
+                break
+    except (AttributeError, TypeError, ValueError) as err:
+        lie = f"its entries are malformed ({type(err).__name__})"
+    if lie:
+        raise ShardedCheckpointError(
+            f"{what}={folder} has an index ({INDEX_FILE}) that does not match its shards on disk: {lie}; nothing was "
+            "allocated or loaded: pass a complete checkpoint folder written by hpctrain."
+        )
 
 
 def _recorded(folder: Path, what: str) -> dict[str, tuple[int, str]]:
@@ -234,6 +295,55 @@ def read_meta(folder: Path, what: str = "ckpt_path") -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
+class _ParsedIndexReader(dcp.FileSystemReader):
+    """torch's reader of a checkpoint folder, handed the index `check_folder` parsed: it reads the shards
+    as torch does, and never opens `.metadata` (see the module docstring)."""
+
+    def __init__(self, folder: Path, index: Metadata) -> None:
+        super().__init__(folder)
+        self._index = index
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if getattr(self._index, "storage_meta", None) is None:
+            self._index.storage_meta = StorageMeta()  # as torch's own reader does for an older index
+        self._index.storage_meta.load_id = self.load_id
+        return self._index
+
+
+class _WeightsOnlyPlanner(dcp.DefaultLoadPlanner):
+    """torch's planner, with non-tensor items (optimizer hyperparameters) loaded by `weights_only` loading:
+    torch's own loads them with `weights_only=False`, which runs whatever a pickle calls."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            plain = torch.load(value, weights_only=True)
+        except Exception as err:
+            raise ShardedCheckpointError(
+                f"its item {read_item.dest_index.fqn} holds Python objects that weights_only loading refuses "
+                f"({' '.join(str(err).split())[:120]}); save plain values only."
+            ) from err
+        buffer = io.BytesIO()
+        torch.save(plain, buffer)  # plain values, written here: what torch's planner reads back is ours
+        buffer.seek(0)
+        super().load_bytes(read_item, buffer)
+
+
+def _load(state: dict[str, Any], folder: Path, reader: _ParsedIndexReader, what: str) -> None:
+    """dcp.load from the parsed index, every failure one sentence."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+            dcp.load(state, storage_reader=reader, planner=_WeightsOnlyPlanner())
+    except dcp.CheckpointException as err:
+        failure = next(iter(err.failures.values()), (err, None))[0]
+        if isinstance(failure, ShardedCheckpointError):
+            raise ShardedCheckpointError(f"{what}={folder}: {failure}") from None
+        raise ShardedCheckpointError(
+            f"{what}={folder} could not be read ({type(failure).__name__}: {' '.join(str(failure).split())[:160]}); "
+            "pass a complete checkpoint folder written by hpctrain."
+        ) from None
+
+
 def read_folder(folder: str | Path, what: str = "ckpt_path", weights: bool = True) -> dict[str, Any]:
     """The checkpoint as one dict: Lightning's part, and the whole model's `state_dict` (on CPU; with
     `weights=False` as meta tensors, their shapes only: what a check needs, without reading a shard)."""
@@ -246,14 +356,32 @@ def read_folder(folder: str | Path, what: str = "ckpt_path", weights: bool = Tru
         key[len(STATE_PREFIX) :]: torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
         for key, meta in index.state_dict_metadata.items()
         if key.startswith(STATE_PREFIX) and isinstance(meta, TensorStorageMetadata)
-    }
+    }  # sizes checked against the bytes on disk (`check_folder`)
     content["state_dict"] = state
-    if not weights:
-        return content
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-        dcp.load({"state_dict": state}, checkpoint_id=str(folder), no_dist=True)
+    if weights:
+        _load({"state_dict": state}, folder, _ParsedIndexReader(folder, index), what)
     return content
+
+
+def load_into(
+    folder: str | Path, module: torch.nn.Module, optimizers: Mapping[str, Any], strict: bool = True
+) -> dict[str, Any]:
+    """A resumed FSDP2 run: the folder's weights into the sharded `module`, its optimizer states into
+    `optimizers` (Lightning's keys, optimizer_0, ...), from one read of its index, as
+    Lightning's ModelParallelStrategy.load_checkpoint does with torch's own reader; Lightning's part
+    (meta.pt, read with weights_only) is returned."""
+    folder = Path(folder)
+    index = check_folder(folder)
+    reader = _ParsedIndexReader(folder, index)
+    module_state = {"state_dict": get_model_state_dict(module)}
+    _load(module_state, folder, reader, "ckpt_path")
+    module.load_state_dict(module_state["state_dict"], strict=strict)
+    for key, optimizer in optimizers.items():
+        optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
+        _load(optimizer_state, folder, reader, "ckpt_path")
+        options = StateDictOptions(cpu_offload=True)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key], options=options)
+    return read_meta(folder)
 
 
 def consolidate(folder: str | Path, output: str | Path, safetensors: bool = True) -> list[Path]:

@@ -1,0 +1,209 @@
+"""Generated attacks on the rule of targets: not a list of known tricks, but every name an attacker could
+write as a stored `_target_` to reach code through the modules this project and hpctrain import.
+
+For each module of the user's package and of hpctrain, the candidates are (`candidates`):
+- every name it holds that is another module (`<module>.<imported module>`),
+- every callable one hop inside that module (`<module>.<imported module>.<callable>`: Hydra resolves a
+  dotted name attribute by attribute, so `<package>.<mod>.torch.hub.load` reaches torch.hub.load),
+- every callable it holds that it did not define (`<module>.<imported callable>`).
+Each is refused as a stored `_target_` unless it is one of the closed set of exact names (rule 1,
+`targets.check_stored`, the one function every reader of a file's config calls: checked in-process for
+every candidate at three depths, and through the checkpoint reader and `hpctrain.load` for a sample);
+every one that walks through another module or names a callable its module only imports is also no
+target by rule 2 (`targets.resolve`, which every build goes through), whatever its prefix; a run folder's
+files holding all of them at once give nothing to resolve to any reader; and a real entry point refuses
+the walk that ran a shell command from a `.ckpt` before (`...torch.multiprocessing...spawnv_passfds`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import types
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import hpctrain
+from hpctrain.runtime.config import targets
+from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.checkpoints import reading
+from tests.helpers import run_entry
+
+PACKAGES = ("hpctrain", *targets.project_packages())
+
+
+@dataclass
+class Candidates:
+    modules: int = 0
+    not_importable: list[str] = field(default_factory=list)  # an optional extra not installed
+    walks: set[str] = field(default_factory=set)  # through a module another one imports
+    imported: set[str] = field(default_factory=set)  # a callable its module did not define
+    names: set[str] = field(default_factory=set)  # every candidate (also real submodule paths)
+
+
+def _modules() -> tuple[dict[str, types.ModuleType], list[str]]:
+    found, failed = {}, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 0.3's moved names warn when imported
+        for package in PACKAGES:
+            root = importlib.import_module(package)
+            names = [package, *(m.name for m in pkgutil.walk_packages(root.__path__, f"{package}."))]
+            for name in names:
+                try:
+                    found[name] = importlib.import_module(name)
+                except Exception:  # an optional extra (mlflow, optuna, ...) that is not installed
+                    failed.append(name)
+    return found, failed
+
+
+def _held(obj: types.ModuleType) -> list[tuple[str, object]]:
+    return [(k, v) for k, v in list(vars(obj).items()) if not k.startswith("__")]
+
+
+@pytest.fixture(scope="module")
+def candidates() -> Candidates:
+    modules, failed = _modules()
+    found = Candidates(modules=len(modules), not_importable=failed)
+    for name, module in modules.items():
+        for attribute, value in _held(module):
+            path = f"{name}.{attribute}"
+            if isinstance(value, types.ModuleType):
+                found.names.add(path)
+                own = value.__name__ == path  # its own submodule: a real path, not a walk
+                if not own:
+                    found.walks.add(path)
+                for inner, held in _held(value):
+                    if callable(held) and not isinstance(held, types.ModuleType):
+                        found.names.add(f"{path}.{inner}")
+                        if not own:
+                            found.walks.add(f"{path}.{inner}")
+            elif callable(value) and getattr(value, "__module__", None) != name:
+                found.names.add(path)
+                found.imported.add(path)
+    return found
+
+
+@pytest.mark.slow  # imports every module of both packages (and their optional extras that are installed)
+def test_every_generated_name_outside_the_closed_set_is_refused_as_a_stored_target(
+    candidates: Candidates, tmp_path: Path
+):
+    allowed = targets.closed_set()
+    outside = sorted(candidates.names - allowed)
+    assert len(outside) > 10_000 and candidates.modules > 100, (len(outside), candidates.modules)
+    for name in outside:  # at the top, nested in the project's own model, in the data: every depth
+        for stored in (
+            {"model": {"_target_": name}},
+            {"model": {"_target_": "x.Y", "net": {"layers": [{"_target_": name}]}}},
+            {"data": {"_target_": name}},
+        ):
+            with pytest.raises(targets.UntrustedTarget) as refused:
+                targets.check_stored(stored, "ckpt_path=f", extra=["x.Y"], allowed=allowed | {"x.Y"})
+            assert repr(name) in str(refused.value) and "which no config of this project names" in str(
+                refused.value
+            )
+    # the same function, reached as every entry point reaches it: the checkpoint reader and hpctrain.load
+    sample = outside[:: max(1, len(outside) // 300)]
+    for i, name in enumerate(sample):
+        content = {"state_dict": {}, reading.CONFIG_KEY: {"model": {"_target_": name}}}
+        with pytest.raises(targets.UntrustedTarget, match="which no config of this project names"):
+            reading.stored_config(f"{name}.ckpt", content=content)
+        if i % 10 == 0:
+            path = tmp_path / f"{i}.ckpt"
+            torch.save(content, path)
+            with pytest.raises(targets.UntrustedTarget, match=rf"stores model._target_='{name}'"):
+                hpctrain.load(path)
+    # the names of the closed set among them are the project's own, and resolve as one attribute each
+    for name in sorted(candidates.names & allowed):
+        targets.resolve(name)
+
+
+@pytest.mark.slow  # the same modules imported (the fixture is shared)
+def test_a_walk_or_an_imported_callable_is_no_target_whatever_its_prefix(candidates: Candidates):
+    """Rule 2 alone, for names a user might trust by mistake: a name that walks through another module,
+    or names a callable its module only imports (not declared in its __all__), resolves to nothing."""
+    assert len(candidates.walks) > 10_000
+    for name in sorted(candidates.walks):
+        with pytest.raises(
+            UserError,
+            match=r"never followed through the modules another one imports|is not an attribute of a module|"
+            r"is not the dotted name of a module's class or function",
+        ):
+            targets.resolve(name)
+    for name in sorted(candidates.imported):
+        module, _, attribute = name.rpartition(".")
+        declared = attribute in (getattr(importlib.import_module(module), "__all__", None) or ())
+        if declared:
+            assert targets.resolve(name) is getattr(importlib.import_module(module), attribute)
+            continue
+        with pytest.raises(UserError, match="imported\\): a target is one attribute of one module"):
+            targets.resolve(name)
+
+
+@pytest.mark.slow  # the same modules imported (the fixture is shared)
+def test_a_run_folders_files_give_nothing_to_resolve(
+    candidates: Candidates, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """run.yaml (its overrides and command), config.yaml, .hydra/ and outcome.yaml each naming a thousand
+    candidates of every module: whatever reads a run folder (the model card's records, a sweep's summary, a
+    plot) reads values, and resolves none of them. (A thousand, not all: YAML of 68,000 overrides takes
+    minutes to write and read, and what a reader does with a value does not depend on which it is.)"""
+    from hpctrain.runtime.inference import model_card
+    from hpctrain.runtime.report import plots
+    from hpctrain.runtime.run import records
+    from hpctrain.runtime.sweeps import summary
+
+    everything = sorted(candidates.names)
+    names = everything[:: max(1, len(everything) // 1000)]
+    resolved: list[str] = []
+    real_resolve = targets.resolve
+    monkeypatch.setattr(targets, "resolve", lambda name: resolved.append(name) or real_resolve(name))
+    run = tmp_path / "sweep" / "0"
+    (run / ".hydra").mkdir(parents=True)
+    overrides = [f"model.net._target_={name}" for name in names]
+    config = {"model": {"_target_": names[0], "layers": [{"_target_": n} for n in names]}}
+    (run / "run.yaml").write_text(
+        yaml.safe_dump({"command": " ".join(overrides), "overrides": overrides, "attempts": []})
+    )
+    (run / "config.yaml").write_text(yaml.safe_dump({**config, "diagnostics": {"stacks_signal": "SIGURG"}}))
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (run / "outcome.yaml").write_text(yaml.safe_dump({"status": "completed", "overrides": overrides}))
+    (run / "metrics.csv").write_text("step,train/loss\n0,1.0\n")
+    records.read_run_record(run), records.read_outcome(run)
+    model_card._metrics(run), model_card._code(run)
+    summary.rows(tmp_path / "sweep")
+    plots.read_series(run / "metrics.csv")
+    assert resolved == []
+
+
+@pytest.mark.slow  # one real entry point: a process
+def test_the_walk_that_ran_a_shell_command_from_a_checkpoint_is_refused_by_eval(tmp_path: Path):
+    """The reproduction: a .ckpt that loads with weights_only=True and whose stored model names a
+    callable through `<package>.<module>.torch...` (Hydra's lookup reaches multiprocessing's spawnv_passfds
+    and runs /bin/sh). eval refuses it in one sentence, before anything is imported; nothing runs."""
+    marker = tmp_path / "code-ran"
+    holder = next(
+        name
+        for name, module in sorted(_modules()[0].items())
+        if name.startswith(targets.project_packages())
+        and isinstance(vars(module).get("torch"), types.ModuleType)
+    )
+    walk = f"{holder}.torch.multiprocessing.multiprocessing.util.spawnv_passfds"
+    model = {
+        "_target_": walk,
+        "path": {"_target_": f"{holder}.torch.os.fsencode", "_args_": ["/bin/sh"]},
+        "args": ["/bin/sh", "-c", f"touch {marker}"],
+        "passfds": [],
+    }
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}, "epoch": 0, "global_step": 0, reading.CONFIG_KEY: {"model": model}}, path)
+    result = run_entry("eval.py", f"paths.log_dir={tmp_path}", f"ckpt_path={path}", timeout=120)
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stdout[-3000:]
+    assert f"stores model._target_='{walk}', which no config of this project names" in errors[0]
+    assert "Traceback" not in result.stdout and not marker.exists()
