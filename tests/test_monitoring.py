@@ -42,6 +42,7 @@ def test_a_resume_into_a_new_run_dir_keeps_the_earlier_runs_best(tmp_path: Path,
     callback = ModelCheckpoint(
         dirpath=tmp_path / "b" / "checkpoints", monitor="val/acc", mode=mode, save_top_k=2
     )
+    callback.resuming_from(earlier / "last.ckpt")
     callback.load_state_dict(_saved(earlier, {"epoch_000.ckpt": 0.2, "epoch_001.ckpt": 0.4}, mode))
     assert callback.best_model_path == str(earlier / best)
     assert float(callback.best_model_score) == pytest.approx({"max": 0.4, "min": 0.2}[mode])
@@ -56,7 +57,8 @@ def test_an_earlier_best_that_is_gone_is_said_and_left_out(tmp_path: Path, caplo
     callback = ModelCheckpoint(
         dirpath=tmp_path / "b" / "checkpoints", monitor="val/acc", mode="max", save_top_k=2
     )
-    with caplog.at_level(logging.INFO, logger="hpctrain.runtime.run"):
+    callback.resuming_from(earlier / "last.ckpt")
+    with caplog.at_level(logging.INFO, logger="hpctrain"):
         callback.load_state_dict(_saved(earlier, {"epoch_000.ckpt": 0.2, "epoch_001.ckpt": 0.4}))
     assert callback.best_k_models == {str(earlier / "epoch_000.ckpt"): torch.tensor(0.2)}
     assert callback.best_model_path == str(earlier / "epoch_000.ckpt")
@@ -72,3 +74,13 @@ def test_a_resume_in_the_same_run_dir_restores_everything_as_lightning_does(tmp_
         callback.best_k_models == state["best_k_models"]
         and callback.last_model_path == state["last_model_path"]
     )
+
+
+def test_a_resumed_state_naming_files_outside_both_folders_keeps_none_of_them(tmp_path: Path):
+    """The carried best is a file's word: only files in the resumed checkpoint's own folder are carried."""
+    earlier = _files(tmp_path / "a" / "checkpoints", "last.ckpt")
+    elsewhere = _files(tmp_path / "elsewhere", "epoch_000.ckpt")
+    callback = ModelCheckpoint(dirpath=tmp_path / "b" / "checkpoints", monitor="val/acc", mode="max")
+    callback.resuming_from(earlier / "last.ckpt")
+    callback.load_state_dict(_saved(elsewhere, {"epoch_000.ckpt": 0.9}))
+    assert callback.best_k_models == {} and callback.best_model_path == ""

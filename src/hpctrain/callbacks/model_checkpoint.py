@@ -111,8 +111,11 @@ class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        # the folder of the checkpoint this run resumes from (its state's paths may lie there)
-        self._resumed_dir = str(Path(trainer.ckpt_path).parent) if trainer.ckpt_path else None
+        self.resuming_from(trainer.ckpt_path)
+
+    def resuming_from(self, checkpoint: str | Path | None) -> None:
+        """The checkpoint this run resumes from: the paths its state names may lie in its folder too."""
+        self._resumed_dir = str(Path(checkpoint).parent) if checkpoint else None
 
     def _confined(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The state with every path outside this callback's folder and the resumed checkpoint's folder, and
