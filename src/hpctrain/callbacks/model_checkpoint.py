@@ -109,9 +109,11 @@ class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
                 self.monitor,
             )
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        self.resuming_from(trainer.ckpt_path)
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        self.resuming_from(trainer.ckpt_path)  # Lightning calls load_state_dict next
 
     def resuming_from(self, checkpoint: str | Path | None) -> None:
         """The checkpoint this run resumes from: the paths its state names may lie in its folder too."""

@@ -213,7 +213,9 @@ def built_from_file(node: Any, key: str) -> Any:
             f"{key}: the stored config does not fit the class it names ({err}); build this project's own with "
             f"{key}=<option>, or use a checkpoint of this version of the code."
         ) from err
-    if has_empty_parameters(built):  # a pretrained base built empty (`hpctrain.empty_weights`): read it now
+    if isinstance(built, torch.nn.Module) and has_empty_parameters(
+        built
+    ):  # a pretrained base built empty (`hpctrain.empty_weights`): read it now
         materialize(built, "cpu")
     return built
 
