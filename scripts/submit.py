@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from hpctrain.runtime import snapshot  # noqa: E402
 from hpctrain.runtime.config.compose import group_options  # noqa: E402
 from hpctrain.runtime.config.settings import Cluster  # noqa: E402
-from hpctrain.runtime.config.slurm_request import MEMORY, megabytes, packed_request, slurm_request  # noqa: E402
+from hpctrain.runtime.config.slurm_request import as_run, packed_request, slurm_request  # noqa: E402
 from hpctrain.runtime.environment import launched  # noqa: E402
 from hpctrain.runtime.errors import UserError  # noqa: E402
 
@@ -46,7 +46,7 @@ SWEEP_FILE = ROOT / "slurm" / "sweep.sbatch"
 PACK_FILE = ROOT / "slurm" / "pack.sbatch"
 # Counts that the submit flags set; passing them as overrides too could only create a mismatch.
 DERIVED = ("trainer.num_nodes=", "trainer.devices=")
-COUNTS = ("nodes", "ntasks-per-node", "gres")  # the flags every submission passes, preset or not
+GIVEN = ("cpus-per-task", "mem", "time", "partition", "account", "qos")  # flags that win over the preset
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -60,9 +60,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "flags given here win over it",
     )
     parser.add_argument(
-        "--gpus-per-node",
-        type=int,
-        help=f"GPUs per node = tasks per node (default {Cluster().gpus_per_node})",
+        "--gpus-per-node", type=int, help=f"GPUs (= tasks) per node (default {Cluster().gpus_per_node})"
     )
     parser.add_argument(
         "--cpu", action="store_true", help="CPU-only cluster: no GPUs, trainer=ddp_cpu (gloo)"
@@ -156,11 +154,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.preset = Cluster.load(presets[args.cluster])  # checked: a typo is one sentence naming the file
         args.overrides = [f"cluster={args.cluster}", *args.overrides]
     preset = args.preset or Cluster()  # no preset: Cluster()'s defaults, the sbatch files' #SBATCH lines
-    args.cpu = args.cpu or preset.gpus_per_node == 0
-    cpu_tasks = preset.tasks_per_node if preset.gpus_per_node == 0 else 1  # a GPU preset's are its GPUs'
-    args.tasks_per_node = (
-        (args.processes_per_node or cpu_tasks) if args.cpu else (args.gpus_per_node or preset.gpus_per_node)
-    )
+    args.cpu = args.cpu or preset.gpus_per_node == 0  # a GPU preset's tasks_per_node are its GPUs'
+    cpu_tasks = args.processes_per_node or (preset.tasks_per_node if preset.gpus_per_node == 0 else 1)
+    args.tasks_per_node = cpu_tasks if args.cpu else args.gpus_per_node or preset.gpus_per_node
     return args
 
 
@@ -179,20 +175,6 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
-def as_run(args: argparse.Namespace, point: list[str]) -> list[str]:
-    """One point's overrides as slurm/train.sbatch completes them for src/train.py (its trainer by default,
-    the counts from the allocation, the collective timeout), so its config signs as the task's will."""
-    trainer = [] if any(o.startswith("trainer=") for o in point) else ["trainer=ddp"]
-    timeout = os.environ.get("COLLECTIVE_TIMEOUT_MIN", "30")
-    return [
-        *trainer,
-        *point,
-        f"trainer.num_nodes={args.nodes}",
-        f"trainer.devices={args.tasks_per_node}",
-        f"dist.timeout_min={timeout}",
-    ]
-
-
 def missing_points(args: argparse.Namespace) -> list[int]:
     """The job numbers to submit: every point of the grid, or with skip_completed=true and
     hydra.sweep.dir=<an earlier sweep's dir>, those that did not complete there with the same config."""
@@ -206,7 +188,8 @@ def missing_points(args: argparse.Namespace) -> list[int]:
         number
         for number, point in enumerate(points)
         if completed_with(
-            args.resume_dir / str(number), config_signature(compose("train", as_run(args, point)))
+            args.resume_dir / str(number),
+            config_signature(compose("train", as_run(point, args.nodes, args.tasks_per_node))),
         )
         is None
     ]
@@ -219,20 +202,13 @@ def missing_points(args: argparse.Namespace) -> list[int]:
 
 
 def requested_resources(args: argparse.Namespace) -> dict[str, str]:
-    """The resources this submission asks sbatch for: the preset's request with the flags given here, which
-    win; without a preset, the counts and the flags given (the rest is the sbatch file's #SBATCH lines)."""
-    given = {
-        "cpus-per-task": args.cpus_per_task,
-        "mem": args.mem,  # a point's, as the preset's
-        "time": args.time,
-        "partition": args.partition,
-        "account": args.account,
-        "qos": args.qos,
-    }
-    given = {flag: str(value) for flag, value in given.items() if value is not None}
+    """What this submission asks sbatch for: the preset's request, the flags given here winning (--mem is a
+    point's, as the preset's); without a preset, the counts and the flags given, the rest the file's."""
+    given = {flag: str(v) for flag in GIVEN if (v := getattr(args, flag.replace("-", "_"))) is not None}
     request = slurm_request(args.preset, args.nodes, args.tasks_per_node, gpus=not args.cpu) | given
     flags = packed_request(request, args.pack or 1)  # a pack: that many points' tasks, GPUs and memory
-    return flags if args.preset else {flag: v for flag, v in flags.items() if flag in (*COUNTS, *given)}
+    counts = ("nodes", "ntasks-per-node", "gres", *given)
+    return flags if args.preset else {flag: value for flag, value in flags.items() if flag in counts}
 
 
 def sbatch_command(args: argparse.Namespace) -> list[str]:
@@ -274,14 +250,15 @@ def file_defaults(path: Path = SBATCH_FILE) -> dict[str, str]:
 
 def requested(command: list[str]) -> dict[str, str]:
     """The flags sbatch will see: the batch file's, overridden by the command line's."""
-    flags = file_defaults(
-        next(Path(a) for a in command if a in map(str, (SBATCH_FILE, SWEEP_FILE, PACK_FILE)))
-    )
+    flags = file_defaults(next(Path(arg) for arg in command if arg.endswith(".sbatch") and arg[0] != "-"))
     for arg in command:
         if arg.startswith("--") and "=" in arg:
             flag, value = arg[2:].split("=", 1)
             flags[flag] = value
     return flags
+
+
+MEMORY = re.compile(r"(\d+)([KMGT]?)B?")
 
 
 def memory(value: str) -> str:
@@ -292,6 +269,18 @@ def memory(value: str) -> str:
             "e.g. --mem 1536M or --mem 2G"
         )
     return value
+
+
+def megabytes(value: str) -> int:
+    """sbatch --mem: a number of MB, or with a K/M/G/T suffix; 0 means all of a node's memory."""
+    found = MEMORY.fullmatch(str(value).upper())
+    if found is None:  # from a preset or the sbatch file: the command line's is checked by argparse
+        raise UserError(
+            f"--mem={value} is not a memory size sbatch takes (a whole number with an optional K, M, G or T "
+            "suffix, e.g. 1536M or 2G); fix it in the cluster preset or slurm/train.sbatch."
+        )
+    number, unit = found.groups()
+    return int(int(number) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}[unit])
 
 
 def gpus(gres: str) -> int:

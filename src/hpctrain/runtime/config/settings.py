@@ -330,9 +330,8 @@ class Extras:
 
 @dataclass(frozen=True)
 class Cluster:
-    """A site's resources (conf/cluster/<name>.yaml): scripts/submit.py --cluster NAME and hydra/launcher=slurm
-    ask Slurm for them (config/slurm_request.py), and the run uses `offline` and `scratch_dir`. The defaults
-    are the request of no preset, which the #SBATCH lines of slurm/*.sbatch hold too."""
+    """A site's resources (conf/cluster/<name>.yaml), asked of Slurm by config/slurm_request.py (the defaults
+    when no preset is chosen, the #SBATCH lines' too); the run uses `offline` and `scratch_dir`."""
 
     name: str = setting("local", {"type": "string"}, "the preset's name", "narval")
     partition: str | None = setting(None, {"type": ["string", "null"]}, "a partition name or null", "gpu")
@@ -345,10 +344,7 @@ class Cluster:
     tasks_per_node: int = setting(1, _int(1), "a positive integer", "4", "one task per GPU on GPU nodes")
     cpus_per_task: int = setting(8, _int(1), "a positive integer", "8", "on GPU nodes: per GPU")
     mem_per_task_gb: float | None = setting(
-        None,
-        {"anyOf": [POSITIVE_NUMBER, {"type": "null"}]},
-        "a positive number of GB or null (all of it)",
-        "64",
+        None, {"type": ["number", "null"], "exclusiveMinimum": 0}, "a positive number of GB or null", "64"
     )
     time_min: int = setting(240, _int(1), "a positive number of minutes", "1440")
     offline: bool = setting(

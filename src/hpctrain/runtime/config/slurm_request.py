@@ -1,17 +1,15 @@
-"""A cluster preset as a Slurm request, in one place: scripts/submit.py (slurm/train.sbatch, the job array,
-packs) and the SLURM launcher (hydra/launcher=slurm) ask sbatch for the same job. Without a preset the
-values are `Cluster()`'s defaults, which the `#SBATCH` lines of slurm/*.sbatch hold too
-(tests/test_preset_requests.py keeps the three equal). No torch here.
-"""
+"""A cluster preset as a Slurm request, in one place: scripts/submit.py (its jobs, arrays and packs) and the
+SLURM launcher ask sbatch for the same job; no preset is `Cluster()`'s defaults, which the #SBATCH lines of
+slurm/*.sbatch hold too (tests/test_preset_requests.py). No torch here."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from hpctrain.runtime.config.settings import Cluster
-from hpctrain.runtime.errors import UserError
 
-MEMORY = re.compile(r"(\d+)([KMGT]?)B?")  # sbatch --mem: a whole number, MB unless K, M, G or T follows
+PER_NODE = ("ntasks-per-node", "gres", "mem")  # a node's counts, each the flag's last number: gpu:a100:4, 2G
 
 
 def slurm_request(preset: Cluster | None, nodes: int, tasks_per_node: int, gpus: bool) -> dict[str, str]:
@@ -35,22 +33,17 @@ def slurm_request(preset: Cluster | None, nodes: int, tasks_per_node: int, gpus:
 
 def packed_request(request: dict[str, str], points: int) -> dict[str, str]:
     """`points` jobs of `request` side by side on one node: its tasks, GPUs and memory that many times."""
-    node_mb = megabytes(request.get("mem", "0"))  # 0: all of the node's, for all the points
+    times = re.compile(r"\d+(?!.*\d)")  # the last number (--mem=0, all of the node's, stays 0)
     return {
-        **request,
-        "ntasks-per-node": str(int(request["ntasks-per-node"]) * points),
-        "gres": re.sub(r"\d+$", lambda count: str(int(count[0]) * points), request["gres"]),
-        **({"mem": f"{node_mb * points}M"} if node_mb and points > 1 else {}),
+        flag: times.sub(lambda count: str(int(count[0]) * points), value) if flag in PER_NODE else value
+        for flag, value in request.items()
     }
 
 
-def megabytes(value: str) -> int:
-    """sbatch --mem: a number of MB, or with a K/M/G/T suffix; 0 means all of a node's memory."""
-    found = MEMORY.fullmatch(str(value).upper())
-    if found is None:  # from a preset or the sbatch file: the command line's is checked by argparse
-        raise UserError(
-            f"--mem={value} is not a memory size sbatch takes (a whole number with an optional K, M, G or T "
-            "suffix, e.g. 1536M or 2G); fix it in the cluster preset or slurm/train.sbatch."
-        )
-    number, unit = found.groups()
-    return int(int(number) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}[unit])
+def as_run(point: list[str], nodes: int | str, tasks_per_node: int | str) -> list[str]:
+    """A point's overrides as slurm/train.sbatch completes them on its allocation (trainer=ddp unless the
+    point chooses a trainer, the counts, the collective timeout, then the point's own), so that a config
+    composed from them signs as the job's will."""
+    trainer = [] if any(o.startswith("trainer=") for o in point) else ["trainer=ddp"]
+    counts = [f"trainer.num_nodes={nodes}", f"trainer.devices={tasks_per_node}"]
+    return [*trainer, *counts, f"dist.timeout_min={os.environ.get('COLLECTIVE_TIMEOUT_MIN', '30')}", *point]

@@ -7,10 +7,8 @@ the guarantees of `sbatch slurm/train.sbatch`.
 What this adds to hydra-submitit-launcher 1.2:
 - the allocation comes from the trainer: nodes = trainer.num_nodes, tasks per node = trainer.devices
   (one task per device), GPUs per node = trainer.devices on GPU trainers; the launcher submits one
-  allocation for the whole sweep, so sweeping those values is refused with a sentence; the rest of the
-  request (time, CPUs, memory, partition, account, QoS, GPU type) is the cluster preset's, as
-  scripts/submit.py asks for it (hpctrain.runtime.config.slurm_request), where hydra.launcher does not
-  set it;
+  allocation for the whole sweep, so sweeping those values is refused with a sentence; the rest is the
+  cluster preset's request, scripts/submit.py's (config/slurm_request.py), unless hydra.launcher sets it;
 - one owner for the time limit: the template. Jobs get `--signal=<requeue.signal>@<requeue.signal_lead_s>
   --requeue` instead of submitit's USR2, which therefore never arrives, and the template's handlers (installed
   when each job starts) checkpoint, `scontrol requeue` the array task and resume it in the same run
@@ -54,7 +52,7 @@ from omegaconf import OmegaConf, open_dict, read_write
 from hpctrain.runtime import snapshot
 from hpctrain.runtime.config.compose import CODE_ROOT, CONF_DIR, PROJECT_ROOT
 from hpctrain.runtime.config.settings import Settings
-from hpctrain.runtime.config.slurm_request import packed_request, slurm_request
+from hpctrain.runtime.config.slurm_request import as_run, packed_request, slurm_request
 from hpctrain.runtime.environment import slurm_job
 from hpctrain.runtime.environment.allocated import GPU_ACCELERATORS
 from hpctrain.runtime.errors import UserError
@@ -69,23 +67,17 @@ POLL_S = 2.0  # how often a packed sweep's launcher asks SLURM whether its jobs 
 # sbatch flags of hydra-submitit-launcher's keys that a packed job passes through as they are
 PASSED = ("comment", "constraint", "exclude", "cpus_per_gpu", "mem_per_gpu")
 # hydra-submitit-launcher's keys that set a flag of the request (config/slurm_request.py) where not null
-REQUEST_KEYS = {
-    "timeout_min": "time",
-    "cpus_per_task": "cpus-per-task",
-    "mem_gb": "mem",
-    "partition": "partition",
-    "account": "account",
-    "qos": "qos",
+REQUEST_KEYS = {"timeout_min": "time", "cpus_per_task": "cpus-per-task", "mem_gb": "mem"} | {
+    key: key for key in ("partition", "account", "qos")
 }
 
 
 @dataclass
 class PackableSlurmQueueConf(SlurmQueueConf):
-    """hydra-submitit-launcher's keys, and `pack`: jobs side by side in one allocation (1: one each).
-    timeout_min may be null: the cluster preset's time limit (or the default's)."""
+    """hydra-submitit-launcher's keys, and `pack`: jobs side by side in one allocation (1: one each)."""
 
     _target_: str = "hydra_plugins.hpctrain_sweeps.SlurmLauncher"
-    timeout_min: int | None = None
+    timeout_min: int | None = None  # null: the cluster preset's
     pack: int = 1
 
 
@@ -143,7 +135,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
                     "derived from trainer.num_nodes and trainer.devices."
                 )
         given = {
-            flag: f"{value}G" if key == "mem_gb" else str(value)
+            flag: f"{value}G" if key == "mem_gb" else str(value)  # mem_gb: GB per node
             for key, flag in REQUEST_KEYS.items()
             if (value := self.params.get(key)) is not None
         }
@@ -207,8 +199,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
         return [self._result(job, number) for (_, _, number, _, _), job in zip(job_params, jobs, strict=True)]
 
     def _signal_flags(self) -> dict[str, Any]:
-        """--signal=<requeue.signal>@<its lead> --requeue, the template's (replacing submitit's USR2), then
-        hydra.launcher.additional_parameters, which win."""
+        """--signal=<requeue.signal>@<lead> --requeue (not submitit's USR2), then additional_parameters, which win."""
         requeue = self.settings.requeue
         signal = f"{requeue.signal}@{math.ceil(requeue.signal_lead_s)}"
         return {"signal": signal, "requeue": True, **(self.params.get("additional_parameters") or {})}
@@ -231,10 +222,9 @@ class SlurmLauncher(SubmititSlurmLauncher):
         driver runs each job as slurm/train.sbatch in a step of its own (hpctrain.runtime.sweeps.pack)."""
         request = self.request()
         if request["nodes"] != "1":
-            nodes = request["nodes"]
             raise UserError(
                 f"hydra.launcher.pack={size} puts {size} jobs side by side on one node, but trainer.num_nodes="
-                f"{nodes} asks for {nodes} nodes per job; pack jobs that fit one node "
+                f"{request['nodes']} asks for {request['nodes']} nodes per job; pack jobs that fit one node "
                 "(trainer.num_nodes=1), or drop hydra.launcher.pack (one allocation per job)."
             )
         sweep = Path(str(self.config.hydra.sweep.dir)).resolve()
@@ -283,13 +273,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
         if not OmegaConf.select(self.config, "skip_completed", default=False):
             return None
 
-        as_run = [
-            "trainer.num_nodes=1",
-            f"trainer.devices={request['ntasks-per-node']}",
-            f"dist.timeout_min={os.environ.get('COLLECTIVE_TIMEOUT_MIN', '30')}",
-            *point,
-        ]
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, as_run)
+        completed = as_run(point, 1, request["ntasks-per-node"])
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, completed)
         with open_dict(cfg):
             del cfg["hydra"]  # not signed, and it cannot be resolved here (no job number yet)
         done = records.completed_with(sweep / str(number), records.config_signature(cfg))
@@ -302,8 +287,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
     def _submit_pack(
         self, code: Path, sweep: Path, todo: list[tuple[int, list[str]]], size: int, request: dict[str, str]
     ) -> str:
-        """sbatch slurm/pack.sbatch --array=0-<packs - 1> --pack=<size> --jobs=<file>, asking for `request`
-        (`size` jobs' worth); the array's job id."""
+        """sbatch slurm/pack.sbatch --array=0-<packs - 1> --pack=<size> --jobs=<file> for `request`; the job id."""
         params = self.params
         flags = {
             "job-name": params.get("name") or "pack",
