@@ -103,7 +103,7 @@ def test_without_a_preset_the_sbatch_files_lines_are_the_defaults():
         "ntasks-per-node": str(Cluster().gpus_per_node),
         "gres": f"gpu:{Cluster().gpus_per_node}",
         "cpus-per-task": str(Cluster().cpus_per_task),
-        "mem": "0",  # Cluster().mem_per_task_gb is None: all of each node's memory
+        "mem": "0",  # Cluster().mem_per_task_gb is 0: all of each node's memory
         "time": Cluster().time_min,
     }
     for file in ("train", "sweep", "pack"):

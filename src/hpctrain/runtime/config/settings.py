@@ -343,9 +343,7 @@ class Cluster:
     )
     tasks_per_node: int = setting(1, _int(1), "a positive integer", "4", "one task per GPU on GPU nodes")
     cpus_per_task: int = setting(8, _int(1), "a positive integer", "8", "on GPU nodes: per GPU")
-    mem_per_task_gb: float | None = setting(
-        None, {"type": ["number", "null"], "exclusiveMinimum": 0}, "a positive number of GB or null", "64"
-    )
+    mem_per_task_gb: float = setting(0, {"type": "number", "minimum": 0}, "a number of GB, 0: all", "64")
     time_min: int = setting(240, _int(1), "a positive number of minutes", "1440")
     offline: bool = setting(
         False, {"type": "boolean"}, "true or false", "true", "compute nodes without internet"

@@ -16,13 +16,13 @@ def slurm_request(preset: Cluster | None, nodes: int, tasks_per_node: int, gpus:
     """sbatch's flags (`--<flag>=<value>`) for `nodes` x `tasks_per_node` tasks, one GPU each when `gpus`, on
     the cluster of `preset` (None: `Cluster()`'s defaults); what the preset leaves open is left out."""
     preset = preset or Cluster()
-    gb = None if preset.mem_per_task_gb is None else preset.mem_per_task_gb * tasks_per_node
+    gb = preset.mem_per_task_gb * tasks_per_node  # 0: all of each node's memory, as sbatch's --mem=0
     flags = {
         "nodes": nodes,
         "ntasks-per-node": tasks_per_node,
         "gres": f"gpu:{f'{preset.gpu_type}:' if preset.gpu_type else ''}{tasks_per_node}" if gpus else "none",
         "cpus-per-task": preset.cpus_per_task,
-        "mem": 0 if gb is None else f"{int(gb)}G" if gb == int(gb) else f"{round(gb * 1024)}M",  # per node
+        "mem": 0 if gb == 0 else f"{int(gb)}G" if gb == int(gb) else f"{round(gb * 1024)}M",  # per node
         "time": preset.time_min,
         "partition": preset.partition,
         "account": preset.account,
@@ -41,9 +41,8 @@ def packed_request(request: dict[str, str], points: int) -> dict[str, str]:
 
 
 def as_run(point: list[str], nodes: int | str, tasks_per_node: int | str) -> list[str]:
-    """A point's overrides as slurm/train.sbatch completes them on its allocation (trainer=ddp unless the
-    point chooses a trainer, the counts, the collective timeout, then the point's own), so that a config
-    composed from them signs as the job's will."""
+    """A point's overrides as slurm/train.sbatch completes them (trainer=ddp unless it chooses one, the counts,
+    the collective timeout, then its own), so that a config composed from them signs as the job's will."""
     trainer = [] if any(o.startswith("trainer=") for o in point) else ["trainer=ddp"]
     counts = [f"trainer.num_nodes={nodes}", f"trainer.devices={tasks_per_node}"]
     return [*trainer, *counts, f"dist.timeout_min={os.environ.get('COLLECTIVE_TIMEOUT_MIN', '30')}", *point]

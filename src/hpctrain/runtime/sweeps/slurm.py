@@ -151,10 +151,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
         request = self.request()
         params = {k: v for k, v in self.params.items() if k not in (*REQUEST_KEYS, "gpus_per_node", "pack")}
         params["timeout_min"] = int(request["time"])  # nodes and tasks_per_node: the trainer's, checked
-        params["additional_parameters"] = {  # the request's flags as they are (scripts/submit.py's too)
-            **{flag.replace("-", "_"): value for flag, value in request.items()},
-            **self._signal_flags(),
-        }
+        flags = {flag.replace("-", "_"): value for flag, value in request.items()}  # submit.py's, as they are
+        params["additional_parameters"] = {**flags, **self._signal_flags()}
         root_dir = OmegaConf.select(self.config, "paths.root_dir")
         code_lines: list[str] = []
         if OmegaConf.select(self.config, "snapshot", default=True):
@@ -295,7 +293,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
             "array": f"0-{math.ceil(len(todo) / size) - 1}%{params.get('array_parallelism') or 256}",
             "output": sweep / packed.JOBS_DIR / "%A_%a.out",
             "chdir": code,
-            **{key.replace("_", "-"): params.get(key) for key in PASSED},
+            **{key.replace("_", "-"): params[key] for key in PASSED if params.get(key) is not None},
             **{key.replace("_", "-"): value for key, value in self._signal_flags().items()},
         }
         jobs_file = packed.write_jobs(sweep, todo, todo[0][0])
