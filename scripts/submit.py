@@ -57,7 +57,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--cluster",
         help="a cluster preset (conf/cluster/ or hpctrain's: partition, account, GPUs, CPUs and memory, time, setup lines); "
-        "flags given here win over it",
+        "flags given here win over it (without one, over the sbatch file's #SBATCH lines: the same defaults)",
     )
     parser.add_argument(
         "--gpus-per-node", type=int, help=f"GPUs (= tasks) per node (default {Cluster().gpus_per_node})"
@@ -66,9 +66,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--cpu", action="store_true", help="CPU-only cluster: no GPUs, trainer=ddp_cpu (gloo)"
     )
     parser.add_argument("--processes-per-node", type=int, help="with --cpu: processes per node (default 1)")
-    parser.add_argument("--cpus-per-task", type=int, help="CPU cores per task (default: the sbatch file's)")
+    parser.add_argument("--cpus-per-task", type=int, help="CPU cores per task (default: the preset's)")
     parser.add_argument("--time", help="time limit, e.g. 04:00:00")
-    parser.add_argument("--mem", type=memory, help="memory per node, e.g. 200G (default: the sbatch file's)")
+    parser.add_argument("--mem", type=memory, help="memory per node, e.g. 200G (default: the preset's)")
     parser.add_argument("--partition", help="partition (queue)")
     parser.add_argument("--account", help="account to charge")
     parser.add_argument("--qos", help="quality of service")
