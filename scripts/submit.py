@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]  # this code: the project, or a snaps
 sys.path.insert(0, str(ROOT / "src"))
 
 from hpctrain.runtime import snapshot  # noqa: E402
+from hpctrain.runtime.config.compose import group_options  # noqa: E402
+from hpctrain.runtime.config.settings import Cluster  # noqa: E402
+from hpctrain.runtime.config.slurm_request import as_run, packed_request, slurm_request  # noqa: E402
 from hpctrain.runtime.environment import launched  # noqa: E402
 from hpctrain.runtime.errors import UserError  # noqa: E402
 
@@ -43,6 +46,7 @@ SWEEP_FILE = ROOT / "slurm" / "sweep.sbatch"
 PACK_FILE = ROOT / "slurm" / "pack.sbatch"
 # Counts that the submit flags set; passing them as overrides too could only create a mismatch.
 DERIVED = ("trainer.num_nodes=", "trainer.devices=")
+GIVEN = ("cpus-per-task", "mem", "time", "partition", "account", "qos")  # flags that win over the preset
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -53,16 +57,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--cluster",
         help="a cluster preset (conf/cluster/ or hpctrain's: partition, account, GPUs, CPUs and memory, time, setup lines); "
-        "flags given here win over it",
+        "flags given here win over it (without one, over the sbatch file's #SBATCH lines: the same defaults)",
     )
-    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node = tasks per node (default 8)")
+    parser.add_argument(
+        "--gpus-per-node", type=int, help=f"GPUs (= tasks) per node (default {Cluster().gpus_per_node})"
+    )
     parser.add_argument(
         "--cpu", action="store_true", help="CPU-only cluster: no GPUs, trainer=ddp_cpu (gloo)"
     )
     parser.add_argument("--processes-per-node", type=int, help="with --cpu: processes per node (default 1)")
-    parser.add_argument("--cpus-per-task", type=int, help="CPU cores per task (default: the sbatch file's)")
+    parser.add_argument("--cpus-per-task", type=int, help="CPU cores per task (default: the preset's)")
     parser.add_argument("--time", help="time limit, e.g. 04:00:00")
-    parser.add_argument("--mem", type=memory, help="memory per node, e.g. 200G (default: the sbatch file's)")
+    parser.add_argument("--mem", type=memory, help="memory per node, e.g. 200G (default: the preset's)")
     parser.add_argument("--partition", help="partition (queue)")
     parser.add_argument("--account", help="account to charge")
     parser.add_argument("--qos", help="quality of service")
@@ -129,7 +135,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
             f"for {args.nodes} nodes per point; pack points that fit one node (--nodes 1), or drop --pack "
             "(one array task per point)"
         )
-    args.gpu_type, args.setup = None, []
     args.resume_dir = None
     if args.sweep and "skip_completed=true" in [o.lower() for o in args.overrides]:
         given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("hydra.sweep.dir=")]
@@ -138,45 +143,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
                 "skip_completed=true re-runs an earlier sweep: name its dir with hydra.sweep.dir=<multirun dir>"
             )
         args.resume_dir = Path(given[-1]).expanduser().resolve()
-    if args.cluster:
-        apply_preset(args, parser)
-    args.gpus_per_node = args.gpus_per_node or 8
-    args.processes_per_node = args.processes_per_node or 1
+    args.preset = None
+    if args.cluster:  # the job gets cluster=<name> too: its config records it (and `offline`, `scratch_dir`)
+        presets = group_options("cluster")  # the project's conf/cluster/ and hpctrain's
+        if args.cluster not in presets:
+            parser.error(
+                f"--cluster {args.cluster}: there is no conf/cluster/{args.cluster}.yaml; the presets are "
+                f"{', '.join(presets)}"
+            )
+        args.preset = Cluster.load(presets[args.cluster])  # checked: a typo is one sentence naming the file
+        args.overrides = [f"cluster={args.cluster}", *args.overrides]
+    preset = args.preset or Cluster()  # no preset: Cluster()'s defaults, the sbatch files' #SBATCH lines
+    args.cpu = args.cpu or preset.gpus_per_node == 0  # a GPU preset's tasks_per_node are its GPUs'
+    cpu_tasks = args.processes_per_node or (preset.tasks_per_node if preset.gpus_per_node == 0 else 1)
+    args.tasks_per_node = cpu_tasks if args.cpu else args.gpus_per_node or preset.gpus_per_node
     return args
-
-
-def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Fill what the command line left open from conf/cluster/<name>.yaml, and pass cluster=<name> on to
-    the job (its config records it; offline compute nodes make datamodules not download)."""
-    from hpctrain.runtime.config.compose import group_options
-    from hpctrain.runtime.config.settings import Cluster
-
-    presets = group_options("cluster")  # the project's conf/cluster/ and hpctrain's
-    if args.cluster not in presets:
-        parser.error(
-            f"--cluster {args.cluster}: there is no conf/cluster/{args.cluster}.yaml; the presets are "
-            f"{', '.join(presets)}"
-        )
-    preset = Cluster.load(presets[args.cluster])  # typed and checked: a typo is one sentence naming the file
-    if preset.gpus_per_node == 0:
-        args.cpu = True
-        args.processes_per_node = args.processes_per_node or preset.tasks_per_node
-    elif not args.cpu:
-        args.gpus_per_node = args.gpus_per_node or preset.gpus_per_node
-        args.gpu_type = preset.gpu_type
-    tasks = args.processes_per_node if args.cpu else args.gpus_per_node
-    for flag, value in (
-        ("partition", preset.partition),
-        ("account", preset.account),
-        ("qos", preset.qos),
-        ("time", preset.time_min),
-        ("cpus_per_task", preset.cpus_per_task),
-        ("mem", f"{int(preset.mem_per_task_gb * tasks)}G"),
-    ):
-        if getattr(args, flag) is None and value is not None:
-            setattr(args, flag, str(value) if flag != "cpus_per_task" else int(value))
-    args.setup = list(preset.setup)
-    args.overrides = [f"cluster={args.cluster}", *args.overrides]
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:
@@ -194,21 +175,6 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
-def as_run(args: argparse.Namespace, point: list[str]) -> list[str]:
-    """One point's overrides as slurm/train.sbatch completes them for src/train.py (its trainer by default,
-    the counts from the allocation, the collective timeout), so its config signs as the task's will."""
-    per_node = args.processes_per_node if args.cpu else args.gpus_per_node
-    trainer = [] if any(o.startswith("trainer=") for o in point) else ["trainer=ddp"]
-    timeout = os.environ.get("COLLECTIVE_TIMEOUT_MIN", "30")
-    return [
-        *trainer,
-        *point,
-        f"trainer.num_nodes={args.nodes}",
-        f"trainer.devices={per_node}",
-        f"dist.timeout_min={timeout}",
-    ]
-
-
 def missing_points(args: argparse.Namespace) -> list[int]:
     """The job numbers to submit: every point of the grid, or with skip_completed=true and
     hydra.sweep.dir=<an earlier sweep's dir>, those that did not complete there with the same config."""
@@ -222,7 +188,8 @@ def missing_points(args: argparse.Namespace) -> list[int]:
         number
         for number, point in enumerate(points)
         if completed_with(
-            args.resume_dir / str(number), config_signature(compose("train", as_run(args, point)))
+            args.resume_dir / str(number),
+            config_signature(compose("train", as_run(point, args.nodes, args.tasks_per_node))),
         )
         is None
     ]
@@ -234,14 +201,20 @@ def missing_points(args: argparse.Namespace) -> list[int]:
     return todo
 
 
+def requested_resources(args: argparse.Namespace) -> dict[str, str]:
+    """What this submission asks sbatch for: the preset's request, the flags given here winning (--mem is a
+    point's, as the preset's); without a preset, the counts and the flags given, the rest the file's."""
+    given = {flag: str(v) for flag in GIVEN if (v := getattr(args, flag.replace("-", "_"))) is not None}
+    request = slurm_request(args.preset, args.nodes, args.tasks_per_node, gpus=not args.cpu) | given
+    flags = packed_request(request, args.pack or 1)  # a pack: that many points' tasks, GPUs and memory
+    counts = ("nodes", "ntasks-per-node", "gres", *given)
+    return flags if args.preset else {flag: value for flag, value in flags.items() if flag in counts}
+
+
 def sbatch_command(args: argparse.Namespace) -> list[str]:
-    pack = args.pack or 1  # points side by side on one node: every per-node count of a point, that many times
-    per_node = (args.processes_per_node if args.cpu else args.gpus_per_node) * pack
     command = [
         "sbatch",
-        f"--nodes={args.nodes}",
-        f"--ntasks-per-node={per_node}",
-        "--gres=none" if args.cpu else f"--gres=gpu:{f'{args.gpu_type}:' if args.gpu_type else ''}{per_node}",
+        *(f"--{flag}={value}" for flag, value in requested_resources(args).items()),
         f"--chdir={ROOT}",
         f"--output={PROJECT / 'slurm' / 'logs'}/%x-{'%A_%a' if args.sweep else '%j'}.out",
     ]
@@ -250,27 +223,17 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
         limit = f"%{args.parallel}" if args.parallel else ""
         todo = missing_points(args)
         if args.pack:
-            packs = -(-len(todo) // pack)
+            packs = -(-len(todo) // args.pack)
             command.append(f"--array={f'0-{packs - 1}' if todo else ''}{limit}")
             packed = [
-                f"--pack={pack}",
+                f"--pack={args.pack}",
                 *([f"--points={','.join(map(str, todo))}"] if args.resume_dir else []),
             ]
         else:
             command.append(
                 f"--array={','.join(map(str, todo)) if args.resume_dir else f'0-{todo[-1]}'}{limit}"
             )
-    mem = f"{megabytes(args.mem) * pack}M" if args.mem and pack > 1 and megabytes(args.mem) else args.mem
-    optional = {
-        "--cpus-per-task": args.cpus_per_task,
-        "--time": args.time,
-        "--mem": mem,
-        "--partition": args.partition,
-        "--account": args.account,
-        "--qos": args.qos,
-        "--job-name": args.job_name,
-    }
-    command += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
+    command += [f"--job-name={args.job_name}"] if args.job_name else []
     command += args.sbatch_arg
     command.append(str(PACK_FILE if args.pack else SWEEP_FILE if args.sweep else SBATCH_FILE))
     return command + packed + job_overrides(args)
@@ -286,8 +249,8 @@ def file_defaults(path: Path = SBATCH_FILE) -> dict[str, str]:
 
 
 def requested(command: list[str]) -> dict[str, str]:
-    """The flags sbatch will see: the file's, overridden by the command line's."""
-    flags = file_defaults()
+    """The flags sbatch will see: the batch file's, overridden by the command line's."""
+    flags = file_defaults(next(Path(arg) for arg in command if arg.endswith(".sbatch") and arg[0] != "-"))
     for arg in command:
         if arg.startswith("--") and "=" in arg:
             flag, value = arg[2:].split("=", 1)
@@ -542,8 +505,8 @@ def submit(argv: list[str]) -> int:
     print(shlex.join(command), flush=True)
     # the preset's setup lines and an earlier sweep's dir reach the job through its environment
     env = dict(os.environ)
-    if args.setup:
-        env["HPCTRAIN_CLUSTER_SETUP"] = "\n".join(args.setup)  # run by slurm/job_env.sh
+    if args.preset and args.preset.setup:
+        env["HPCTRAIN_CLUSTER_SETUP"] = "\n".join(args.preset.setup)  # run by slurm/job_env.sh
     if args.resume_dir is not None:
         env["HPCTRAIN_SWEEP_DIR"] = str(args.resume_dir)  # read by slurm/sweep.sbatch
     return subprocess.run(command, check=False, env=env).returncode

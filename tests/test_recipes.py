@@ -1,6 +1,6 @@
 """The contributor's recipes in docs/maintainers/contributing.md, followed in a copy of the project: each
 touches the two files it names, and the result works (a callback runs in a training run beside the
-default set; a cluster preset key is read, checked, and in the editor schema)."""
+default set; a cluster preset key is read, checked, in the editor schema and asked of sbatch)."""
 
 from __future__ import annotations
 
@@ -83,17 +83,21 @@ def test_the_add_a_callback_recipe_runs_its_callback_beside_the_default_set(tmp_
 def test_the_add_a_preset_key_recipe_reads_checks_and_documents_the_key(tmp_path: Path):
     recipe = _recipe("Add a preset key")
     (field,) = re.findall(r"`(constraint: .*?)`\.", recipe, re.DOTALL)
-    project = _copy(tmp_path / "project", "src/hpctrain", "scripts/dev")
-    settings = project / "src/hpctrain/runtime/config/settings.py"
-    text = settings.read_text()
-    anchor = "    setup: list[str] = setting("  # the recipe adds its field to the Cluster dataclass
-    assert anchor in text
-    settings.write_text(text.replace(anchor, f"    {field}\n{anchor}", 1))
+    (flag,) = re.findall(r"`(\"constraint\": preset\.constraint,)`", recipe)
+    project = _copy(tmp_path / "project", "src/hpctrain", "scripts", "slurm", "conf", "pyproject.toml")
+    for path, anchor, line in (  # the recipe's field of the Cluster dataclass, and its flag for sbatch
+        ("src/hpctrain/runtime/config/settings.py", "    setup: list[str] = setting(", f"    {field}"),
+        ("src/hpctrain/runtime/config/slurm_request.py", '        "partition": preset', f"        {flag}"),
+    ):
+        text = (project / path).read_text()
+        assert anchor in text, path
+        (project / path).write_text(text.replace(anchor, f"{line}\n{anchor}", 1))
     regenerated = _run(project, "scripts/dev/config_schema.py")
     assert regenerated.returncode == 0, regenerated.stderr[-3000:]
     schema = json.loads((project / "src/hpctrain/conf/schema/cluster.schema.json").read_text())
     assert "constraint" in json.dumps(schema)
-    preset = tmp_path / "site.yaml"  # a site's preset (conf/cluster/<name>.yaml)
+    (project / "conf" / "cluster").mkdir()
+    preset = project / "conf" / "cluster" / "site.yaml"  # a site's preset
     preset.write_text("name: site\npartition: gpu\nconstraint: a100\n")
     typo = tmp_path / "typo.yaml"
     typo.write_text("name: typo\nconstrant: a100\n")
@@ -102,8 +106,12 @@ def test_the_add_a_preset_key_recipe_reads_checks_and_documents_the_key(tmp_path
     assert read.returncode == 0 and read.stdout.strip() == "a100", read.stderr[-3000:]
     refused = _run(project, "-c", load + f"Cluster.load(Path({str(typo)!r}))")
     assert refused.returncode != 0 and "constrant" in refused.stderr and "constraint" in refused.stderr
-    assert _changed(project) == {  # the recipe's one hand edit, and what its command regenerates
+    submitted = _run(project, "scripts/submit.py", "--dry-run", "--cluster", "site", "--", "x=1")
+    assert submitted.returncode == 0 and "--constraint=a100" in submitted.stdout, submitted.stderr[-3000:]
+    assert _changed(project) == {  # the recipe's two files, and what its command regenerates
         "src/hpctrain/runtime/config/settings.py",
+        "src/hpctrain/runtime/config/slurm_request.py",
         "src/hpctrain/conf/schema/cluster.schema.json",
         "src/hpctrain/conf/schema/train.schema.json",  # a preset is the train config's `cluster` too
+        "conf/cluster/site.yaml",  # the site's preset, the user's
     }

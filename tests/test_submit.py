@@ -90,7 +90,7 @@ def test_a_pack_puts_points_of_a_sweep_side_by_side_on_one_node():
     assert (flags["nodes"], flags["ntasks-per-node"], flags["mem"], flags["array"]) == (
         "1",
         "2",
-        "2048M",
+        "2G",
         "0-1",
     )
     assert command[-4:] == [str(ROOT / "slurm" / "pack.sbatch"), "--pack=2", "trainer=ddp_cpu", "seed=1,2,3"]

@@ -330,21 +330,21 @@ class Extras:
 
 @dataclass(frozen=True)
 class Cluster:
-    """A site's resources (conf/cluster/<name>.yaml): scripts/submit.py --cluster NAME and hydra/launcher=slurm
-    read them, and the run uses `offline` and `scratch_dir`."""
+    """A site's resources (conf/cluster/<name>.yaml), asked of Slurm by config/slurm_request.py (the defaults
+    when no preset is chosen, the #SBATCH lines' too); the run uses `offline` and `scratch_dir`."""
 
     name: str = setting("local", {"type": "string"}, "the preset's name", "narval")
     partition: str | None = setting(None, {"type": ["string", "null"]}, "a partition name or null", "gpu")
     account: str | None = setting(None, {"type": ["string", "null"]}, "an account or null", "def-mypi")
     qos: str | None = setting(None, {"type": ["string", "null"]}, "a QOS or null", "normal")
-    gpus_per_node: int = setting(0, _int(0), "a non-negative integer (0: CPU nodes)", "4")
+    gpus_per_node: int = setting(8, _int(0), "a non-negative integer (0: CPU nodes)", "4")
     gpu_type: str | None = setting(
         None, {"type": ["string", "null"]}, "a GPU type of the GRES or null", "a100"
     )
     tasks_per_node: int = setting(1, _int(1), "a positive integer", "4", "one task per GPU on GPU nodes")
-    cpus_per_task: int = setting(1, _int(1), "a positive integer", "8")
-    mem_per_task_gb: float = setting(4, POSITIVE_NUMBER, "a positive number of GB", "64")
-    time_min: int = setting(60, _int(1), "a positive number of minutes", "1440")
+    cpus_per_task: int = setting(8, _int(1), "a positive integer", "8", "on GPU nodes: per GPU")
+    mem_per_task_gb: float = setting(0, {"type": "number", "minimum": 0}, "a number of GB, 0: all", "64")
+    time_min: int = setting(240, _int(1), "a positive number of minutes", "1440")
     offline: bool = setting(
         False, {"type": "boolean"}, "true or false", "true", "compute nodes without internet"
     )

@@ -7,7 +7,8 @@ the guarantees of `sbatch slurm/train.sbatch`.
 What this adds to hydra-submitit-launcher 1.2:
 - the allocation comes from the trainer: nodes = trainer.num_nodes, tasks per node = trainer.devices
   (one task per device), GPUs per node = trainer.devices on GPU trainers; the launcher submits one
-  allocation for the whole sweep, so sweeping those values is refused with a sentence;
+  allocation for the whole sweep, so sweeping those values is refused with a sentence; the rest is the
+  cluster preset's request, scripts/submit.py's (config/slurm_request.py), unless hydra.launcher sets it;
 - one owner for the time limit: the template. Jobs get `--signal=<requeue.signal>@<requeue.signal_lead_s>
   --requeue` instead of submitit's USR2, which therefore never arrives, and the template's handlers (installed
   when each job starts) checkpoint, `scontrol requeue` the array task and resume it in the same run
@@ -51,6 +52,7 @@ from omegaconf import OmegaConf, open_dict, read_write
 from hpctrain.runtime import snapshot
 from hpctrain.runtime.config.compose import CODE_ROOT, CONF_DIR, PROJECT_ROOT
 from hpctrain.runtime.config.settings import Settings
+from hpctrain.runtime.config.slurm_request import as_run, packed_request, slurm_request
 from hpctrain.runtime.environment import slurm_job
 from hpctrain.runtime.environment.allocated import GPU_ACCELERATORS
 from hpctrain.runtime.errors import UserError
@@ -63,7 +65,11 @@ log = logging.getLogger(__package__.split(".")[0])
 TOPOLOGY = ("trainer.num_nodes", "trainer.devices", "trainer.accelerator", "trainer")
 POLL_S = 2.0  # how often a packed sweep's launcher asks SLURM whether its jobs are still queued
 # sbatch flags of hydra-submitit-launcher's keys that a packed job passes through as they are
-PASSED = ("partition", "qos", "account", "comment", "constraint", "exclude", "cpus_per_gpu", "mem_per_gpu")
+PASSED = ("comment", "constraint", "exclude", "cpus_per_gpu", "mem_per_gpu")
+# hydra-submitit-launcher's keys that set a flag of the request (config/slurm_request.py) where not null
+REQUEST_KEYS = {"timeout_min": "time", "cpus_per_task": "cpus-per-task", "mem_gb": "mem"} | {
+    key: key for key in ("partition", "account", "qos")
+}
 
 
 @dataclass
@@ -71,6 +77,7 @@ class PackableSlurmQueueConf(SlurmQueueConf):
     """hydra-submitit-launcher's keys, and `pack`: jobs side by side in one allocation (1: one each)."""
 
     _target_: str = "hydra_plugins.hpctrain_sweeps.SlurmLauncher"
+    timeout_min: int | None = None  # null: the cluster preset's
     pack: int = 1
 
 
@@ -107,7 +114,9 @@ class SlurmLauncher(SubmititSlurmLauncher):
         """hpctrain's own settings of the sweep's config (the cluster preset and the requeue signal), checked."""
         return Settings.of(self.config)
 
-    def _allocation(self) -> dict[str, Any]:
+    def request(self) -> dict[str, str]:
+        """One job's sbatch flags: nodes and tasks from the trainer, the rest the cluster preset's (cluster=NAME;
+        none: the defaults), where hydra.launcher.<key> does not set it."""
         trainer = self.config.trainer
         try:
             nodes, per_node = int(trainer.num_nodes), int(trainer.devices)
@@ -116,22 +125,21 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 f"the SLURM launcher needs numbers of nodes and devices, not trainer.num_nodes={trainer.num_nodes} "
                 f"trainer.devices={trainer.devices}; pass e.g. trainer.num_nodes=2 trainer.devices=4."
             ) from err
-        gpus = per_node if str(trainer.accelerator) in GPU_ACCELERATORS else None
-        wanted: dict[str, Any] = {"nodes": nodes, "tasks_per_node": per_node, "gpus_per_node": gpus}
-        for key, value in wanted.items():
+        gpus = str(trainer.accelerator) in GPU_ACCELERATORS
+        counts = {"nodes": nodes, "tasks_per_node": per_node, "gpus_per_node": per_node if gpus else None}
+        for key, value in counts.items():
             given = self.params.get(key)
             if given not in (None, value):
                 raise UserError(
                     f"hydra.launcher.{key}={given} disagrees with the trainer ({value}); drop it: it is "
                     "derived from trainer.num_nodes and trainer.devices."
                 )
-        preset = self.settings.cluster
-        if preset is not None and self.params.get("mem_gb") is None:
-            wanted["mem_gb"] = int(preset.mem_per_task_gb * per_node)
-        if gpus and preset is not None and preset.gpu_type:  # the site names GPU types in its GRES
-            wanted["gpus_per_node"] = None
-            wanted["gres"] = f"gpu:{preset.gpu_type}:{gpus}"
-        return wanted
+        given = {
+            flag: f"{value}G" if key == "mem_gb" else str(value)  # mem_gb: GB per node
+            for key, flag in REQUEST_KEYS.items()
+            if (value := self.params.get(key)) is not None
+        }
+        return slurm_request(self.settings.cluster, nodes, per_node, gpus) | given
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
@@ -140,18 +148,11 @@ class SlurmLauncher(SubmititSlurmLauncher):
         size = self._pack_size()
         if size > 1:
             return self._launch_packed(job_overrides, initial_job_idx, size)
-        params = dict(self.params)
-        params.pop("pack", None)
-        params.update(self._allocation())
-        for key in ("gpus_per_node", "mem_gb"):
-            if params.get(key) is None:
-                params.pop(key, None)
-        requeue_signal = self.settings.requeue.signal
-        lead_s = math.ceil(self.settings.requeue.signal_lead_s)
-        extra = dict(params.pop("additional_parameters", None) or {})
-        extra.setdefault("signal", f"{requeue_signal}@{lead_s}")  # the template's, replacing submitit's USR2
-        extra.setdefault("requeue", True)
-        params["additional_parameters"] = extra
+        request = self.request()
+        params = {k: v for k, v in self.params.items() if k not in (*REQUEST_KEYS, "gpus_per_node", "pack")}
+        params["timeout_min"] = int(request["time"])  # nodes and tasks_per_node: the trainer's, checked
+        flags = {flag.replace("-", "_"): value for flag, value in request.items()}  # submit.py's, as they are
+        params["additional_parameters"] = {**flags, **self._signal_flags()}
         root_dir = OmegaConf.select(self.config, "paths.root_dir")
         code_lines: list[str] = []
         if OmegaConf.select(self.config, "snapshot", default=True):
@@ -195,6 +196,12 @@ class SlurmLauncher(SubmititSlurmLauncher):
             )
         return [self._result(job, number) for (_, _, number, _, _), job in zip(job_params, jobs, strict=True)]
 
+    def _signal_flags(self) -> dict[str, Any]:
+        """--signal=<requeue.signal>@<lead> --requeue (not submitit's USR2), then additional_parameters, which win."""
+        requeue = self.settings.requeue
+        signal = f"{requeue.signal}@{math.ceil(requeue.signal_lead_s)}"
+        return {"signal": signal, "requeue": True, **(self.params.get("additional_parameters") or {})}
+
     # ------------------------------------------------------------------ hydra.launcher.pack=N
 
     def _pack_size(self) -> int:
@@ -211,11 +218,11 @@ class SlurmLauncher(SubmititSlurmLauncher):
     ) -> list[JobReturn]:
         """The jobs `size` to an allocation: slurm/pack.sbatch as a job array, one task per `size` jobs, whose
         driver runs each job as slurm/train.sbatch in a step of its own (hpctrain.runtime.sweeps.pack)."""
-        allocation = self._allocation()
-        if allocation["nodes"] != 1:
+        request = self.request()
+        if request["nodes"] != "1":
             raise UserError(
                 f"hydra.launcher.pack={size} puts {size} jobs side by side on one node, but trainer.num_nodes="
-                f"{allocation['nodes']} asks for {allocation['nodes']} nodes per job; pack jobs that fit one node "
+                f"{request['nodes']} asks for {request['nodes']} nodes per job; pack jobs that fit one node "
                 "(trainer.num_nodes=1), or drop hydra.launcher.pack (one allocation per job)."
             )
         sweep = Path(str(self.config.hydra.sweep.dir)).resolve()
@@ -225,12 +232,12 @@ class SlurmLauncher(SubmititSlurmLauncher):
         else:
             code = CODE_ROOT
         jobs = [(n, self._as_point(o)) for n, o in enumerate(job_overrides, start=initial_job_idx)]
-        results = {n: self._completed_before(sweep, n, point, allocation) for n, point in jobs}
+        results = {n: self._completed_before(sweep, n, point, request) for n, point in jobs}
         todo = [(n, point) for n, point in jobs if results[n] is None]
         if todo:
             size = min(size, len(todo))
             before = {n: _mtime(sweep / str(n) / records.OUTCOME_FILE) for n, _ in todo}  # an earlier sweep's
-            array = self._submit_pack(code, sweep, todo, size, allocation)
+            array = self._submit_pack(code, sweep, todo, size, packed_request(request, size))
             for i, (number, point) in enumerate(todo):
                 log.info(
                     "job %d: SLURM job %s_%d  run dir %s/%d  log %s  (%s)",
@@ -257,20 +264,15 @@ class SlurmLauncher(SubmititSlurmLauncher):
         return [*([] if chosen or trainer is None else [f"trainer={trainer}"]), *overrides]
 
     def _completed_before(
-        self, sweep: Path, number: int, point: list[str], allocation: dict[str, Any]
+        self, sweep: Path, number: int, point: list[str], request: dict[str, str]
     ) -> JobReturn | None:
         """With skip_completed=true, the result of a job that completed in its run dir with the same config
         (as slurm/train.sbatch completes it: the counts from the allocation, the collective timeout)."""
         if not OmegaConf.select(self.config, "skip_completed", default=False):
             return None
 
-        as_run = [
-            "trainer.num_nodes=1",
-            f"trainer.devices={allocation['tasks_per_node']}",
-            f"dist.timeout_min={os.environ.get('COLLECTIVE_TIMEOUT_MIN', '30')}",
-            *point,
-        ]
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, as_run)
+        completed = as_run(point, 1, request["ntasks-per-node"])
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, completed)
         with open_dict(cfg):
             del cfg["hydra"]  # not signed, and it cannot be resolved here (no job number yet)
         done = records.completed_with(sweep / str(number), records.config_signature(cfg))
@@ -281,37 +283,18 @@ class SlurmLauncher(SubmititSlurmLauncher):
         return self._returned(sweep, number, point, done.get("value"))
 
     def _submit_pack(
-        self,
-        code: Path,
-        sweep: Path,
-        todo: list[tuple[int, list[str]]],
-        size: int,
-        allocation: dict[str, Any],
+        self, code: Path, sweep: Path, todo: list[tuple[int, list[str]]], size: int, request: dict[str, str]
     ) -> str:
-        """sbatch slurm/pack.sbatch --array=0-<packs - 1> --pack=<size> --jobs=<file>; the array's job id."""
+        """sbatch slurm/pack.sbatch --array=0-<packs - 1> --pack=<size> --jobs=<file> for `request`; the job id."""
         params = self.params
-        requeue_signal = self.settings.requeue.signal
-        lead_s = math.ceil(self.settings.requeue.signal_lead_s)
-        extra: dict[str, Any] = {"signal": f"{requeue_signal}@{lead_s}", "requeue": True}
-        extra.update(params.get("additional_parameters") or {})
-        gpus, gres = allocation.get("gpus_per_node"), allocation.get("gres")
-        mem_gb = params.get("mem_gb") or allocation.get("mem_gb")
-        if gres:  # gpu:<type>:<per job>
-            kind, per_job = gres.rsplit(":", 1)
-            gres = f"{kind}:{int(per_job) * size}"
         flags = {
             "job-name": params.get("name") or "pack",
-            "nodes": 1,
-            "ntasks-per-node": allocation["tasks_per_node"] * size,
-            "gres": gres or (f"gpu:{gpus * size}" if gpus else params.get("gres") or "none"),
-            "cpus-per-task": params.get("cpus_per_task"),
-            "mem": f"{int(mem_gb) * size}G" if mem_gb else None,  # per job (node), as without packing
-            "time": params.get("timeout_min"),
+            **request,
             "array": f"0-{math.ceil(len(todo) / size) - 1}%{params.get('array_parallelism') or 256}",
             "output": sweep / packed.JOBS_DIR / "%A_%a.out",
             "chdir": code,
-            **{key.replace("_", "-"): params.get(key) for key in PASSED},
-            **{key.replace("_", "-"): value for key, value in extra.items()},
+            **{key.replace("_", "-"): params[key] for key in PASSED if params.get(key) is not None},
+            **{key.replace("_", "-"): value for key, value in self._signal_flags().items()},
         }
         jobs_file = packed.write_jobs(sweep, todo, todo[0][0])
         command = [
