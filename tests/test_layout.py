@@ -3,7 +3,7 @@ the machinery, and entry points that repeat no code.
 
     the user's package   src/<yours>/ (here myproject): models, networks, datasets   (yours to edit)
     the machinery        src/hpctrain/, carried untouched:
-                         errors, environment < config < distributed < report, data
+                         errors, environment, namespaces < config < distributed < report, data
                          < run, callbacks, loggers < sweeps, inference (what comes after training)
                          < testing
 
@@ -39,6 +39,7 @@ LAYERS = [
         "hpctrain.runtime.snapshot",
         "hpctrain.runtime.remote",
         "hpctrain.runtime.run_state",
+        "hpctrain.runtime.namespaces",
         "hpctrain.conf",
     },
     {"hpctrain.runtime.config"},

@@ -3,16 +3,17 @@ metric, with hpctrain's commit protocol (the old best is removed only once the n
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytorch_lightning as pl
-from pytorch_lightning import LightningModule, Trainer
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing
 from hpctrain.callbacks.state_key import CachedStateKey
+from hpctrain.runtime.namespaces import LightningPart
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 
-class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
+class ModelCheckpoint(CachedStateKey, LightningPart, lightning="pytorch_lightning.callbacks.ModelCheckpoint"):
     """Lightning's ModelCheckpoint, with `last.ckpt` always the newest state, and a monitored metric that
     is missing after validation as one sentence. With no monitored metric (`monitor: null`) and the
     default `save_top_k: 1`, it keeps last.ckpt only: Lightning's newest-epoch copy would be the same

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytorch_lightning import Callback, LightningModule, Trainer
-
+from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.report.progress import batch_size_of, seconds_since_process_start
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain")
 
 
-class ThroughputLog(Callback):
+class ThroughputLog(LightningPart, lightning="pytorch_lightning.Callback"):
     """Logs `train/samples_per_s` once per epoch: the samples all ranks trained on per second of
     training steps (validation, and the checkpointing that follows it, are not counted), and once
     per run how long after the process started the first training step began.

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from pytorch_lightning import LightningDataModule
 from torch import Tensor, nn
 
 from hpctrain.data.kfold import check_folds, folds
@@ -20,6 +19,7 @@ from hpctrain.data.loading import (
     tensors_to_device,
 )
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart
 
 log = logging.getLogger("hpctrain")
 
@@ -35,7 +35,7 @@ def split(dataset: TensorDataset, holdout: int, seed: int = 0) -> tuple[TensorDa
     return TensorDataset(*dataset[keep]), TensorDataset(*dataset[held])
 
 
-class ImageDataModule(LightningDataModule):
+class ImageDataModule(LightningPart, lightning="pytorch_lightning.LightningDataModule"):
     """Subclasses implement `load` (and, if they read files, `check_available` and `prepare_data`).
 
     Images stay uint8 (N, C, H, W) on the host, are indexed a batch at a time, and become normalised

@@ -30,8 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning.strategies import ModelParallelStrategy
-from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -40,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from hpctrain.runtime.distributed.job_store import set_data_parallel
 from hpctrain.runtime.distributed.launch import _HydraLaunched
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart
 
 log = logging.getLogger(__package__)
 
@@ -187,7 +186,10 @@ def apply_fsdp(module: nn.Module, mesh: Any, options: dict[str, Any]) -> list[nn
     return sharded
 
 
-class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
+MODEL_PARALLEL = "pytorch_lightning.strategies.ModelParallelStrategy"
+
+
+class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_PARALLEL):
     """Lightning's ModelParallelStrategy (FSDP2, DTensor) with the Hydra-aware launcher, the template's
     sharding for modules without `configure_model`, and checkpoints committed atomically."""
 
@@ -205,7 +207,9 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return ModelParallelStrategy.distributed_sampler_kwargs.fget(self)  # type: ignore[attr-defined]
+        return self.namespace.get(MODEL_PARALLEL).distributed_sampler_kwargs.fget(
+            self
+        )  # not _HydraLaunched's
 
     def _setup_distributed(self) -> None:
         super()._setup_distributed()
@@ -232,7 +236,7 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
         if (
             self._tensor_parallel_size > 1
             and not self.tensor_parallel_plan
-            and not is_overridden("configure_model", module)
+            and not self.namespace.is_overridden("configure_model", module)
         ):
             raise FSDPOptionsError(
                 f"dist.tensor_parallel={self._tensor_parallel_size}: the model's config ships no tensor-parallel plan "
@@ -240,7 +244,7 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
             )
         if getattr(module.configure_model, SHARDS_FROM_CONFIG, False):
             return  # ours, installed at fit's setup: Lightning calls setup again for the test after fit
-        if is_overridden("configure_model", module):
+        if self.namespace.is_overridden("configure_model", module):
             if shard not in (None, "auto"):
                 raise FSDPOptionsError(
                     f"{type(module).__name__} shards itself in configure_model, and dist.fsdp.shard={shard} would "

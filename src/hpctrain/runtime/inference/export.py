@@ -36,6 +36,7 @@ from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.describe import describe, describe_tensor, file_size, input_name, tensors
 from hpctrain.runtime.inference.exporter_errors import reason, reported
+from hpctrain.runtime.namespaces import DECLARED, namespace_of
 from hpctrain.runtime.run import records
 from hpctrain.runtime.run.checkpoints import CHECKPOINT_DIR
 
@@ -127,7 +128,6 @@ def sample_inputs(predictor: Predictor, data_dir: str, rows: int) -> Tensor:
 
 def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
     """The inputs of the first batch of the checkpoint's data: its test split, else validation, else train."""
-    from pytorch_lightning.utilities.model_helpers import is_overridden
     from torch import Tensor
 
     from hpctrain.runtime.run.build import check_data_available, datamodule
@@ -144,6 +144,7 @@ def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
     check_data_available(data)
     data.prepare_data()
     splits = (("test", "test_dataloader"), ("validate", "val_dataloader"), ("fit", "train_dataloader"))
+    is_overridden = (namespace_of(data) or DECLARED).is_overridden
     stage, loader = next(s for s in splits if is_overridden(s[1], data) or s[0] == "fit")
     data.setup(stage)
     batch = next(iter(getattr(data, loader)()))

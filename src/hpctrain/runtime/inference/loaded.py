@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
-from pytorch_lightning import LightningModule
 from torch import Tensor, nn
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.build import datamodule, model
 from hpctrain.runtime.run.checkpoints import reading
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule
 
 
 class Predictor(nn.Module):

@@ -10,6 +10,8 @@ the trainer always gets:
 - `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
   `NonFiniteLoss` (`nan.*`), `AttemptProgress` (run.yaml; a save too slow for `requeue.signal_lead_s`)
   and, when `requeue.enabled`, `RequeueOnSignal`.
+All of it of the Lightning namespace the run's classes are written with (`run_namespace`: pytorch_lightning
+or lightning.pytorch, `hpctrain.runtime.namespaces`), chosen before anything is built.
 """
 
 from __future__ import annotations
@@ -19,23 +21,17 @@ import importlib.util
 import logging
 import os
 import re
-import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_class
+from lightning_fabric.utilities.seed import seed_everything  # namespace-free: seeds and environment variables
 from omegaconf import DictConfig, OmegaConf
-from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer
-from pytorch_lightning.callbacks import LearningRateMonitor
-from pytorch_lightning.loggers import Logger
-from pytorch_lightning.strategies import ModelParallelStrategy
-from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
 from hpctrain.callbacks.attempt_progress import AttemptProgress
@@ -48,6 +44,7 @@ from hpctrain.callbacks.rank_watchdog import RankWatchdog
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
 from hpctrain.loggers import job_metadata, tag_runs
+from hpctrain.runtime import namespaces
 from hpctrain.runtime.config import redact, targets
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
@@ -55,11 +52,17 @@ from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
 from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import Namespace
+from hpctrain.runtime.report import console
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpointIO
 from hpctrain.runtime.run.checkpoints.folder_saves import FolderSaves
 from hpctrain.runtime.run.checkpoints.sharded import consolidate
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+
+if TYPE_CHECKING:
+    from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer
+    from pytorch_lightning.loggers import Logger
 
 log = logging.getLogger(__package__)
 STORED_GROUPS = ("model", "data", "monitor")  # the config a checkpoint keeps (CheckpointExtras)
@@ -74,6 +77,7 @@ class Run:
     trainer: Trainer
     monitor: MonitoredMetric | None  # the best value of monitor.metric, returned to sweepers
     requeue: RequeueOnSignal | None  # checkpoints and stops where every rank agrees, on a signal
+    namespace: Namespace  # the Lightning namespace all of it is of (`run_namespace`)
 
     def fit(self, checkpoint: str | Path | None) -> None:
         if checkpoint is not None and Path(checkpoint).is_dir() and not _sharded_strategy(self.trainer):
@@ -106,7 +110,10 @@ class Run:
 
 
 def _sharded_strategy(trainer: Trainer) -> bool:
-    return isinstance(trainer.strategy, ModelParallelStrategy)
+    model_parallel = namespaces.namespace_of(trainer).get(
+        "pytorch_lightning.strategies.ModelParallelStrategy"
+    )
+    return isinstance(trainer.strategy, model_parallel)
 
 
 def configure_process(cfg: DictConfig, settings: Settings | None = None) -> None:
@@ -114,7 +121,7 @@ def configure_process(cfg: DictConfig, settings: Settings | None = None) -> None
     workers, float32 matmul precision."""
     settings = settings or Settings.of(cfg)
     # Seeds torch, numpy, python and (through PL_SEED_WORKERS) every dataloader worker.
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    seed_everything(cfg.seed, workers=True, verbose=False)
     threads, _, why = cpu_plan(cfg)  # the workers are the datamodule's (`datamodule`)
     # Set before the trainer exists: Lightning's DDP launcher sets its own (CPUs / processes) only when
     # OMP_NUM_THREADS is unset, and its child ranks inherit the variable.
@@ -172,18 +179,51 @@ def run_objects(
     preflight); with `training=False` (eval) no training-only callbacks; `sweep`: a point of a sweep,
     which needs the monitored value."""
     settings = settings or Settings.of(cfg)
-    data = datamodule(cfg, settings)
-    check_data_available(data)
-    module = tune_model(model(cfg), cfg)
-    built = trainer(cfg, run_dir, training=training, sweep=sweep, settings=settings)
+    namespace = run_namespace(cfg)  # before anything is built: mixed imports are one sentence at once
+    console.lightning_logs_once()
+    with namespaces.building(namespace):
+        data = datamodule(cfg, settings)
+        check_data_available(data)
+        module = tune_model(model(cfg), cfg)
+        built = trainer(cfg, run_dir, training=training, sweep=sweep, settings=settings)
     monitor = next((c for c in built.callbacks if isinstance(c, MonitoredMetric)), None)
     requeue = next((c for c in built.callbacks if isinstance(c, RequeueOnSignal)), None)
-    return Run(data, module, built, monitor, requeue)
+    return Run(data, module, built, monitor, requeue, namespace)
+
+
+# The config entries whose classes choose the run's namespace; in the groups, Lightning's own classes
+# (`pytorch_lightning.Trainer`, a LearningRateMonitor) follow it instead
+DECIDING = ("model", "data")
+FOLLOWING_LIGHTNINGS_OWN = ("trainer", "callbacks", "logger")
+
+
+def run_namespace(cfg: DictConfig) -> Namespace:
+    """The Lightning namespace of the run (`hpctrain.runtime.namespaces`), from the classes the config
+    names: the model's and the datamodule's, and those of the trainer, callbacks and loggers that are not
+    Lightning's own. Each is imported, none is built. Classes written with both namespaces are one sentence."""
+    named: dict[str, type] = {}
+    entries = [(key, cfg.get(key)) for key in (*DECIDING, "trainer")]
+    for group in ("callbacks", "logger"):
+        entries += [(f"{group}.{name}", entry) for name, entry in (cfg.get(group) or {}).items()]
+    for key, entry in entries:
+        target = entry.get("_target_") if isinstance(entry, DictConfig) else None
+        if not isinstance(target, str):
+            continue
+        if key.split(".")[0] in FOLLOWING_LIGHTNINGS_OWN and namespaces.owner(target) is not None:
+            continue  # Lightning's own class: built from the run's namespace, whichever it is
+        try:
+            found = namespaces.located(target)
+        except Exception:  # not importable: said in one sentence when it is built
+            continue
+        if isinstance(found, type):  # a factory's result is checked once it is built (`_of_the_run`)
+            named[key] = found
+    return namespaces.choose(named)
 
 
 def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
     # _convert_="all": user classes receive plain lists and dicts, not OmegaConf containers, which
     # would be pickled into checkpoints by save_hyperparameters() and then refused by weights_only loading.
+    node = _in_namespace(node, namespaces.current())
     try:
         return targets.instantiate(node, _convert_="all", **kwargs)  # Hydra 1.4: its targets, whitelisted
     except InstantiationException as err:
@@ -193,6 +233,30 @@ def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
         if sentence is None:
             raise
         raise UserError(sentence) from err
+
+
+def _in_namespace(node: DictConfig, namespace: Namespace) -> Any:
+    """`node` with Lightning's own classes named as `namespace` spells them (`pytorch_lightning.Trainer`
+    is `lightning.pytorch.Trainer` in a run of the `lightning` package's classes); unchanged if none differ."""
+    try:
+        plain = OmegaConf.to_container(node, resolve=True)
+    except Exception:  # an interpolation that fails: Hydra says so when it instantiates
+        return node
+    named = [t for _, t in targets.targets_in(plain) if isinstance(t, str)]
+    if all(namespace.spell(t) == t for t in named):
+        return node
+    return _respelled(plain, namespace)
+
+
+def _respelled(node: Any, namespace: Namespace) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: namespace.spell(v) if k == targets.TARGET and isinstance(v, str) else _respelled(v, namespace)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_respelled(v, namespace) for v in node]
+    return node
 
 
 def _import_failure(err: InstantiationException) -> str | None:
@@ -242,11 +306,11 @@ def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDa
                 preset.name,
                 scratch,
             )
-    return _checked_lightning_object(_instantiate(node), "data")
+    return _of_the_run(_instantiate(node), "data")
 
 
 def model(cfg: DictConfig) -> LightningModule:
-    return _checked_lightning_object(_instantiate(cfg.model), "model")
+    return _of_the_run(_instantiate(cfg.model), "model")
 
 
 def check_data_available(data: LightningDataModule) -> None:
@@ -256,31 +320,9 @@ def check_data_available(data: LightningDataModule) -> None:
         check()
 
 
-_LIGHTNING_BASES = ("LightningModule", "LightningDataModule", "Callback")
-
-
-def _checked_lightning_object(obj: Any, key: str) -> Any:
-    """Refuse an object built on the `lightning` package's classes: pytorch_lightning's Trainer (this
-    template's) does not accept them, and its own error does not say why."""
-    other = sys.modules.get("lightning.pytorch")
-    if other is None:
-        return obj
-    for base in _LIGHTNING_BASES:
-        theirs, ours = getattr(other, base, None), getattr(pl, base)
-        if (
-            theirs is not None
-            and theirs is not ours
-            and isinstance(obj, theirs)
-            and not isinstance(obj, ours)
-        ):
-            cls = type(obj)
-            where = getattr(sys.modules.get(cls.__module__), "__file__", None) or cls.__module__
-            raise UserError(
-                f"{key}: {cls.__module__}.{cls.__qualname__} is a lightning.pytorch.{base} (`import lightning.pytorch "
-                f"as pl` or `import lightning as L`), but this template trains with the pytorch_lightning package, "
-                f"whose Trainer does not accept it; import from pytorch_lightning instead in {where} "
-                "(`import pytorch_lightning as pl`: the same API under the package name this template uses)."
-            )
+def _of_the_run(obj: Any, key: str) -> Any:
+    """What a config entry built is of the namespace being built (a factory's result is known only now)."""
+    namespaces.check_built(key, obj, namespaces.current())
     return obj
 
 
@@ -294,7 +336,7 @@ def _instantiate_named(group: DictConfig | None, key: str) -> dict[str, Any]:
     if not group:
         return {}
     built = {
-        str(name): _checked_lightning_object(_instantiate(entry), f"{key}.{name}")
+        str(name): _of_the_run(_instantiate(entry), f"{key}.{name}")
         for name, entry in group.items()
         if entry is not None and "_target_" in entry
     }
@@ -356,7 +398,8 @@ def callbacks(
     if cfg.trainer.get("strategy") == "fsdp":  # a callback that runs the model on one rank: one sentence
         chosen.append(OneRankCalls({id(obj): name for name, obj in named.items()}))
     if not has_logger:
-        chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
+        lr_monitor = namespaces.current().get("pytorch_lightning.callbacks.LearningRateMonitor")
+        chosen = [c for c in chosen if not isinstance(c, lr_monitor)]
     for performance in (c for c in chosen if isinstance(c, PerformanceLog)):
         performance.model_config = cfg.get("model")  # its FLOPs are counted on a meta copy built from it
     chosen.append(
@@ -507,14 +550,14 @@ def trainer(
         "callbacks": callbacks(cfg, run_dir, bool(chosen_loggers), training, sweep, settings),
         "strategy": strategy(cfg.trainer, settings.dist, asynchronous),
         "plugins": [
-            launch.lightning_cluster_environment(),
+            launch.lightning_cluster_environment(namespaces.current()),
             (AsyncAtomicCheckpointIO if asynchronous else AtomicCheckpointIO)(redact.environment_values(cfg)),
         ],
     }
     if allocated.one_gpu_per_task() and str(cfg.trainer.get("accelerator")) in allocated.GPU_ACCELERATORS:
         kwargs["devices"] = 1  # each task drives the one GPU SLURM bound to it (allocated.one_gpu_per_task)
     kwargs.update(overrides)
-    built = _instantiate(cfg.trainer, **kwargs)
+    built = _of_the_run(_instantiate(cfg.trainer, **kwargs), "trainer")
     signals.take_over_from_lightning(built)
     return built
 
@@ -536,7 +579,7 @@ def can_test(module: LightningModule, data: LightningDataModule) -> bool:
     """Whether `test=true` can test this model on this data: a module without a test_step (a GAN, say)
     or data without a test split is not an error, it is said once and the run completes."""
     for owner, what, hook in ((module, "model", "test_step"), (data, "datamodule", "test_dataloader")):
-        if not is_overridden(hook, owner):
+        if not (namespaces.namespace_of(owner) or namespaces.DECLARED).is_overridden(hook, owner):
             if launched.is_rank_zero():
                 log.info("no test: the %s has no %s (pass test=false to skip it silently)", what, hook)
             return False

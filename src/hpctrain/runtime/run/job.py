@@ -34,6 +34,7 @@ from hpctrain.runtime.config.checks import check_config, check_hydra_env
 from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
 from hpctrain.runtime.config.settings import Settings, Sources
 from hpctrain.runtime.distributed import failures, notify, positions, signals, stacks, watchdog
+from hpctrain.runtime.distributed.requeue import requeue_and_wait
 from hpctrain.runtime.environment import allocated, launch_checks, launched, network
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
@@ -189,7 +190,6 @@ class Job:
         requeue budget is spent, stop with its sentence (`attempts`); then end the process group and the
         local ranks, in order, however the block ended."""
         from hpctrain.runtime.distributed import launch
-        from hpctrain.runtime.distributed.requeue import requeue_and_wait
 
         completed = False
         try:
