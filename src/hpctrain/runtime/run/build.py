@@ -86,11 +86,13 @@ class Run:
                 "trainer=fsdp_cpu only; to train it with another strategy, start a new run from its weights: "
                 f"init_from.path={checkpoint}."
             )
+        self.check_namespace()
         self.trainer.fit(self.model, self.datamodule, ckpt_path=checkpoint, weights_only=True)
         if self.requeue is not None:
             self.requeue.after_fit(self.trainer)  # a signal during the last validation
 
     def test(self, checkpoint: str | Path | None) -> None:
+        self.check_namespace()
         if checkpoint is not None and Path(checkpoint).is_dir() and not _sharded_strategy(self.trainer):
             with tempfile.TemporaryDirectory() as tmp:  # a sharded checkpoint tested on one process, whole
                 single = consolidate(checkpoint, Path(tmp) / "model.ckpt", safetensors=False)[0]
@@ -100,6 +102,12 @@ class Run:
 
     def best_checkpoint(self) -> str | None:
         return best_checkpoint(self.trainer)
+
+    def check_namespace(self) -> None:
+        """Every callback added since the build (a user's, the template's) is of the run's namespace: one
+        of the other would be ignored by Lightning's checks, or refused with an error that does not say why."""
+        for callback in self.trainer.callbacks:
+            namespaces.check_built(f"callback {type(callback).__name__}", callback, self.namespace)
 
     def can_test(self) -> bool:
         return can_test(self.model, self.datamodule)
