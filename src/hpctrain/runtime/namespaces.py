@@ -227,9 +227,9 @@ def choose(named: Mapping[str, type]) -> Namespace:
     if len(decided) > 1:
         (first, (key_a, a)), (second, (key_b, b)) = list(decided.items())[:2]
         raise MixedNamespaces(
-            f"{describe(key_a, a, first)}, but {describe(key_b, b, second)}: one run trains under one Trainer, "
-            f"which takes the classes of its own package only, so import from the same one in both files "
-            f"({first.import_line} or {second.import_line}; each runs here)."
+            f"{describe(key_a, a, first)}, but {describe(key_b, b, second)}; one run trains under one Trainer, "
+            "which accepts the classes of its own package only: write one of the two files with the other's "
+            "imports (either package runs here)."
         )
     return next(iter(decided), DECLARED)
 

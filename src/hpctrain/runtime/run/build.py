@@ -281,6 +281,12 @@ def _import_failure(err: InstantiationException) -> str | None:
         module_found = bool(module_name) and importlib.util.find_spec(module_name) is not None
     except (ImportError, ValueError):
         module_found = False
+    if (missing.name or "").split(".")[0] == "lightning":  # written with `import lightning as L`
+        return (
+            f"_target_: {target} cannot be imported: it is written with the `lightning` package ({missing}), "
+            "which is not installed here; install it beside pytorch-lightning, the same version "
+            "(pip install 'lightning>=2.6,<2.7', as pyproject.toml lists it), or import pytorch_lightning instead."
+        )
     if module_found and (missing.name or "").startswith(target):
         return (
             f"_target_: {target} cannot be imported: module {module_name} has no {name}; "
