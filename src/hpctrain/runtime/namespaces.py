@@ -212,8 +212,8 @@ def _where(cls: type) -> str:
         return getattr(module, "__file__", None) or cls.__module__
 
 
-def describe(key: str, cls: type, namespace: Namespace) -> str:
-    return f"{key}: {cls.__module__}.{cls.__qualname__} is written with {namespace} (`{namespace.import_line}`, in {_where(cls)})"
+def _named(cls: type) -> tuple[str, str]:
+    return f"{cls.__module__}.{cls.__qualname__}", _where(cls)
 
 
 def choose(named: Mapping[str, type]) -> Namespace:
@@ -225,11 +225,13 @@ def choose(named: Mapping[str, type]) -> Namespace:
         if namespace is not None:
             decided.setdefault(namespace, (key, cls))
     if len(decided) > 1:
-        (first, (key_a, a)), (second, (key_b, b)) = list(decided.items())[:2]
+        (one, (key, cls)), (other, (other_key, other_cls)) = list(decided.items())[:2]
+        (name, file), (other_name, other_file) = _named(cls), _named(other_cls)
         raise MixedNamespaces(
-            f"{describe(key_a, a, first)}, but {describe(key_b, b, second)}; one run trains under one Trainer, "
-            "which accepts the classes of its own package only: write one of the two files with the other's "
-            "imports (either package runs here)."
+            f"{key}: {name} is written with {one} (`{one.import_line}`, in {file}), but {other_key}: "
+            f"{other_name} is written with {other} (`{other.import_line}`, in {other_file}); one run trains under "
+            "one Trainer, which accepts the classes of its own package only: write one of the two files with the "
+            "other's imports (either package runs here)."
         )
     return next(iter(decided), DECLARED)
 
@@ -238,10 +240,11 @@ def check_built(key: str, obj: Any, namespace: Namespace) -> None:
     """What a factory returned (its class cannot be known before) is of the run's namespace, or one sentence."""
     found = namespace_of(obj)
     if found is not None and found is not namespace:
+        name, file = _named(type(obj))
         raise MixedNamespaces(
-            f"{describe(key, type(obj), found)}, but this run trains with {namespace} (`{namespace.import_line}`, "
-            f"from the model's and the other classes' imports): one Trainer takes the classes of its own package "
-            f"only, so import from {namespace} there too."
+            f"{key}: {name} is written with {found} (`{found.import_line}`, in {file}), but this run trains with "
+            f"{namespace} (`{namespace.import_line}`, as its model's and other classes' imports say); one Trainer "
+            f"accepts the classes of its own package only: write {file} with the run's imports."
         )
 
 
