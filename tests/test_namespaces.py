@@ -147,6 +147,19 @@ def test_a_part_is_made_of_the_namespace_being_built_and_pickles_as_such():
     assert type(again) is type(inside) and again.monitor == "val_loss"
 
 
+def test_a_model_or_datamodule_built_alone_is_of_the_namespace_its_config_chooses():
+    """hpctrain.load, export and the contract tests build a checkpoint's model and data without a run."""
+    cfg = _config(
+        model="tests.differential.user_code_lightning.LitClassifier",
+        data="myproject.data.digits.DigitsDataModule",
+    )
+    assert isinstance(build.model(cfg), L.LightningModule)
+    assert isinstance(build.datamodule(cfg), L.LightningDataModule)  # the template's data follows the model
+    assert isinstance(
+        build.datamodule(_config(data="myproject.data.digits.DigitsDataModule")), pl.LightningDataModule
+    )
+
+
 def test_lightnings_own_classes_in_the_config_are_built_from_the_runs_namespace():
     node = OmegaConf.create(
         {

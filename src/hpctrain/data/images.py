@@ -55,6 +55,10 @@ class ImageDataModule(LightningPart, lightning="pytorch_lightning.LightningDataM
     `num_classes` and `image_shape` are what models read from the config (`${data.num_classes}`); they
     are checked against the loaded data, so a model can never be built for the wrong sizes. `mean` and
     `std` (per channel, of pixels in [0, 1]) default to the dataset's own (`default_mean`, `default_std`).
+
+    A LightningDataModule of the Lightning package the run's model is written with (`import lightning as L`
+    or `import pytorch_lightning as pl`), made so when constructed (`hpctrain.runtime.namespaces`); outside
+    a run, pytorch_lightning's.
     """
 
     default_mean: tuple[float, ...] = (0.5,)

@@ -185,12 +185,19 @@ def _new_part(neutral: type, package: str, *args: Any) -> Any:
     return made.__new__(made, *args)
 
 
-_BUILDING: contextvars.ContextVar[Namespace] = contextvars.ContextVar("lightning_namespace", default=DECLARED)
+_BUILDING: contextvars.ContextVar[Namespace | None] = contextvars.ContextVar(
+    "lightning_namespace", default=None
+)
+
+
+def being_built() -> Namespace | None:
+    """The namespace a build is building now (`building`), if one is."""
+    return _BUILDING.get()
 
 
 def current() -> Namespace:
     """The namespace parts constructed now are of: the run's while its build runs, else the declared one."""
-    return _BUILDING.get()
+    return _BUILDING.get() or DECLARED
 
 
 @contextmanager

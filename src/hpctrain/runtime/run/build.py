@@ -22,6 +22,8 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -187,9 +189,7 @@ def run_objects(
     preflight); with `training=False` (eval) no training-only callbacks; `sweep`: a point of a sweep,
     which needs the monitored value."""
     settings = settings or Settings.of(cfg)
-    namespace = run_namespace(cfg)  # before anything is built: mixed imports are one sentence at once
-    console.lightning_logs_once()
-    with namespaces.building(namespace):
+    with namespace_of_run(cfg) as namespace:  # before anything is built: mixed imports are one sentence
         data = datamodule(cfg, settings)
         check_data_available(data)
         module = tune_model(model(cfg), cfg)
@@ -203,6 +203,21 @@ def run_objects(
 # (`pytorch_lightning.Trainer`, a LearningRateMonitor) follow it instead
 DECIDING = ("model", "data")
 FOLLOWING_LIGHTNINGS_OWN = ("trainer", "callbacks", "logger")
+
+
+@contextmanager
+def namespace_of_run(cfg: DictConfig) -> Iterator[Namespace]:
+    """Within the block, what is built is of the run's Lightning namespace: the one being built already
+    (`run_objects` building its parts), else the one `cfg`'s classes choose (`model(cfg)` alone, for eval's
+    check or `hpctrain.load`)."""
+    namespace = namespaces.being_built()
+    if namespace is not None:
+        yield namespace
+        return
+    namespace = run_namespace(cfg)
+    console.lightning_logs_once()
+    with namespaces.building(namespace):
+        yield namespace
 
 
 def run_namespace(cfg: DictConfig) -> Namespace:
@@ -300,6 +315,11 @@ def _import_failure(err: InstantiationException) -> str | None:
 
 
 def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDataModule:
+    with namespace_of_run(cfg):
+        return _datamodule(cfg, settings)
+
+
+def _datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDataModule:
     node = cfg.data
     if node.get("num_workers") == "auto":
         node = OmegaConf.merge(node, {"num_workers": cpu_plan(cfg)[1]})
@@ -324,7 +344,8 @@ def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDa
 
 
 def model(cfg: DictConfig) -> LightningModule:
-    return _of_the_run(_instantiate(cfg.model), "model")
+    with namespace_of_run(cfg):
+        return _of_the_run(_instantiate(cfg.model), "model")
 
 
 def check_data_available(data: LightningDataModule) -> None:
@@ -554,6 +575,18 @@ def trainer(
     **overrides: Any,
 ) -> Trainer:
     """The Trainer for `cfg.trainer`; keyword arguments replace config entries (e.g. logger=False)."""
+    with namespace_of_run(cfg):
+        return _trainer(cfg, run_dir, training, sweep, settings, **overrides)
+
+
+def _trainer(
+    cfg: DictConfig,
+    run_dir: str | Path,
+    training: bool,
+    sweep: bool,
+    settings: Settings | None,
+    **overrides: Any,
+) -> Trainer:
     settings = settings or Settings.of(cfg)
     asynchronous = settings.checkpoints.async_save
     chosen_loggers = overrides.pop("logger", None)
