@@ -48,7 +48,6 @@ class Namespace:
 
     package: str  # pytorch_lightning | lightning.pytorch
     fabric: str  # lightning_fabric | lightning.fabric
-    distribution: str  # what pip installs: pytorch-lightning | lightning
     import_line: str  # how code imports it, as Lightning's own docs write it
 
     def __str__(self) -> str:
@@ -76,10 +75,8 @@ class Namespace:
         return self.get("pytorch_lightning.utilities.model_helpers.is_overridden")(method, instance)
 
 
-PYTORCH_LIGHTNING = Namespace(
-    "pytorch_lightning", "lightning_fabric", "pytorch-lightning", "import pytorch_lightning as pl"
-)
-LIGHTNING = Namespace("lightning.pytorch", "lightning.fabric", "lightning", "import lightning as L")
+PYTORCH_LIGHTNING = Namespace("pytorch_lightning", "lightning_fabric", "import pytorch_lightning as pl")
+LIGHTNING = Namespace("lightning.pytorch", "lightning.fabric", "import lightning as L")
 NAMESPACES = (PYTORCH_LIGHTNING, LIGHTNING)
 DECLARED = PYTORCH_LIGHTNING  # the package pyproject.toml declares: the namespace when no class decides
 
