@@ -36,8 +36,8 @@ OWN_TEST = (
 )
 SINGLE_RUN = [name for name in CASES if name not in OWN_TEST]
 # written with `import lightning as L` too: a module, a datamodule, a callback of the user's and one of
-# Lightning's (lambda_callback); the same under DDP (sync_dist_ddp: the launcher, strategy and environment)
-WRITTEN_WITH_LIGHTNING = ["lambda_callback", "sync_dist_ddp"]
+# Lightning's (DDP under the lightning package: tests/test_namespaces.py runs quickstart's model so)
+WRITTEN_WITH_LIGHTNING = ["lambda_callback"]
 
 
 def _env(out: Path) -> dict[str, str]:
