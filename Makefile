@@ -13,7 +13,7 @@ PYTHON := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml uv.lock $(VENV)/.cuda
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip uv
-	UV_PROJECT_ENVIRONMENT=$(VENV) $(VENV)/bin/uv sync --quiet --frozen --inexact --extra dev --extra loggers --extra export --extra docs --compile-bytecode $(SYNC_TORCH)
+	UV_PROJECT_ENVIRONMENT=$(VENV) $(VENV)/bin/uv sync --quiet --frozen --inexact --extra dev --extra loggers --extra export --extra docs --extra llm --compile-bytecode $(SYNC_TORCH)
 	$(if $(filter lock,$(CUDA)),,$(VENV)/bin/uv pip install --quiet --python $(PYTHON) --torch-backend $(CUDA) --reinstall-package torch --reinstall-package torchvision --compile-bytecode $(LOCKED_TORCH))
 	touch $@
 

@@ -1,31 +1,46 @@
-"""What only a GPU node can show, before the first big job: python scripts/gpu_checks.py [--out DIR]
+"""What only a GPU node can show, before the first big job: python scripts/gpu_checks.py [--budget S]
 
-    python scripts/gpu_checks.py                          # on a GPU node; 2+ GPUs for the multi-GPU checks
+    python scripts/gpu_checks.py --budget 480             # one GPU: the one-GPU set, in under 8 minutes
+    python scripts/gpu_checks.py                          # 2+ GPUs: the multi-GPU checks too
     python scripts/gpu_checks.py --only nccl_hang_named fsdp2 --timeout 900
     python scripts/gpu_checks.py --list                   # the checks, one line each
 
-Each check runs in a process of its own under a time limit: a hang becomes a row "timed out after N s"
-(the stuck training run's stacks written first, to its run dir's stacks/), never a hung tool. The results
-go to <out>/gpu_checks.json after every check (a check still running is marked so), so a crash or a hang
-of the node loses nothing; the table is printed and saved beside it (gpu_checks.txt); each check's output
-and training runs are in <out>/<check>/. Without a GPU (the dry form) every check is skipped ("skipped: no
-GPU") or passes. Exit status: 0 when no check failed, 1 when one failed or timed out, 2 for a bad argument.
+Each check runs in a process of its own under a time limit (its own, `--timeout`, and what is left of
+`--budget`, the whole tool's deadline): a hang becomes a row "timed out after N s" (the stuck training
+run's stacks written first, to its run dir's stacks/), never a hung tool. The results go to
+<out>/gpu_checks.json after every check (a check still running is marked so), so a crash or a hang of
+the node loses nothing; the table is printed and saved beside it (gpu_checks.txt), with a dated report
+(<date>-gpu-checks.md: the node, its GPUs and software, every row); each check's output and training
+runs are in <out>/<check>/. Nothing is skipped silently: a check this node cannot run (no GPU, fewer
+GPUs than it needs, the budget spent) is a row "not run" saying why, and the exit status tells:
+
+    0  every check ran and passed          1  a check failed or timed out
+    3  partial: every check that ran passed, some could not run here      2  a bad argument
+
 The output dir defaults to logs/gpu_checks/<date>_<time>/; send that folder back when a check fails.
 
-The checks (what each shows that a CPU cannot):
+The checks (what each shows that a CPU cannot), the one-GPU set first:
   environment        torch, its CUDA build, the node's driver, the GPUs, the CPUs (always runs)
   cuda_driver        torch's CUDA build runs on this driver and every GPU's architecture (a matmul on each)
   bf16               native bfloat16, or the run says once that it is emulated (Volta, Turing)
   precisions         fit and test in 32-true, 16-mixed, bf16-mixed and bf16-true
-  sync_points        where the host waits for the GPU in 10 training steps and a validation
-  mfu                FLOP/s and MFU logged for this GPU; NVML utilisation, memory and power; a trace
+  sync_points        the host's waits for the GPU in 10 training steps, counted per step and judged
+  mfu                a compute-bound Transformer in bf16: FLOP/s and MFU from the template's own count
+                     (no profiler), judged against a floor; NVML's columns
+  ddp_nccl           DDP over nccl on every GPU here (one: a process group of one)
+  flight_recorder    NCCL's flight record of a process group of one, written by hpctrain's dump and read
+                     back by torch's reader
+  fsdp2              FSDP2 in bf16 on every GPU here with the character Transformer's text sample on, fit
+                     and test, then a resume of its sharded checkpoint on half the GPUs (or the one)
+  async_dcp          FSDP2's asynchronous sharded save (torch.distributed.checkpoint): committed whole,
+                     read back, resumed
+  two_tasks_one_gpu  2 tasks as Slurm starts them, sharing one GPU over gloo: the launch logic, fit, test
+  watchdog           2 tasks sharing one GPU over gloo, rank 1 stuck: the watchdog names it before the
+                     collective timeout, and every rank writes its flight record
   one_gpu_per_task   2 tasks as Slurm starts them with --gpus-per-task=1: training and scripts/doctor.py
-  ddp_nccl           DDP over nccl on every GPU
   nccl_hang_named    rank 1 stuck past the collective timeout on nccl: the sentence names rank 1, and NCCL's
                      flight recorder leaves dumps that torch's reader reads
   tensor_parallel    FSDP2 with dist.tensor_parallel=2: samples counted once per tensor-parallel group
-  fsdp2              FSDP2 in bf16 on every GPU with the character Transformer's text sample on, fit and
-                     test, then a resume of its sharded checkpoint on half the GPUs
 """
 
 from __future__ import annotations
@@ -49,9 +64,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-PASSED, FAILED, SKIPPED, TIMED_OUT, RUNNING = "passed", "failed", "skipped", "timed out", "running"
+PASSED, FAILED, NOT_RUN, TIMED_OUT, RUNNING = "passed", "failed", "not run", "timed out", "running"
+ALL_RAN, FAILURE, BAD_ARGUMENT, PARTIAL = 0, 1, 2, 3  # the exit statuses (see the docstring)
 RESULTS = "gpu_checks.json"
 TABLE = "gpu_checks.txt"
+REPORT = "{date}-gpu-checks.md"
+BUDGET_S = 900.0  # the whole tool's deadline by default
+LEAST_S = 20.0  # a check is not started with less of the budget left than this
+MFU_FLOOR = 0.15  # a compute-bound Transformer in bf16 below this share of the peak: something is wrong
+SYNCS_PER_STEP = 1.0  # the host may wait for the GPU about once per training step (the logged loss)
 RESULT = "result.json"  # what a check's process leaves in its folder
 # A check's training runs: seconds each, not an epoch
 TINY = [
@@ -146,13 +167,20 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def slurm_task_env(rank: int, tasks: int, port: int) -> dict[str, str]:
+def slurm_task_env(rank: int, tasks: int, port: int, share_one_gpu: bool = False) -> dict[str, str]:
     """What Slurm gives task `rank` of an `srun --ntasks-per-node=<tasks> --gpus-per-task=1` step on one
-    node: its own GPU only (CUDA_VISIBLE_DEVICES), so every task's GPU is its device 0."""
+    node: its own GPU only (CUDA_VISIBLE_DEVICES), so every task's GPU is its device 0. `share_one_gpu`:
+    of `--gres=gpu:1 --ntasks-per-node=<tasks>` instead, every task the same GPU."""
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     job = os.environ.get("SLURM_JOB_ID", "999999999")  # the job the tool runs in: scontrol knows it
     counts = {"SLURM_NTASKS": tasks, "SLURM_NPROCS": tasks, "SLURM_NTASKS_PER_NODE": tasks}
     counts |= {"SLURM_TASKS_PER_NODE": tasks, "SLURM_STEP_NUM_TASKS": tasks}
+    own = (
+        (visible[0] if visible else "0")
+        if share_one_gpu
+        else (visible[rank] if rank < len(visible) else str(rank))
+    )
+    gpus = {"SLURM_GPUS_ON_NODE": "1"} if share_one_gpu else {"SLURM_GPUS_PER_TASK": "1"}
     return {
         **{k: str(v) for k, v in counts.items()},
         "SLURM_JOB_ID": job,
@@ -166,8 +194,8 @@ def slurm_task_env(rank: int, tasks: int, port: int) -> dict[str, str]:
         "SLURM_STEP_NUM_NODES": "1",
         "SLURM_NODELIST": socket.gethostname(),
         "SLURM_JOB_NODELIST": socket.gethostname(),
-        "SLURM_GPUS_PER_TASK": "1",
-        "CUDA_VISIBLE_DEVICES": visible[rank] if rank < len(visible) else str(rank),
+        **gpus,
+        "CUDA_VISIBLE_DEVICES": own,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
@@ -320,6 +348,7 @@ def precisions(folder: Path, gpus: int) -> Result:
 
 def sync_points(folder: Path, gpus: int) -> Result:
     places = folder / "places.json"
+    steps = 10  # SyncWindow's window: training steps 5 to 14
     run = train(
         folder,
         "sync",
@@ -332,11 +361,33 @@ def sync_points(folder: Path, gpus: int) -> Result:
     if run.returncode != 0 or not places.is_file():
         return Result(FAILED, f"the run failed: {run.last_error()}")
     found = json.loads(places.read_text())
-    total = sum(found.values())
-    summary = f"{total} synchronising calls in 10 training steps and a validation"
-    if found:
-        summary += f", most at {max(found, key=found.get)}"
-    return Result(PASSED, summary, found)
+    per_step = sum(found.values()) / steps  # the first validation's are counted too: an upper bound
+    details = {"places": found, "per_step": per_step, "most_allowed_per_step": SYNCS_PER_STEP}
+    where = f", most at {max(found, key=found.get)} ({max(found.values())})" if found else ""
+    summary = f"{per_step:.1f} host waits for the GPU per training step (10 steps and a validation){where}"
+    if per_step > SYNCS_PER_STEP:
+        return Result(FAILED, f"{summary}: more than {SYNCS_PER_STEP:g} per step stalls the GPU", details)
+    return Result(PASSED, summary, details)
+
+
+# A Transformer large enough that its matrix products, not the host or the launches, set the pace
+COMPUTE_BOUND = [
+    "experiment=char_transformer",
+    "model.net.n_layer=8",
+    "model.net.n_head=16",
+    "model.net.n_embd=1024",
+    "model.net.dropout=0.0",
+    "data.block_size=512",
+    "data.batch_size=16",
+    "callbacks.text_sample=null",
+    "trainer.precision=bf16-mixed",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=60",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=20",
+    "test=false",
+    "callbacks.performance.gpu_every_s=1",
+]
 
 
 def mfu(folder: Path, gpus: int) -> Result:
@@ -345,54 +396,41 @@ def mfu(folder: Path, gpus: int) -> Result:
     import torch
 
     name = torch.cuda.get_device_name(0)
-    run = train(
-        folder,
-        "mfu",
-        "experiment=quickstart",
-        TRAINER["gpu"],
-        "trainer.max_epochs=2",
-        "trainer.log_every_n_steps=5",
-        "callbacks.performance.gpu_every_s=1",
-        "debug=trace",
-    )
+    if experiment_with_plan() is None:
+        return Result(NOT_RUN, "no Transformer here to measure (conf/experiment/char_transformer.yaml)")
+    run = train(folder, "mfu", *COMPUTE_BOUND, TRAINER["gpu"])
     if run.returncode != 0:
         return Result(FAILED, f"the run failed: {run.last_error()}")
     performance = run.outcome().get("performance") or {}
     columns: set[str] = set()
     with contextlib.suppress(OSError, StopIteration), open(run.run_dir / "metrics.csv", newline="") as file:
         columns = set(next(csv.reader(file)))
-    traces = (
-        sorted(p.name for p in (run.run_dir / "traces").glob("*"))
-        if (run.run_dir / "traces").is_dir()
-        else []
-    )
     details = {
         "gpu": name,
         "tflops_per_device": performance.get("tflops_per_device"),
         "mfu": performance.get("mfu"),
+        "floor": MFU_FLOOR,
         "nvml_columns": sorted(c for c in columns if c.startswith("gpus/")),
-        "traces": traces,
     }
-    if not performance.get("mfu"):
+    share = performance.get("mfu")
+    if not share:
         return Result(
             FAILED,
             f"no MFU for {name}: its peak FLOP/s is in neither hpctrain's table nor Lightning's "
             "(callbacks.performance.peak_flops=<FLOP/s> sets one)",
             details,
         )
-    missing = [
-        what for what, there in (("NVML columns", details["nvml_columns"]), ("a trace", traces)) if not there
-    ]
-    if missing:
+    said = f"{performance['tflops_per_device']:.3g} TFLOP/s, MFU {100 * share:.1f}% on {name}"
+    if share < MFU_FLOOR:
         return Result(
-            FAILED, f"MFU {100 * performance['mfu']:.1f}% but no {' and no '.join(missing)}", details
+            FAILED,
+            f"{said}: below {100 * MFU_FLOOR:.0f}% on a compute-bound Transformer in bf16 (a throttled GPU, "
+            "the wrong peak, or the host in the way: see sync_points)",
+            details,
         )
-    return Result(
-        PASSED,
-        f"{performance['tflops_per_device']:.3g} TFLOP/s, MFU {100 * performance['mfu']:.1f}% on {name}; "
-        f"{len(details['nvml_columns'])} NVML columns; a trace",
-        details,
-    )
+    if not details["nvml_columns"]:
+        return Result(FAILED, f"{said}, but no NVML columns in metrics.csv", details)
+    return Result(PASSED, f"{said}; {len(details['nvml_columns'])} NVML columns", details)
 
 
 def one_gpu_per_task(folder: Path, gpus: int) -> Result:
@@ -425,8 +463,164 @@ def one_gpu_per_task(folder: Path, gpus: int) -> Result:
 def ddp_nccl(folder: Path, gpus: int) -> Result:
     run = train(folder, "ddp", "experiment=quickstart", TRAINER["ddp"], f"trainer.devices={gpus}", *TINY)
     if run.returncode != 0:
-        return Result(FAILED, f"DDP on {gpus} GPUs failed: {run.last_error()}")
-    return Result(PASSED, f"DDP over nccl on {gpus} GPUs: fit and test")
+        return Result(FAILED, f"DDP on {gpus} GPU(s) failed: {run.last_error()}")
+    return Result(PASSED, f"DDP over nccl on {gpus} GPU(s): fit and test")
+
+
+def flight_recorder(folder: Path, gpus: int) -> Result:
+    """In this process: a process group of one over nccl, a few all-reduces, hpctrain's dump of the flight
+    record (what every rank writes as the watchdog ends a hang), read back by torch's reader."""
+    import pickle
+
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # read as the group is made
+            "TORCH_FR_DUMP_TEMP_FILE": str(folder / "flight_recorder" / "rank"),
+        }
+    )
+    (folder / "flight_recorder").mkdir(exist_ok=True)
+    import torch
+    import torch.distributed as dist
+
+    from hpctrain.runtime.distributed import flight_recorder as recorder
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        x = torch.ones(1 << 20, device="cuda")
+        for _ in range(3):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        written = recorder.dump()
+    finally:
+        dist.destroy_process_group()
+    if written is None:
+        return Result(
+            FAILED, "hpctrain's dump wrote no flight record (TORCH_NCCL_TRACE_BUFFER_SIZE=2000 was set)"
+        )
+    entries = pickle.loads(written.read_bytes()).get("entries") or []
+    reduces = [e for e in entries if "all_reduce" in str(e.get("profiling_name"))]
+    reader = [
+        sys.executable,
+        "-m",
+        "torch.distributed.flight_recorder.fr_trace",
+        str(written.parent),
+        "--prefix",
+        "rank",
+    ]
+    read = subprocess.run(reader, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    details = {
+        "file": str(written),
+        "entries": len(entries),
+        "all_reduces": len(reduces),
+        "fr_trace_exit_status": read.returncode,
+    }
+    if len(reduces) < 3:
+        return Result(FAILED, f"the flight record holds {len(reduces)} of the 3 all-reduces", details)
+    if read.returncode != 0:
+        last = (read.stderr or read.stdout).strip().splitlines()[-1:] or ["no output"]
+        return Result(FAILED, f"torch's reader cannot read hpctrain's dump: {last[0][:200]}", details)
+    return Result(
+        PASSED,
+        f"the flight record of {len(entries)} collectives, dumped by hpctrain and read by torch's reader",
+        details,
+    )
+
+
+def async_dcp(folder: Path, gpus: int) -> Result:
+    common = [
+        "experiment=quickstart",
+        TRAINER["fsdp"],
+        "trainer.devices=1",
+        *TINY,
+        "checkpoints.async_save=true",
+    ]
+    first = train(folder, "async", *common)
+    last = first.run_dir / "checkpoints" / "last.ckpt"
+    details = {"exit_status": first.returncode}
+    if first.returncode != 0:
+        return Result(FAILED, f"FSDP2 with an asynchronous save failed: {first.last_error()}", details)
+    shards = sorted(p.name for p in last.glob("*.distcp")) if last.is_dir() else []
+    details["shards"] = shards
+    if not shards or not (last / ".metadata").is_file():
+        return Result(FAILED, f"no complete sharded checkpoint in {last}", details)
+    again = [o.replace("trainer.max_epochs=1", "trainer.max_epochs=2") for o in common]
+    resumed = train(folder, "resumed", *again, f"ckpt_path={last}")
+    details["resumed_exit_status"] = resumed.returncode
+    if resumed.returncode != 0:
+        return Result(
+            FAILED, f"the resume from the asynchronous save failed: {resumed.last_error()}", details
+        )
+    return Result(
+        PASSED, f"an asynchronous sharded save ({len(shards)} shard(s)) committed, read and resumed", details
+    )
+
+
+def two_tasks_one_gpu(folder: Path, gpus: int) -> Result:
+    tasks = 2
+    port = free_port()
+    envs = [clean_env(slurm_task_env(rank, tasks, port, share_one_gpu=True)) for rank in range(tasks)]
+    overrides = [
+        "experiment=quickstart",
+        TRAINER["ddp"],
+        f"trainer.devices={tasks}",
+        "dist.backend=gloo",
+        "requeue.enabled=false",
+    ]
+    command = [sys.executable, "src/train.py", *overrides, *TINY, f"hydra.run.dir={folder / 'train'}"]
+    codes = run_tasks(folder, "train", [command] * tasks, envs)
+    if any(codes):
+        return Result(
+            FAILED,
+            f"2 tasks sharing one GPU over gloo failed (exit statuses {codes})",
+            {"exit_statuses": codes},
+        )
+    return Result(
+        PASSED,
+        "2 tasks as Slurm starts them, sharing one GPU over gloo: fit and test",
+        {"exit_statuses": codes},
+    )
+
+
+def watchdog(folder: Path, gpus: int) -> Result:
+    tasks = 2
+    port = free_port()
+    envs = [
+        clean_env({**slurm_task_env(rank, tasks, port, share_one_gpu=True), "TORCH_FR_BUFFER_SIZE": "2000"})
+        for rank in range(tasks)
+    ]
+    stalled = [
+        "experiment=quickstart",
+        TRAINER["ddp"],
+        f"trainer.devices={tasks}",
+        "dist.backend=gloo",
+        "requeue.enabled=false",
+        *TINY,
+        "dist.timeout_min=0.25",
+        "+callbacks.stall._target_=gpu_checks.StallRank",
+        "+callbacks.stall.rank=1",
+        "+callbacks.stall.at_step=3",
+        "+callbacks.stall.seconds=600",
+        f"hydra.run.dir={folder / 'hang'}",
+    ]
+    codes = run_tasks(folder, "hang", [[sys.executable, "src/train.py", *stalled]] * tasks, envs)
+    output = "".join((folder / f"hang.rank{r}.log").read_text(errors="replace") for r in range(tasks))
+    named = "rank 1 on" in output and "did not arrive" in output
+    records = sorted(p.name for p in (folder / "hang" / "flight_recorder").glob("rank*"))
+    details = {"exit_statuses": codes, "rank_1_named": named, "flight_records": records}
+    if not any(codes):
+        return Result(FAILED, "the run with rank 1 stuck completed: the stall did not take", details)
+    if not named:
+        return Result(FAILED, "the watchdog did not name the stuck rank 1", details)
+    import torch._C._distributed_c10d as c10d
+
+    if hasattr(c10d, "_dump_fr_trace") and records != ["rank0", "rank1"]:
+        return Result(FAILED, f"rank 1 named, but the flight records are {records or 'missing'}", details)
+    return Result(
+        PASSED, f"rank 1, stuck, named before the collective timeout; flight records {records}", details
+    )
 
 
 def nccl_hang_named(folder: Path, gpus: int) -> Result:
@@ -485,7 +679,7 @@ def tensor_parallel(folder: Path, gpus: int) -> Result:
     experiment = experiment_with_plan()
     if experiment is None:
         return Result(
-            SKIPPED, "no model with a tensor-parallel plan here (conf/experiment/char_transformer.yaml)"
+            NOT_RUN, "no model with a tensor-parallel plan here (conf/experiment/char_transformer.yaml)"
         )
     run = train(
         folder,
@@ -538,18 +732,22 @@ def fsdp2(folder: Path, gpus: int) -> Result:
     )
 
 
-CHECKS = [
-    Check("environment", 0, 300, environment),
-    Check("cuda_driver", 1, 300, cuda_driver),
-    Check("bf16", 1, 300, bf16),
-    Check("precisions", 1, 600, precisions),
-    Check("sync_points", 1, 300, sync_points),
-    Check("mfu", 1, 300, mfu),
+CHECKS = [  # the one-GPU set first (in under 8 minutes of --budget on one GPU), then the multi-GPU checks
+    Check("environment", 0, 120, environment),
+    Check("cuda_driver", 1, 120, cuda_driver),
+    Check("bf16", 1, 180, bf16),
+    Check("precisions", 1, 300, precisions),
+    Check("sync_points", 1, 180, sync_points),
+    Check("mfu", 1, 240, mfu),
+    Check("ddp_nccl", 1, 180, ddp_nccl),
+    Check("flight_recorder", 1, 120, flight_recorder),
+    Check("fsdp2", 1, 600, fsdp2),
+    Check("async_dcp", 1, 300, async_dcp),
+    Check("two_tasks_one_gpu", 1, 240, two_tasks_one_gpu),
+    Check("watchdog", 1, 240, watchdog),
     Check("one_gpu_per_task", 2, 300, one_gpu_per_task),
-    Check("ddp_nccl", 2, 300, ddp_nccl),
     Check("nccl_hang_named", 2, 300, nccl_hang_named),
     Check("tensor_parallel", 2, 300, tensor_parallel),
-    Check("fsdp2", 2, 900, fsdp2),
 ]
 
 
@@ -713,7 +911,7 @@ def gpus_here(environment_row: dict[str, Any] | None) -> tuple[int, int]:
     return int(found.get("gpus") or 0), int(found.get("gpu_devices") or 0)
 
 
-def skipped_for(check: Check, environment_row: dict[str, Any] | None) -> str | None:
+def not_run_because(check: Check, environment_row: dict[str, Any] | None) -> str | None:
     """Why `check` cannot run here (None: it can), from what the environment check found."""
     if check.gpus == 0:
         return None
@@ -723,7 +921,7 @@ def skipped_for(check: Check, environment_row: dict[str, Any] | None) -> str | N
     if gpus == 0 and devices > 0:  # the node has GPUs, but CUDA does not start: cuda_driver says why
         return None if check.name == "cuda_driver" else "CUDA does not start here (see cuda_driver)"
     if gpus == 0:
-        return "no GPU"
+        return "no GPU here"
     if gpus < check.gpus:
         return f"needs {check.gpus} GPUs, {gpus} here"
     return None
@@ -734,9 +932,48 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         seconds = f"{r['seconds']:.0f} s" if r.get("seconds") is not None else "-"
         lines.append(f"{r['name']:18} {r['status']:10} {seconds:>7}  {r['summary']}")
-    counts = {s: sum(r["status"] == s for r in rows) for s in (PASSED, SKIPPED, FAILED, TIMED_OUT)}
+    counts = {s: sum(r["status"] == s for r in rows) for s in (PASSED, NOT_RUN, FAILED, TIMED_OUT)}
     lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
     return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]]) -> tuple[int, str]:
+    """The exit status and its line: a failure first, then whether every check ran."""
+    failed = [r["name"] for r in rows if r["status"] in (FAILED, TIMED_OUT)]
+    not_run = [f"{r['name']} ({r['summary']})" for r in rows if r["status"] == NOT_RUN]
+    if failed:
+        return FAILURE, f"failed: {', '.join(failed)}" + (
+            f"; not run: {', '.join(not_run)}" if not_run else ""
+        )
+    if not_run:
+        return PARTIAL, f"partial: every check that ran passed; could not run here: {'; '.join(not_run)}"
+    return ALL_RAN, "all ran and passed"
+
+
+def write_report(out: Path, report: dict[str, Any], shown: str, said: str) -> Path:
+    """The dated report, to keep beside the benchmark reports: the node, its GPUs and software, the table."""
+    found = next((r["details"] for r in report["checks"] if r["name"] == "environment"), None) or {}
+    date = report["started"][:10]
+    gpus = ", ".join(found.get("gpu_names") or []) or "no GPU"
+    lines = [
+        f"# GPU checks, {date}: {gpus}",
+        "",
+        f"`python scripts/{report['command']}` on {report['host']}, started {report['started']}.",
+        "",
+        f"- torch {found.get('torch')} (CUDA {found.get('torch_cuda') or 'none'}), driver {found.get('driver') or 'none'}, "
+        f"hpctrain {found.get('hpctrain')}, Python {found.get('python')}",
+        f"- GPUs: {gpus} (compute capability {', '.join(found.get('compute_capabilities') or []) or '-'}); "
+        f"{found.get('cpus')} CPUs",
+        f"- {said}",
+        "",
+        "```",
+        shown,
+        "```",
+        "",
+    ]
+    path = out / REPORT.format(date=date)
+    path.write_text("\n".join(lines))
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -749,6 +986,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, help="seconds each check may take (default: each check's own)"
     )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=BUDGET_S,
+        help=f"seconds all the checks may take together (default {BUDGET_S:.0f}; 480 for the one-GPU set): "
+        "a check that does not fit what is left is not run, and said so",
+    )
     parser.add_argument("--list", action="store_true", help="list the checks and exit")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # in a check's own process: run that check
     parser.add_argument("--gpus", type=int, default=0, help=argparse.SUPPRESS)
@@ -758,14 +1002,16 @@ def main(argv: list[str] | None = None) -> int:
         return run_in_this_process(by_name[args.run], Path(args.out), args.gpus)
     if args.list:
         print("\n".join(f"{c.name:18} {c.gpus} GPU(s), {c.timeout_s:.0f} s" for c in CHECKS))
-        return 0
+        return ALL_RAN
     unknown = sorted(set(args.only or []) - set(names)) or sorted({args.run} - {None})
     if unknown:
         print(f"error: --only {unknown[0]} is not a check; choose from {', '.join(names)}.", file=sys.stderr)
-        return 2
-    if args.timeout is not None and args.timeout <= 0:
-        print(f"error: --timeout {args.timeout:g} must be a number of seconds above 0.", file=sys.stderr)
-        return 2
+        return BAD_ARGUMENT
+    for flag, value in (("--timeout", args.timeout), ("--budget", args.budget)):
+        if value is not None and not value > 0:
+            print(f"error: {flag} {value:g} must be a number of seconds above 0.", file=sys.stderr)
+            return BAD_ARGUMENT
+    deadline = time.monotonic() + args.budget
     out = Path(args.out or ROOT / "logs" / "gpu_checks" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     out.mkdir(parents=True, exist_ok=True)
     chosen = [c for c in CHECKS if c.name == "environment" or not args.only or c.name in args.only]
@@ -773,6 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "host": socket.gethostname(),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "budget_s": args.budget,
         "finished": False,
         "checks": [],
     }
@@ -781,27 +1028,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu checks: results in {out / RESULTS} after every check", flush=True)
     environment_row = None
     for check in chosen:
-        why = skipped_for(check, environment_row)
+        why = not_run_because(check, environment_row)
+        left = deadline - time.monotonic()
+        if why is None and left < LEAST_S:
+            why = f"the budget (--budget {args.budget:g} s) was spent before it"
         if why is not None:
-            rows.append(row(check, SKIPPED, why, None))
+            rows.append(row(check, NOT_RUN, why, None))
         else:
             rows.append(row(check, RUNNING, "running", None))
             write_results(out, report)  # a crash or a hang of the node leaves which check was running
             gpus = max(gpus_here(environment_row))
-            rows[-1] = run_check(check, out, gpus, args.timeout or check.timeout_s)
+            own = args.timeout or check.timeout_s
+            rows[-1] = run_check(check, out, gpus, min(own, left))
+            if rows[-1]["status"] == TIMED_OUT and left < own:
+                rows[-1]["summary"] += f" (all that was left of --budget {args.budget:g} s)"
         if check.name == "environment":
             environment_row = rows[-1]
         write_results(out, report)
         last = rows[-1]
         print(f"{last['name']:18} {last['status']:10} {last['summary']}", flush=True)
-    report["finished"] = True
+    code, said = verdict(rows)
+    report["finished"], report["exit_status"], report["verdict"] = True, code, said
     write_results(out, report)
     shown = table(rows)
     (out / TABLE).write_text(shown + "\n")
+    dated = write_report(out, report, shown, said)
     print(
-        f"\n{shown}\n\nresults: {out / RESULTS}; the table: {out / TABLE}; each check's output in {out}/<check>/"
+        f"\n{shown}\n{said} (exit status {code})\n\nresults: {out / RESULTS}; the table: {out / TABLE}; the "
+        f"report: {dated}; each check's output in {out}/<check>/"
     )
-    return 1 if any(r["status"] in (FAILED, TIMED_OUT) for r in rows) else 0
+    return code
 
 
 def run_in_this_process(check: Check, folder: Path, gpus: int) -> int:

@@ -72,7 +72,7 @@ def main() -> int:
     ranks = stacks.known_ranks(run_dir)
     if not ranks:
         fail(
-            f"{run_dir} has no {stacks.STACKS_DIR}/{stacks.PIDS_FILE}: its ranks never started building the run."
+            f"{run_dir} has no {stacks.STACKS_DIR}/rank<N>{stacks.PID_SUFFIX}: its ranks never started building the run."
         )
     sig = stacks_signal(run_dir)
     files = {rank: stacks.rank_file(run_dir, rank) for rank in ranks}

@@ -66,7 +66,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--partition", help="partition (queue)")
     parser.add_argument("--account", help="account to charge")
     parser.add_argument("--qos", help="quality of service")
-    parser.add_argument("--job-name", help="job name (default: train)")
+    names = [file_defaults(path).get("job-name") for path in (SBATCH_FILE, SWEEP_FILE, PACK_FILE)]
+    parser.add_argument(  # the sbatch files' own names: the project's, so squeue tells projects apart
+        "--job-name",
+        help=f"job name (default: the sbatch file's, {names[0]}; {names[1]} with --sweep, {names[2]} with --pack)",
+    )
     parser.add_argument(
         "--sbatch-arg",
         action="append",

@@ -24,7 +24,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="CPU nodes: trainer=ddp_cpu (gloo)")
     parser.add_argument("--processes-per-node", type=int, default=1, help="with --cpu: processes per node")
     parser.add_argument("--master-addr", default="$MASTER_ADDR", help="address of node 0, reachable by all")
-    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="rank 0's port (default: 29500; with --srun, $MASTER_PORT, which slurm/job_env.sh derives from the job id)",
+    )
     parser.add_argument("--c10d", action="store_true", help="c10d rendezvous: the same command on every node")
     parser.add_argument(
         "--srun", action="store_true", help="the `srun torchrun` form for a SLURM batch script"
@@ -66,24 +71,27 @@ def commands(args: argparse.Namespace) -> list[str]:
     ]
     sizes = [f"--nnodes={args.nodes}", f"--nproc-per-node={per_node}"]
     common = [*sizes, f"--rdzv-id={run_id}"]
-    endpoint = f"{args.master_addr}:{args.master_port}"
+    endpoint = f"{args.master_addr}:{args.master_port or 29500}"
     if args.srun:
-        # the run id is the SLURM job id, so a requeued job finds its run dir; the shell expands both names
+        # the run id is the SLURM job id, so a requeued job finds its run dir; the port is the job's own
+        # (slurm/job_env.sh: from the job id), so two jobs sharing a first node do not meet on a fixed one;
+        # the shell expands the names
+        port = args.master_port or "$MASTER_PORT"
         rendezvous = [
             "--rdzv-backend=c10d",
             "--rdzv-id=$SLURM_JOB_ID",
-            f"--rdzv-endpoint=$MASTER_ADDR:{args.master_port}",
+            f"--rdzv-endpoint=$MASTER_ADDR:{port}",
         ]
         line = f"{_launcher(['torchrun', *sizes, *rendezvous])} {shlex.join(train)}"
         return [
-            "source slurm/job_env.sh  # slurm/site.sh, then MASTER_ADDR (the first node) and a free MASTER_PORT",
+            "source slurm/job_env.sh  # slurm/site.sh, then MASTER_ADDR (the first node) and MASTER_PORT (from the job id)",
             f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {line}",
         ]
     if args.c10d:
         launcher = ["torchrun", *common, "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
         return [f"{_launcher(launcher)} {shlex.join(train)}"]
     return [
-        f"{_launcher(['torchrun', *common, f'--node-rank={rank}', f'--master-addr={args.master_addr}', f'--master-port={args.master_port}'])}"
+        f"{_launcher(['torchrun', *common, f'--node-rank={rank}', f'--master-addr={args.master_addr}', f'--master-port={args.master_port or 29500}'])}"
         f" {shlex.join(train)}"
         for rank in range(args.nodes)
     ]

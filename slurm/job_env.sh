@@ -16,9 +16,12 @@ if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
     export SRUN_CPUS_PER_TASK="${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}"
 fi
 
-# Rank 0 runs on this node (the allocation's first). A port free here now, rather than Lightning's
-# default (15000 + the job id's last four digits), which collides when two jobs whose ids share those
-# digits share a node. PYTHON: the interpreter to ask (the launcher passes its own).
+# Rank 0 runs on this node (the allocation's first), on a port derived from the job id as Lightning derives
+# it (15000 + the id's last four digits), over a wider range: every task computes the same port and nothing
+# binds and releases one first (another process could take it meanwhile). Two jobs sharing a node meet only
+# when their ids differ by a multiple of 15000; each point of a packed job (HPCTRAIN_PACK_POINT) takes its
+# own, 7919 (a prime) further on. The range ends below 32768, where Linux's ephemeral ports begin.
+# A MASTER_PORT set before (your site.sh, the submitting shell) stands.
 MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)}"
-MASTER_PORT="${MASTER_PORT:-$("${PYTHON:-python}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}"
+MASTER_PORT="${MASTER_PORT:-$((15000 + (${SLURM_JOB_ID:-0} + 7919 * ${HPCTRAIN_PACK_POINT:-0}) % 15000))}"
 export MASTER_ADDR MASTER_PORT

@@ -17,6 +17,8 @@ export PYTHONFAULTHANDLER=1                                  # stack traces on c
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"  # a failed collective ends the job
 # Network interfaces, when a node's hostname resolves to an address the other nodes cannot reach
-# (127.0.1.1, a management network): name the interface the nodes share, for both backends.
+# (127.0.1.1, a management network). Every multi-node run checks gloo's before it starts: without
+# GLOO_SOCKET_IFNAME it takes NCCL_SOCKET_IFNAME's interface, else the one this node reaches rank 0
+# through, and says so; a name no interface of the node has is one sentence. Set them here to choose.
 # export NCCL_SOCKET_IFNAME=ib0      # nccl: the GPUs' collectives
-# export GLOO_SOCKET_IFNAME=ib0      # gloo: the preemption flag (and CPU jobs' collectives)
+# export GLOO_SOCKET_IFNAME=ib0      # gloo: the requeue signal, folder saves (and CPU jobs' collectives)

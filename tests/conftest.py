@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -34,12 +35,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     workers take tests in this order as they become free, so the quick tests fill the gaps at the end and
     both workers finish at about the same time. The order within each tier is the collection order."""
 
-    def tier(item: pytest.Item) -> int:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()):
-            return 0
-        return 1 if item.get_closest_marker("slow") else 2
+    items.sort(key=lambda item: TIERS.index(tier(item)))  # stable
 
-    items.sort(key=tier)  # stable
+
+TIERS = ("slurm", "slow", "quick")
+
+
+def tier(item: pytest.Item) -> str:
+    if "slurm_cluster" in getattr(item, "fixturenames", ()):
+        return "slurm"
+    return "slow" if item.get_closest_marker("slow") else "quick"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Each test's tier and worker in the JUnit XML file (`make durations`: scripts/dev/suite_durations.py)."""
+    item.user_properties += [("tier", tier(item)), ("worker", os.environ.get("PYTEST_XDIST_WORKER", "gw0"))]
 
 
 @pytest.fixture(scope="session")

@@ -112,6 +112,15 @@ def cases(w: dict[str, Path]) -> dict[str, Case]:
         ),
         "unknown group": Case(("modle=mlp",), ("modle is not a config key", "did you mean model=mlp?")),
         "unparseable override": Case(("trainer.devices=[1,",), ("cannot parse 'trainer.devices=[1,'",)),
+        "key space value": Case(("trainer.devices", "2"), ("key=value", "write trainer.devices=2.")),
+        "new key without +": Case(
+            ("callbacks.swa._target_=pytorch_lightning.callbacks.StochasticWeightAveraging",),
+            ("to add it as a new key write +callbacks.swa._target_=pytorch_lightning.callbacks.Stoch",),
+        ),
+        "misspelt target": Case(
+            ("model._target_=myproject.models.clasifier.ImageClassifier",),
+            ("did you mean myproject.models.classifier.ImageClassifier?",),
+        ),
         "wrong type": Case(
             ("trainer.max_epochs=ten",), ("trainer.max_epochs='ten' is not an integer", "max_epochs=10")
         ),

@@ -61,4 +61,8 @@ def test_the_fsdp_benchmark_reports_memory_throughput_and_saves(tmp_path: Path):
     for variant in ("ddp", "fsdp"):
         saves = report["saves"][variant]
         assert saves["sync_done_s"] > 0 and saves["async_done_s"] >= saves["async_stall_s"] > 0
+        assert saves["async_stall_over_sync"] == pytest.approx(
+            saves["async_stall_s"] / saves["sync_stall_s"], abs=2e-3
+        )
+    assert f"of sync (goal <= {1 / 8};" in result.stdout  # the ratio printed, measured in the same run
     assert all(size > 0 for size in report["saves"]["fsdp"]["bytes_per_rank"])  # every rank wrote its shard

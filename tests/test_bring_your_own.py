@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import (
     PYTHON,
@@ -102,6 +103,35 @@ def test_without_a_sanity_check_it_stops_at_the_first_validation(tmp_path: Path)
     )
     assert "monitor.metric=val_acc is never logged" in _one_sentence_error(result)
     assert "epoch 1/" not in result.stdout
+
+
+SHORT_RUNS = {
+    "max_steps mid-epoch": (("trainer.max_steps=2",), "training ended at step 2 (trainer.max_steps=2)"),
+    "no validation batches": (
+        ("trainer.limit_val_batches=0", "trainer.limit_train_batches=2", "trainer.max_epochs=1"),
+        "no validation ran (trainer.limit_val_batches=0)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SHORT_RUNS)
+def test_a_run_that_ends_before_its_first_validation_completes_with_last_ckpt(tmp_path: Path, case: str):
+    """A smoke run (the sanity check validated, then training stopped before the first real validation)
+    is a run: completed, last.ckpt saved and tested, and one line saying no validation ran; the monitored
+    metric is not 'never logged', it is not computed yet."""
+    overrides, why = SHORT_RUNS[case]
+    result = train(tmp_path, "experiment=quickstart", "trainer.num_sanity_val_steps=1", *overrides)
+    assert_ok(result)
+    assert "never logged" not in result.stdout
+    (run,) = run_dirs(tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+    log = (run / "train.log").read_text()
+    assert why in log
+    assert "so monitor.metric=val/acc has no value and this run has no best checkpoint; last.ckpt" in log
+    assert f"last checkpoint: {last}" in log  # the one the test after fit used
+    outcome = yaml.safe_load((run / "outcome.yaml").read_text())
+    assert outcome["status"] == "completed" and outcome["value"] is None and outcome["test"], outcome
 
 
 def test_classes_of_both_lightning_namespaces_in_one_run_are_one_sentence_before_anything_is_built(

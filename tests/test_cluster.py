@@ -126,6 +126,30 @@ def test_a_partial_gpu_binding_that_cannot_match_tasks_is_refused():
         launch_checks.preflight(1, 8, "gpu", env={**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "0,1"})
 
 
+def test_tasks_that_would_share_a_gpu_are_refused_before_nccls_duplicate_gpu():
+    """--gres=gpu:1 --ntasks-per-node=8: each task sees the one GPU, as under --gpus-per-task=1, but all
+    eight see the same; NCCL refuses that at the first collective, after every rank imported and built."""
+    shared = {**SLURM_8_TASKS, "CUDA_VISIBLE_DEVICES": "0"}
+    for said in ({"SLURM_GPUS_ON_NODE": "1"}, {"SLURM_JOB_GPUS": "0"}, {"SLURM_STEP_GPUS": "0"}):
+        with pytest.raises(UserError) as refused:
+            launch_checks.preflight(1, 8, "gpu", env={**shared, **said})
+        name, value = next(iter(said.items()))
+        assert str(refused.value) == (
+            f"trainer.accelerator=gpu with 8 tasks per node (--ntasks-per-node=8), but the job holds 1 GPU(s) "
+            f"on this node ({name}={value}), so ranks would share a GPU, which NCCL refuses ('Duplicate GPU "
+            "detected'); request one GPU per task (--gres=gpu:8 or --gpus-per-task=1) or submit with "
+            "--ntasks-per-node=1."
+        )
+    # one GPU bound to each of eight: the job holds eight on the node
+    launch_checks.preflight(
+        1, 8, "gpu", env={**shared, "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"}
+    )
+    launch_checks.preflight(1, 8, "cpu", env={**shared, "SLURM_GPUS_ON_NODE": "1"})  # CPU ranks share nothing
+    launch_checks.preflight(
+        1, 8, "gpu", env={**shared, "SLURM_GPUS_ON_NODE": "1"}, backend="gloo"
+    )  # gloo may
+
+
 def test_gpu_visibility_outside_slurm():
     with pytest.raises(UserError, match="sees no GPU"):
         launch_checks.preflight(1, 2, "gpu", env={"CUDA_VISIBLE_DEVICES": ""})
@@ -143,6 +167,110 @@ def test_the_network_line_names_each_backends_interface_and_warns_of_loopback():
         "gloo uses GLOO_SOCKET_IFNAME=ib0; nccl uses NCCL_SOCKET_IFNAME=ib0" in chosen
         and "warning" not in chosen
     )
+
+
+NODE3 = {"lo": "127.0.0.1", "eno1": "172.16.0.13", "ib0": "10.10.0.13", "ib1": None}
+
+
+def _facts(host_address: str | None, master: str | None = "10.10.0.1", route: str | None = "10.10.0.13"):
+    """node3 of a cluster whose nodes share ib0 (10.10/16), its hostname resolving to `host_address` (a
+    management network, 172.16/16, as many sites' DNS has it); rank 0 at `master`."""
+    return network.NetworkFacts("node3", dict(NODE3), host_address, master, route)
+
+
+def test_gloo_binds_where_the_node_reaches_rank_0_not_where_its_hostname_points():
+    env: dict[str, str] = {"MASTER_ADDR": "node1"}
+    line = network.settle_gloo_interface(2, env, _facts("172.16.0.13"))
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert line == (
+        "gloo uses ib0 (10.10.0.13) on node3, the interface that reaches rank 0 at node1, not 172.16.0.13 that "
+        "node3 resolves to"
+    )
+    env = {"MASTER_ADDR": "node1"}  # a hostname that resolves to 127.0.1.1 (Debian's /etc/hosts) alike
+    network.settle_gloo_interface(2, env, _facts("127.0.1.1"))
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0"
+    # where the hostname's address is the one that reaches rank 0, gloo's default stands
+    env = {"MASTER_ADDR": "node1"}
+    assert network.settle_gloo_interface(2, env, _facts("10.10.0.13")) is None and env == {
+        "MASTER_ADDR": "node1"
+    }
+    # one node, or every node on this machine (torchrun by hand, the tests' cluster of several slurmd on
+    # one host): nothing to settle
+    assert network.settle_gloo_interface(1, env, _facts("172.16.0.13")) is None
+    assert network.settle_gloo_interface(2, env, _facts("127.0.0.1", "127.0.0.1", "127.0.0.1")) is None
+    local = network.NetworkFacts(
+        "vm", {"lo": "127.0.0.1", "eth0": "192.0.2.2"}, "127.0.0.1", "127.0.0.1", "127.0.0.1", "node2"
+    )
+    assert network.settle_gloo_interface(2, env, local) is None and "GLOO_SOCKET_IFNAME" not in env
+
+
+def test_rank_0s_node_whose_name_resolves_to_loopback_binds_gloo_where_others_reach_it():
+    """Rank 0's own node of a real cluster: its /etc/hosts gives its name (and so MASTER_ADDR) 127.0.1.1,
+    where gloo would bind and every other node would wait. With one interface other nodes can reach, gloo
+    takes it; with several, one sentence asks which."""
+    one = {"lo": "127.0.0.1", "eno1": "172.16.0.1"}
+    env = {"MASTER_ADDR": "node1"}
+    facts = network.NetworkFacts("node1", one, "127.0.1.1", "127.0.1.1", "127.0.1.1", "node1")
+    assert network.settle_gloo_interface(2, env, facts) == (
+        "gloo uses eno1 (172.16.0.1) on node1, its one interface other nodes can reach, not 127.0.1.1, a "
+        "loopback address that node1 resolves to"
+    )
+    assert env["GLOO_SOCKET_IFNAME"] == "eno1"
+    facts = network.NetworkFacts(
+        "node1", {**one, "ib0": "10.10.0.1"}, "127.0.1.1", "127.0.1.1", "127.0.1.1", "node1"
+    )
+    with pytest.raises(
+        UserError, match=r"^node1 and MASTER_ADDR=node1 resolve to 127.0.1.1 here, a loopback"
+    ):
+        network.settle_gloo_interface(2, {"MASTER_ADDR": "node1"}, facts)
+
+
+def test_gloo_follows_nccls_interface_which_is_read_as_nccl_reads_it():
+    env = {"NCCL_SOCKET_IFNAME": "ib"}  # a prefix: ib0, ib1; ib1 has no address
+    line = network.settle_gloo_interface(2, env, _facts("172.16.0.13"))
+    assert (
+        env["GLOO_SOCKET_IFNAME"] == "ib0"
+        and line == "gloo uses ib0 (10.10.0.13) on node3, as NCCL_SOCKET_IFNAME=ib"
+    )
+    assert network.nccl_matches("^ib,docker", NODE3) == ["eno1"]  # all but these, never loopback
+    assert network.nccl_matches("=ib", NODE3) == [] and network.nccl_matches("=ib0,lo", NODE3) == [
+        "ib0",
+        "lo",
+    ]
+    env = {"NCCL_SOCKET_IFNAME": "ib", "GLOO_SOCKET_IFNAME": "eno1"}  # both set: the user's choice stands
+    assert (
+        network.settle_gloo_interface(2, env, _facts("172.16.0.13")) is None
+        and env["GLOO_SOCKET_IFNAME"] == "eno1"
+    )
+
+
+def test_an_interface_gloo_cannot_bind_to_is_one_sentence_before_anything_starts():
+    with pytest.raises(UserError) as refused:
+        network.settle_gloo_interface(2, {"GLOO_SOCKET_IFNAME": "ib1"}, _facts("10.10.0.13"))
+    assert str(refused.value) == (
+        "GLOO_SOCKET_IFNAME=ib1 names ib1, which is no interface with an IPv4 address on node3 (its interfaces: "
+        "eno1 (172.16.0.13), ib0 (10.10.0.13), ib1, lo (127.0.0.1)), so gloo cannot bind there; set "
+        "GLOO_SOCKET_IFNAME (slurm/site.sh) to the interface the nodes share (NCCL_SOCKET_IFNAME's, if set)."
+    )
+    with pytest.raises(
+        UserError, match=r"^NCCL_SOCKET_IFNAME=hsn matches no interface with an IPv4 address on node3"
+    ):
+        network.settle_gloo_interface(2, {"NCCL_SOCKET_IFNAME": "hsn"}, _facts("10.10.0.13"))
+    with pytest.raises(UserError) as unresolved:
+        network.settle_gloo_interface(2, {}, _facts(None, master=None, route=None))
+    assert str(unresolved.value).startswith(
+        "node3 resolves to no address, which no interface of node3 (its interfaces: eno1 (172.16.0.13), ib0"
+    )
+    assert str(unresolved.value).endswith(
+        "and MASTER_ADDR=unset shows no other, so gloo (the requeue signal's and folder saves' groups) has "
+        "nothing to bind to; set GLOO_SOCKET_IFNAME (slurm/site.sh) to the interface the nodes share."
+    )
+
+
+def test_this_machines_network_is_read_without_torch():
+    facts = network.network_facts({"MASTER_ADDR": "127.0.0.1"})
+    assert facts.interfaces.get("lo") == "127.0.0.1" and facts.route_address == "127.0.0.1"
+    assert facts.master_address == "127.0.0.1" and facts.host
 
 
 def test_array_task_reads_slurms_array_variables():

@@ -30,7 +30,7 @@ from hpctrain.runtime.config.schema import PRECISIONS
 from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import build
-from tests.helpers import EXAMPLES, IMAGE_DATA, PYTHON, ROOT, compose_train, local_env
+from tests.helpers import EXAMPLES, IMAGE_DATA, PYTHON, ROOT, compose_train, local_env, require_modules
 
 GROUPS = (
     "data",
@@ -42,7 +42,7 @@ GROUPS = (
     "callbacks",
     "logger",
 )
-GROUPS += ("debug", "experiment", "paths", "extras")
+GROUPS += ("debug", "experiment", "paths", "extras", "hparams_search")
 NEEDS_HARDWARE = {"gpu", "ddp", "mps", "fsdp"}  # trainer options built here with the CPU accelerator
 
 
@@ -163,8 +163,33 @@ NEEDS_VALUES = {
     ("experiment", "cifar10_resnet18"): ["data.batch_size=8", "trainer.precision=32-true"],
 }
 
+# The llm extra's options (docs/guides/fine-tune-a-language-model.md) with the tiny base and instructions
+# that data.demo makes offline in the session's data dir; importing transformers takes seconds.
+LLM_OPTIONS = {("model", "causal_lm_lora"), ("data", "instructions")}
+LLM_VALUES = [
+    "model=causal_lm_lora",
+    "data=instructions",
+    "model.base.path=${paths.data_dir}/tiny_llm/base",
+    "data.tokenizer=${model.base.path}",
+    "data.path=${paths.data_dir}/tiny_llm/sft.jsonl",
+    "data.demo=true",
+    "data.max_length=32",
+]
+LLM_EXPERIMENTS = {"lora_sft", "lora_sft_gpu"}
+NEEDS_VALUES[("experiment", "lora_sft_gpu")] = [  # one batch on one CPU process: the GPUs' settings off
+    *LLM_VALUES[2:],
+    "model.base.dtype=float32",
+    "trainer.strategy=auto",
+    "trainer.precision=32-true",
+]
+
+
+def require_llm() -> None:
+    require_modules("transformers", "peft", "tokenizers", install="pip install -e '.[llm]'")
+
+
 # Loggers whose import alone takes seconds (mlflow, wandb): checked in the full suite, not the quick tier.
-HEAVY_OPTIONS = {("logger", "mlflow"), ("logger", "wandb")}
+HEAVY_OPTIONS = {("logger", "mlflow"), ("logger", "wandb"), *LLM_OPTIONS}
 
 
 @pytest.mark.parametrize(
@@ -175,6 +200,12 @@ HEAVY_OPTIONS = {("logger", "mlflow"), ("logger", "wandb")}
 def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path: Path, data_dir: Path):
     overrides = [] if group == "hydra" else [f"{group}={option}"]
     overrides += partners(group, option) + NEEDS_VALUES.get((group, option), [])
+    if (group, option) in LLM_OPTIONS:
+        require_llm()
+        overrides = LLM_VALUES
+        build.check_data_available(
+            build.datamodule(compose_train(tmp_path, data_dir, *overrides))
+        )  # the demo
     if group == "trainer" and option in NEEDS_HARDWARE:
         overrides += ["trainer.accelerator=cpu", "trainer.devices=1"]
     cfg = compose_train(tmp_path, data_dir, *overrides)
@@ -207,11 +238,18 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
         assert isinstance(build.model(cfg), torch.nn.Module)
 
 
-@pytest.mark.parametrize("option", options("data"))
+@pytest.mark.parametrize(
+    "option",
+    [pytest.param(o, marks=pytest.mark.slow) if ("data", o) in LLM_OPTIONS else o for o in options("data")],
+)
 def test_data_option_yields_a_batch(option: str, tmp_path: Path, data_dir: Path):
     """Every datamodule gives a first training batch, of whatever shape its model takes: `(x,)`, `((x1, x2),
     y)`, a dict. The template's own data give (inputs, targets) of the sizes models read from the config."""
-    cfg = compose_train(tmp_path, data_dir, f"data={option}", *partners("data", option))
+    overrides = [f"data={option}", *partners("data", option)]
+    if ("data", option) in LLM_OPTIONS:
+        require_llm()
+        overrides = LLM_VALUES
+    cfg = compose_train(tmp_path, data_dir, *overrides)
     datamodule = build.datamodule(cfg)
     build.check_data_available(datamodule)
     datamodule.setup("fit")
@@ -260,8 +298,12 @@ def test_template_model_runs_a_batch_of_each_template_data_it_fits(
 def test_experiment_runs_a_batch(experiment: str, tmp_path: Path, data_dir: Path):
     """An experiment names a model and the data it belongs with: a user's too runs a batch of each stage."""
     needs = NEEDS_VALUES.get(("experiment", experiment), [])
+    if experiment in LLM_EXPERIMENTS:
+        require_llm()
     cfg = compose_train(tmp_path, data_dir, f"experiment={experiment}", "debug=fdr", "trainer=cpu", *needs)
     check_config(cfg)
+    if experiment in LLM_EXPERIMENTS:  # the demo's base and instructions, made before the model reads them
+        build.check_data_available(build.datamodule(cfg))
     _one_batch_of_everything(cfg, tmp_path)
 
 
@@ -547,7 +589,11 @@ def test_bf16_emulated_on_a_gpu_is_named_once_with_the_override(precision, gpu, 
     assert (note is not None) == said
     if said:
         assert note.startswith(f"trainer.precision={precision} on {gpu} (compute capability {capability[0]}.")
-        assert "pass trainer.precision=16-mixed" in note
+        assert note.endswith("pass trainer.precision=16-mixed.")
+        # under FSDP2 Lightning refuses 16-mixed: the advice is one that runs there
+        sharded = emulated_bf16_gpu_note(precision, gpu, capability, sharded=True)
+        assert "pass trainer.precision=32-true" in sharded and "refuses 16-mixed" in sharded
+        assert "trainer=ddp trainer.precision=16-mixed" in sharded
 
 
 # Pure half precision needs an optimizer that tolerates it: Adam's eps=1e-8 rounds to 0 in float16.
@@ -609,7 +655,7 @@ def test_help_names_both_config_sources_and_an_option_the_project_replaces(tmp_p
     project = tmp_path / "project"
     shutil.copytree(ROOT / "conf", project / "conf", ignore=shutil.ignore_patterns("local"))
     shutil.copytree(ROOT / "src", project / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    (project / "conf" / "trainer").mkdir()
+    (project / "conf" / "trainer").mkdir(exist_ok=True)  # a project may have trainer options of its own
     (project / "conf" / "trainer" / "cpu.yaml").write_text(
         "defaults:\n  - default\n  - _self_\naccelerator: cpu\ndevices: 1\nmax_epochs: 7\n"
     )

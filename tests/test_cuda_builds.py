@@ -107,6 +107,67 @@ def test_a_cpu_only_torch_on_a_gpu_run_is_refused_in_one_sentence():
 
 
 @pytest.mark.slow
+class FakeNVML:
+    """NVML as a node of `gpus` answers it: (name, uuid, compute capability) per index."""
+
+    def __init__(self, gpus: list[tuple[str, str, tuple[int, int]]]) -> None:
+        self.gpus = gpus
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:
+        return self.gpus[handle][1]
+
+    def nvmlDeviceGetName(self, handle: int) -> bytes:
+        return self.gpus[handle][0].encode()
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
+        return self.gpus[handle][2]
+
+
+MIXED_NODE = FakeNVML(
+    [("NVIDIA A100-SXM4-80GB", "GPU-aaaa-0000", (8, 0)), ("Tesla V100-SXM2-32GB", "GPU-bbbb-1111", (7, 0))]
+)
+
+
+def test_the_gpus_a_process_sees_are_read_without_torch_from_cuda_visible_devices():
+    from hpctrain.runtime.environment import devices
+
+    def seen(visible: str | None) -> list[int]:
+        env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+        return [gpu.index for gpu in devices.visible_gpus(env, MIXED_NODE) or []]
+
+    assert seen(None) == [0, 1] and seen("1") == [1] and seen("1,0") == [1, 0]
+    assert seen("GPU-bbbb") == [1] and seen("0,GPU-bbbb-1111") == [0, 1]  # UUIDs, a prefix enough
+    assert seen("") == [] and seen("-1") == [] and seen("0,7,1") == [0]  # CUDA stops at the first miss
+    (v100,) = devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "1"}, MIXED_NODE) or []
+    assert (v100.name, v100.arch) == ("Tesla V100-SXM2-32GB", "sm_70")
+
+
+def test_a_gpu_older_than_torchs_cuda_compiles_for_is_refused_in_one_sentence():
+    """A V100 (sm_70) under a CUDA 13 build of torch (the lock's, on PyPI) would pass every check and die
+    at the first operation with "no kernel image is available"; under CUDA 12 it runs."""
+    from hpctrain.runtime.environment import devices
+
+    v100 = devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "1"}, MIXED_NODE)
+    with pytest.raises(UserError) as refused:
+        cuda.check_gpu_architectures(v100, ("2.14.1+cu130", "13.0"))
+    assert str(refused.value) == (
+        "GPU 1 of this node, Tesla V100-SXM2-32GB, is sm_70, but torch 2.14.1+cu130 is built for CUDA 13.0, "
+        "which has no kernels for GPUs older than sm_75 (every operation would fail with 'no kernel image is "
+        "available'); install torch's build for CUDA 12 (make install CUDA=cu126), or run on newer GPUs."
+    )
+    cuda.check_gpu_architectures(v100, ("2.14.1+cu126", "12.6"))
+    cuda.check_gpu_architectures(
+        devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "0"}, MIXED_NODE), ("2.14.1", "13.0")
+    )
+    cuda.check_gpu_architectures(None, ("2.14.1+cu130", "13.0"))  # no NVML: nothing to say
+
+
 def test_the_preflight_of_a_gpu_run_names_the_driver_when_cuda_fails_to_start(
     monkeypatch: pytest.MonkeyPatch,
 ):
@@ -161,7 +222,7 @@ def test_the_default_install_is_the_locks_build_unchanged(tmp_path: Path):
     (sync,) = _uv_commands(lines, "sync")
     assert sync == [
         *["sync", "--quiet", "--frozen", "--inexact"],
-        *["--extra", "dev", "--extra", "loggers", "--extra", "export", "--extra", "docs"],
+        *["--extra", "dev", "--extra", "loggers", "--extra", "export", "--extra", "docs", "--extra", "llm"],
         "--compile-bytecode",
     ]
     assert _uv_commands(lines, "pip") == []

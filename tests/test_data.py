@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pytorch_lightning import Callback
+from pytorch_lightning import Callback, LightningModule
 
 from hpctrain.data.loading import ShardedBatchSampler, TensorDataset, make_loader
 from myproject.data.digits import DigitsDataModule
@@ -72,6 +72,41 @@ def test_saved_position_of_another_epoch_is_not_applied():
     loader.load_state_dict({"epoch": 0, "batches": 10})  # saved at the end of epoch 0
     loader.sampler.set_epoch(1)
     assert len(list(loader)) == 10
+
+
+def test_a_loader_rebuilt_with_a_sequential_sampler_keeps_its_batches_in_order():
+    """Lightning's trainer.overfit_batches rebuilds the training loader from the arguments it was made with
+    plus `sampler=SequentialSampler(...)`: the rebuilt loader yields the same batch size and rank's shard,
+    unshuffled, so every epoch trains on the same first batches."""
+    from torch.utils.data import SequentialSampler
+
+    data = _dataset(40)
+    shuffled = make_loader(data, 4, shuffle=True, seed=3)
+    sampler = shuffled.sampler
+    rebuilt = type(shuffled)(
+        data,
+        sampler,
+        sampler=SequentialSampler(data),
+        shuffle=False,
+        batch_sampler=None,
+        generator=shuffled.generator,
+    )
+    for epoch in (0, 1):
+        rebuilt.sampler.set_epoch(epoch)
+        assert [b[1].tolist() for b in rebuilt][:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert len(rebuilt) == len(shuffled) == 10
+    two_ranks = ShardedBatchSampler(data, 4, shuffle=True, seed=3, num_replicas=2, rank=1)
+    assert next(b.tolist() for b in two_ranks.in_order()) == [1, 3, 5, 7]
+
+
+def test_a_loader_rebuilt_without_its_batch_sampler_is_one_sentence():
+    from torch.utils.data import SequentialSampler
+
+    from hpctrain.runtime.errors import UserError
+
+    data = _dataset(8)
+    with pytest.raises(UserError, match="given a SequentialSampler where it needs the ShardedBatchSampler"):
+        type(make_loader(data, 4, shuffle=True, seed=3))(data, sampler=SequentialSampler(data))
 
 
 def test_digits_look_like_mnist():
@@ -151,3 +186,42 @@ def test_per_channel_normalisation():
     images = torch.full((1, 3, 2, 2), 255, dtype=torch.uint8)
     normalised = data.normalise(images)
     assert normalised[0, :, 0, 0].tolist() == [1.0, 1.0, 0.0]
+
+
+class _ThreeValBatches(LightningModule):
+    """Loaders of 10 train, 3 val and 6 test batches of 4, from the module's own hooks."""
+
+    def train_dataloader(self):
+        return make_loader(_dataset(40), 4, shuffle=True, seed=0)
+
+    def val_dataloader(self):
+        return make_loader(_dataset(12), 4, shuffle=False, seed=0)
+
+    def test_dataloader(self):
+        return [
+            make_loader(_dataset(24), 4, shuffle=False, seed=0),
+            make_loader(_dataset(40), 4, shuffle=False, seed=0),
+        ]
+
+
+@pytest.mark.parametrize(
+    ("stage", "limits", "expected"),
+    [
+        ("fit", {"limit_train_batches": 0.05, "limit_val_batches": 0.1}, {"train": 1, "val": 1}),
+        ("fit", {"limit_train_batches": 0.25, "limit_val_batches": 0.5}, {"train": 0.25, "val": 0.5}),
+        ("fit", {"limit_val_batches": 2, "limit_train_batches": 1.0}, {"val": 2, "train": 1.0}),
+        ("test", {"limit_test_batches": 0.1}, {"test": 1}),  # the smaller of its two loaders decides
+        ("test", {"limit_test_batches": 0.2}, {"test": 0.2}),
+    ],
+)
+def test_a_fraction_of_a_split_that_comes_to_no_batch_is_one_batch(stage, limits, expected):
+    """Lightning refuses `int(batches x fraction) == 0` ("0.1 * 3 < 1") once the data is set up, for the
+    test split after the whole fit; BatchLimits makes such a fraction 1 batch as the stage is set up, and
+    leaves every other limit as given."""
+    from pytorch_lightning import Trainer
+
+    from hpctrain.callbacks.batch_limits import BatchLimits
+
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **limits)
+    BatchLimits().setup(trainer, _ThreeValBatches(), stage)
+    assert {split: getattr(trainer, f"limit_{split}_batches") for split in expected} == expected

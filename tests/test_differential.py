@@ -33,6 +33,7 @@ OWN_TEST = (
     "net_in_hparams",
     "logs_nothing",
     "two_val_sets",
+    "best_before_resume",
 )
 SINGLE_RUN = [name for name in CASES if name not in OWN_TEST]
 # written with `import lightning as L` too: a module, a datamodule, a callback of the user's and one of
@@ -284,3 +285,46 @@ def test_onecycle_resumed_mid_epoch_ends_as_the_uninterrupted_run(tmp_path: Path
         assert torch.equal(final[key], resumed[key]), key
     after = [r for r in rows(bare / "metrics.csv") if int(r["step"]) > 25]
     assert_same_rows([r for r in rows(run / "metrics.csv") if int(r["step"]) > 25], after)
+
+
+def best_state(checkpoint: Path) -> tuple[str, float]:
+    """The best checkpoint's path and score that a checkpoint's ModelCheckpoint state names."""
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["callbacks"]
+    (state,) = [v for k, v in saved.items() if k.startswith("ModelCheckpoint")]
+    return state["best_model_path"], float(state["best_model_score"])
+
+
+def test_the_best_checkpoint_before_a_resume_stays_the_best_in_the_new_run_dir(tmp_path: Path):
+    """The module's validation accuracy peaks at epoch 1; a run stopped after epoch 2 and resumed into a new
+    run dir (as ckpt_path always is) for epoch 3 ends as the uninterrupted bare run: its best checkpoint is
+    epoch 1's (in the earlier run dir, where it stays), with the score val_acc_best and the sweep's value
+    say, and the test after fit tests it. Bare Lightning's own resume into a new dirpath keeps only the old
+    best's path: its first validation after the resume becomes the best, worse than val_acc_best."""
+    name = "best_before_resume"
+    full = run_bare(name, tmp_path / "bare")
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["epoch_001.ckpt", "last.ckpt"]
+    peak = max(float(r["val_acc"]) for r in rows(full / "metrics.csv") if "val_acc" in r)
+    assert best_state(full / "checkpoints" / "last.ckpt")[1] == pytest.approx(peak)
+
+    first = run_template(name, tmp_path / "template1", trainer={"max_epochs": 3})
+    resumed = run_template(name, tmp_path / "template2", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}")
+    earlier_best = first / "checkpoints" / "epoch_001.ckpt"
+    assert earlier_best.is_file()  # never removed from the earlier run dir
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["last.ckpt"]  # epoch 3 is worse
+    path, score = best_state(resumed / "checkpoints" / "last.ckpt")
+    assert path == str(earlier_best) and score == pytest.approx(peak)
+    mine = rows(resumed / "metrics.csv")
+    assert last_value_of(mine, "val_acc_best") == pytest.approx(peak)
+    assert outcome(resumed)["value"] == pytest.approx(peak)  # what a sweeper gets
+    assert f"best checkpoint: {earlier_best}" in (resumed / "train.log").read_text()  # tested after fit
+    assert_same_rows(mine, [r for r in rows(full / "metrics.csv") if int(r["epoch"]) >= 3])  # test_acc too
+
+    stopped = run_bare(name, tmp_path / "bare1", "--max-epochs", "3")
+    moved = run_bare(name, tmp_path / "bare2", "--ckpt-path", str(stopped / "checkpoints" / "last.ckpt"))
+    bare_path, bare_score = best_state(moved / "checkpoints" / "last.ckpt")
+    assert Path(bare_path).parent == moved / "checkpoints" and bare_score < peak  # Lightning's own, named
+    assert last_value_of(rows(moved / "metrics.csv"), "val_acc_best") == pytest.approx(peak)
+
+
+def last_value_of(found: list[dict[str, str]], key: str) -> float:
+    return [float(r[key]) for r in found if key in r][-1]

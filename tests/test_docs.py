@@ -10,17 +10,20 @@
   it: `<!-- needs: gpu (the reason) -->` (or `cluster`, `network`, `data`, `suite`); its commands are
   checked and composed but not run, and a command that needs a GPU or a cluster outside such a block
   fails a test;
-- the Python and YAML a page shows as a file of the reader's are real files (docs/examples/), included
-  into the page with pymdownx.snippets and imported and run here; a block titled with a file of the
-  template is that file, included;
-- the reference pages are what the code says, no generated table cell is cut off, and the site builds
-  with `mkdocs build --strict`.
+- the Python and YAML a page shows as a file of the reader's are real files (docs/examples/), written
+  into the page below a `<!-- code: <file> -->` line (scripts/dev/docs_code.py; equal to the file, so a
+  reader on GitHub or in a terminal sees the code the tests run), named in the prose before the block,
+  and imported and run here; a block titled with a file of the template is that file, marked alike;
+- the reference pages are what the code says (those read from the project's conf/ are written when the
+  site is built, so a user's own configs change nothing committed), no generated table cell is cut off,
+  and the site builds with `mkdocs build --strict`.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import re
 import shlex
 import subprocess
@@ -34,7 +37,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from hpctrain.runtime.config.compose import CONF_DIR, compose, config_groups, group_options
-from tests.helpers import PYTHON, ROOT, require_modules, run_dirs, run_entry, train
+from tests.helpers import PYTHON, ROOT, require_modules, run_dirs, run_entry, run_script
 
 DOCS = ROOT / "docs"
 PAGES = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
@@ -45,8 +48,23 @@ USER_PAGES = [
     for p in PAGES
     if p.parent.name not in ("maintainers", "benchmarks", "reference") and p.name != "README.md"
 ]
-# Pages whose commands run here, for a few steps each (the others' are composed)
-RUN_PAGES = [p for p in PAGES if p.parent.name == "getting-started" or p.name == "README.md"]
+
+
+def _reading_order(page: Path) -> int:
+    """The README first, then the pages in the order the site's navigation lists them."""
+    return (
+        -1
+        if page.name == "README.md"
+        else (ROOT / "mkdocs.yml").read_text().find(str(page.relative_to(DOCS)))
+    )
+
+
+# Pages whose commands run here, for a few steps each (the others' are composed): a newcomer's first hour,
+# in the order they read it (the README, the getting-started pages, the cheat sheet)
+RUN_PAGES = sorted(
+    (p for p in PAGES if p.parent.name == "getting-started" or p.name in ("README.md", "cheatsheet.md")),
+    key=_reading_order,
+)
 ENTRY = re.compile(r"(?:^|/)src/(train|eval|predict|export)\.py$")
 FLAGS_WITH_A_VALUE = {"--cfg", "-c", "--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd"}
 NEEDS = {
@@ -65,6 +83,7 @@ NEEDS_CLUSTER = re.compile(
 )
 SNIPPET = re.compile(r'^[ \t]*-{2,}8<-{2,}[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 MARK = re.compile(r"<!--\s*needs:\s*(\w+)\s*\(([^)]+)\)\s*-->")
+CODE_MARK = re.compile(r"^<!--\s*code:\s*([^\s>]+)\s*-->$", re.MULTILINE)
 TINY = (  # appended to every command that trains: seconds, not minutes
     "trainer.max_epochs=1",
     "trainer.limit_train_batches=2",
@@ -87,13 +106,12 @@ class Block:
     title: str | None
     body: str  # as written in the page (a snippet include is one line)
     needs: tuple[str, str] | None  # (what, why) from the <!-- needs: ... --> line before the block
+    source: str | None  # the file the block shows, from the <!-- code: ... --> line before it
+    before: str  # the page's text between the previous block and this one
 
     @property
     def snippets(self) -> list[str]:
         return SNIPPET.findall(self.body)
-
-    def expanded(self) -> str:
-        return SNIPPET.sub(lambda m: (ROOT / m.group(1)).read_text(), self.body)
 
 
 FENCE = re.compile(
@@ -105,7 +123,7 @@ FENCE = re.compile(
 @functools.cache
 def blocks(path: Path) -> tuple[Block, ...]:
     text = path.read_text()
-    found = []
+    found, end = [], 0
     for match in FENCE.finditer(text):
         info = match.group("info").strip()
         lang = info.split()[0] if info else ""
@@ -116,7 +134,10 @@ def blocks(path: Path) -> tuple[Block, ...]:
             line[len(indent) :] if line.startswith(indent) else line
             for line in match.group("body").splitlines(keepends=True)
         )
-        found.append(Block(lang, title and title.group(1), body, mark and (mark.group(1), mark.group(2))))
+        needs = mark and (mark.group(1), mark.group(2))
+        code = CODE_MARK.search(match.group("before"))
+        before, end = text[end : match.start("indent")], match.end()
+        found.append(Block(lang, title and title.group(1), body, needs, code and code.group(1), before))
     return tuple(found)
 
 
@@ -241,11 +262,12 @@ def documented_commands() -> list[tuple[str, str, list[str], bool]]:
 
 def readers_files(path: Path) -> dict[str, Path]:
     """The files a page shows as the reader's (a block titled with a path that the template does not
-    have, holding a snippet of docs/examples/): {the title: the real file}."""
+    have, or a file of docs/examples/): {the title: the real file}."""
     found = {}
     for block in blocks(path):
-        if block.title and block.snippets and not (ROOT / block.title).exists():
-            found[block.title] = ROOT / block.snippets[0]
+        theirs = (block.source or "").startswith("docs/examples/")
+        if block.title and block.source and (theirs or not (ROOT / block.title).exists()):
+            found[block.title] = ROOT / block.source
     return found
 
 
@@ -253,10 +275,51 @@ def readers_files(path: Path) -> dict[str, Path]:
 
 
 def test_the_reference_pages_are_what_the_code_says():
+    """The pages read from hpctrain's own code are committed and up to date (those read from the project's
+    configs are written when the site is built: test_the_pages_read_from_the_configs_are_written_as_the_site_builds)."""
     result = subprocess.run(
         [PYTHON, "scripts/dev/docs_reference.py", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+@functools.cache
+def _dev_script(name: str):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts" / "dev"))  # their own imports (generated, docs_code)
+    return _import(ROOT / "scripts" / "dev" / f"{name}.py", name)
+
+
+def built_reference_pages() -> dict[str, str]:
+    """The reference pages the site's build writes from the project's configs, as it writes them."""
+    docs_reference = _dev_script("docs_reference")
+    return {name: docs_reference.built(name) for name in docs_reference.BUILT_PAGES}
+
+
+def test_the_pages_read_from_the_configs_are_written_as_the_site_builds():
+    """config.md and groups.md come from conf/ when the site is built (no committed copy to go stale when a
+    user adds a config): every group option and key is on them, the site's hook puts them in place of
+    their committed stand-ins, and each stand-in tells a reader without the site where to look."""
+    hooks = _dev_script("mkdocs_hooks")
+    built = built_reference_pages()
+    assert set(built) == {"config.md", "groups.md"}
+    for group in config_groups():
+        if group.split("/")[0] != "local":
+            for option in group_options(group):
+                assert f"`{group}={option}`" in built["groups.md"], (group, option)
+    assert "| `trainer.max_epochs` |" in built["config.md"] and "| `monitor.metric` |" in built["config.md"]
+    for name, text in built.items():
+        stand_in = DOCS / "reference" / name
+        words = " ".join(stand_in.read_text().split())
+        assert (
+            "Generated" not in words
+            and "when the site is built" in words
+            and "Read without the site" in words
+        )
+        page = type("Page", (), {"file": type("File", (), {"src_uri": f"reference/{name}"})()})()
+        assert hooks.on_page_markdown(stand_in.read_text(), page=page) == text
+        assert f"reference/{name}" in (ROOT / "mkdocs.yml").read_text()  # still in the site's navigation
 
 
 def test_the_pages_show_commands_and_this_test_finds_them():
@@ -273,8 +336,10 @@ def test_the_pages_show_commands_and_this_test_finds_them():
 def test_no_generated_table_cell_is_cut_off():
     """A description in the generated tables is whole sentences: it ends as a sentence ends."""
     failures = []
-    for name in ("groups.md", "public-api.md"):
-        for line in (DOCS / "reference" / name).read_text().splitlines():
+    pages = {"public-api.md": (DOCS / "reference" / "public-api.md").read_text()}
+    pages["groups.md"] = built_reference_pages()["groups.md"]
+    for name, text in pages.items():
+        for line in text.splitlines():
             cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
             if not line.startswith("| `") or not cells[-1]:
                 continue
@@ -283,20 +348,63 @@ def test_no_generated_table_cell_is_cut_off():
     assert not failures, "cut off:\n" + "\n".join(failures)
 
 
-def test_python_and_the_readers_files_on_the_pages_are_real_files():
-    """Every Python block is a real file included with pymdownx.snippets; a block titled with a file of the
-    template is that file; every snippet exists."""
+def test_python_and_the_readers_files_on_the_pages_are_real_files_written_into_the_page():
+    """Every Python block is a real file, written into the page whole (below `<!-- code: <file> -->`), so
+    GitHub and a terminal show the code the tests run; a block titled with a file of the template is that
+    file; every file a block or snippet names exists."""
     failures = []
     for path in PAGES:
         for block in blocks(path):
-            for snippet in block.snippets:
-                if not (ROOT / snippet).is_file():
-                    failures.append(f"{_page(path)}: the snippet {snippet} does not exist")
-            if block.lang == "python" and not block.snippets:
+            for name in [*block.snippets, *([block.source] if block.source else [])]:
+                if not (ROOT / name).is_file():
+                    failures.append(f"{_page(path)}: {name} does not exist")
+            if block.snippets and block.snippets[0].startswith("docs/examples/"):
+                failures.append(f"{_page(path)}: {block.snippets[0]} is included, not written into the page")
+            if block.lang == "python" and not block.source:
                 failures.append(f"{_page(path)}: a python block that is not a file: {block.body[:60]!r}")
-            if block.title and (ROOT / block.title).is_file() and block.snippets != [block.title]:
-                failures.append(f"{_page(path)}: the block titled {block.title} is not that file, included")
+            theirs = (block.source or "").startswith(
+                "docs/examples/"
+            )  # a reader's, even where a user has one
+            if block.title and (ROOT / block.title).is_file() and block.source != block.title and not theirs:
+                failures.append(f"{_page(path)}: the block titled {block.title} is not that file")
+            if (
+                block.source
+                and (ROOT / block.source).is_file()
+                and block.body != (ROOT / block.source).read_text()
+            ):
+                failures.append(
+                    f"{_page(path)}: the block of {block.source} differs from the file; run "
+                    "python scripts/dev/docs_code.py"
+                )
     assert not failures, "\n".join(failures)
+
+
+def test_each_file_a_page_shows_is_named_in_the_prose_before_it():
+    """A reader on GitHub or in a terminal sees no block title: the text before a file's block names the
+    file to create (or the template's file it is)."""
+    failures = []
+    for path in PAGES:
+        for block in blocks(path):
+            if block.source and block.title and f"`{block.title}`" not in block.before:
+                failures.append(f"{_page(path)}: the text before the block of {block.title} does not name it")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_pages_code_blocks_are_written_from_their_files(tmp_path: Path):
+    """scripts/dev/docs_code.py writes a marked block from its file, whole, with a fence its text cannot
+    close, and the site's build does the same (scripts/dev/mkdocs_hooks.py)."""
+    docs_code = _import(ROOT / "scripts" / "dev" / "docs_code.py", "docs_code")
+    page = 'Create `a.py`:\n\n<!-- code: a.py -->\n```python title="a.py"\nold\n```\n\nafter\n'
+    with_fence = "x = 1\n```\ninside a docstring\n```\n"
+    (tmp_path / "a.py").write_text(with_fence)
+    written = docs_code.refreshed(page, tmp_path)
+    assert written == (
+        'Create `a.py`:\n\n<!-- code: a.py -->\n````python title="a.py"\n' + with_fence + "````\n\nafter\n"
+    )
+    assert docs_code.refreshed(written, tmp_path) == written  # written once, stable
+    assert docs_code.sources(written) == ["a.py"]
+    hooks = (ROOT / "mkdocs.yml").read_text()
+    assert "scripts/dev/mkdocs_hooks.py" in hooks
 
 
 # Files a generated project has that the template does not, or has its own of (.copier/make_project.py
@@ -311,7 +419,7 @@ PATH_TOKEN = re.compile(
 def _named_paths(path: Path) -> set[str]:
     """The repository paths a page names: in inline code and in its code blocks (not in Python, whose
     dotted names are imports, nor in the files it includes)."""
-    texts = inline_code(path) + [b.body for b in blocks(path) if b.lang != "python" and not b.snippets]
+    texts = inline_code(path) + [b.body for b in blocks(path) if b.lang != "python" and not b.source]
     found = set()
     for text in texts:
         for token in PATH_TOKEN.findall(text):
@@ -439,7 +547,7 @@ def test_every_hpctrain_name_a_page_names_exists_and_the_guides_use_the_public_a
     public = PUBLIC | _public_data_names()
     failures = []
     for path in PAGES:
-        text = path.read_text() + "".join(b.expanded() for b in blocks(path) if b.snippets)
+        text = path.read_text()
         # the modules the page has the reader write (a block titled src/hpctrain/.../x.py)
         written = tuple(
             t.removeprefix("src/").removesuffix(".py").replace("/", ".")
@@ -676,8 +784,11 @@ def test_every_readme_section_named_exists():
 
 
 def _runnable(command: str) -> bool:
-    """A command the slow tier runs: an entry point, `make train`, or the contract tests."""
+    """A command the slow tier runs: an entry point, `make train`, the contract tests, or a script it runs on
+    the runs before (SCRIPTS)."""
     words = command.split()
+    if any(w.removeprefix("./") in SCRIPTS for w in words[:2]):
+        return True
     return bool(
         re.match(
             r"^(?:\S*python\S* )?src/(train|eval|predict|export)\.py\b", command.replace(".venv/bin/", "")
@@ -871,21 +982,72 @@ def install_readers_files(pages: list[Path], where: Path) -> tuple[str, dict[str
     return f"hydra.searchpath=[file://{conf}]", {"PYTHONPATH": str(where / "pkg")}
 
 
-def as_run(command: str) -> tuple[str, ...]:
-    """A page's command as the slow tier runs it: `make train` is the quickstart it runs, and a training
-    gets tiny limits (one epoch of two batches; two epochs for one that continues a run)."""
+# Counts a line gives that the transcript makes tiny (its own value replaced): an Optuna study's trials
+TINY_VALUES = {"hydra.sweeper.n_trials": "2"}
+# What a line costs beyond its claim, made cheap: torch.compile's inductor builds C++ for minutes on a
+# CPU; aot_eager runs the same graph capture (tests/test_beyond_mnist.py compiles the same way)
+CHEAPER = {"compile=true": ("compile_backend=aot_eager",)}
+# Forms the cheat sheet gives, filled in with the tutorial's options
+FORMS = {"<your model option>": "mymodel", "<your data option>": "mydata"}
+# A line that ends in a one-sentence refusal where an optional package is missing, as the pages say
+# (your model: a logger whose package is missing; fine-tune, predict, export: onnx): {part of the line:
+# (the package, what the sentence says)}
+MAY_REFUSE = {
+    "logger=tensorboard": ("tensorboard", "needs the tensorboard package"),
+    "mlflow": ("mlflow", "needs the mlflow package"),
+    "export.format=onnx": ("onnx", "pip install"),
+}
+SCRIPTS = ("scripts/plot.py", "scripts/summarize.py")  # scripts the transcript runs on its runs
+
+
+def _debug_keys(args: list[str]) -> set[str]:
+    """The trainer keys a line's debug option sets: its own limits are what the line tries."""
+    chosen = next((a.split("=", 1)[1] for a in args if a.startswith("debug=")), None)
+    if chosen is None or chosen not in group_options("debug"):
+        return set()
+    node = yaml.safe_load(group_options("debug")[chosen].read_text()) or {}
+    return {f"trainer.{key}" for key in node.get("trainer") or {}}
+
+
+def as_run(command: str, where: Path | None = None) -> tuple[str, ...]:
+    """A page's command as the slow tier runs it: `make train` is the quickstart it runs; a training gets
+    tiny limits (one epoch of two batches; two epochs for one that continues a run), except those its
+    debug option sets; the forms and the paths outside the run's folder (`/scratch/...`, `photos/`) are
+    filled in under `where`; `<run>` stays, for the newest run when it runs."""
+    for form, option in FORMS.items():
+        command = command.replace(form, option)
+    if where is not None:
+        command = re.sub(
+            r"(?<![^\s=])logs/train/multiruns/<sweep>", str(where / "logs/train/multiruns/sweep"), command
+        )
+        command = re.sub(r"(?<==)/scratch/", f"{where}/scratch/", command)
+        command = re.sub(r"(?<==)photos/", f"{where}/photos/", command)
     tokens = shlex.split(command, comments=True)
     if tokens[:2] == ["make", "train"]:
         tokens = ["python", "src/train.py", "experiment=quickstart"]
     if "pytest" in tokens[:3]:
         return ("pytest", *tokens[tokens.index("tests/contract") :])
+    script = next((t for t in tokens if t.removeprefix("./") in SCRIPTS), None)
+    if script is not None:
+        return ("script", script.removeprefix("./"), *tokens[tokens.index(script) + 1 :])
     at = next(i for i, t in enumerate(tokens) if ENTRY.search(t))
     entry, args = ENTRY.search(tokens[at]).group(1), tokens[at + 1 :]  # type: ignore[union-attr]
     if entry != "train" or any(a.startswith(("--help", "--cfg")) for a in args):
         return (entry, *args)
     resumed = any(a.startswith("ckpt_path=") for a in args)
-    limits = [t.replace("max_epochs=1", "max_epochs=2") if resumed else t for t in TINY]
-    return (entry, *[a for a in args if a.split("=")[0] not in {t.split("=")[0] for t in TINY}], *limits)
+    kept = _debug_keys(args)
+    limits = [
+        t.replace("max_epochs=1", "max_epochs=2") if resumed else t
+        for t in TINY
+        if t.split("=")[0] not in kept
+    ]
+    args = [
+        f"{a.split('=')[0]}={TINY_VALUES[a.split('=')[0]]}" if a.split("=")[0] in TINY_VALUES else a
+        for a in args
+    ]
+    cheaper = [extra for part, extras in CHEAPER.items() if part in args for extra in extras]
+    replaced = {t.split("=")[0] for t in limits}
+    return (entry, *[a for a in args if a.split("=")[0] not in replaced], *limits, *cheaper)
 
 
 def run_contract_checks(args: tuple[str, ...], where: Path, searchpath: str, caplog) -> None:
@@ -904,57 +1066,143 @@ def run_contract_checks(args: tuple[str, ...], where: Path, searchpath: str, cap
     )
 
 
+def newest_run(log_dir: Path) -> Path:
+    (last,) = [p for p in run_dirs(log_dir) if (p / "checkpoints" / "last.ckpt").is_file()][-1:]
+    return last
+
+
 def run(command: tuple[str, ...], log_dir: Path, searchpath: str, env: dict[str, str]):
-    """One entry point's command into `log_dir`; <run> is the newest run there with a last.ckpt."""
+    """One command into `log_dir`, as a newcomer who wrote the tutorial's files into the project runs it
+    (their configs found through `searchpath`); `<run>` is the newest run there with a last.ckpt."""
     entry, *args = command
     if any("<run>" in a for a in args):
-        (last,) = [p for p in run_dirs(log_dir) if (p / "checkpoints" / "last.ckpt").is_file()][-1:]
-        args = [re.sub(r"(?<==)\S*<run>", str(last), a) for a in args]
-    if entry != "train":
-        return run_entry(
-            f"{entry}.py", *args, f"paths.log_dir={log_dir}", "trainer.limit_test_batches=1", env=env
-        )
+        args = [re.sub(r"(?<![^\s=])logs/train/runs/<run>", str(newest_run(log_dir)), a) for a in args]
+    if entry == "script":
+        return run_script(*args, env=env)
     if any(a.startswith(("--help", "--cfg")) for a in args):
-        return run_entry("train.py", *args, searchpath, env=env)
-    return train(log_dir, *args, searchpath, env=env)
+        return run_entry(f"{entry}.py", *args, searchpath, env=env)
+    flags = [a for a in args if a.startswith("-")]  # -m, which argparse wants before the overrides
+    rest = [a for a in args if not a.startswith("-")]  # the line's own first, as a newcomer types them
+    where = [] if any(a.startswith("paths.log_dir=") for a in rest) else [f"paths.log_dir={log_dir}"]
+    limit = ["trainer.limit_test_batches=1"] if entry != "train" else []
+    return run_entry(f"{entry}.py", *flags, *rest, *where, *limit, searchpath, env=env)
+
+
+def refused_as_documented(command: str, result) -> str | None:
+    """Why a line's non-zero exit is what its page says happens here (MAY_REFUSE), or None."""
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    for part, (package, says) in MAY_REFUSE.items():
+        missing = part in command and importlib.util.find_spec(package) is None
+        if missing and result.returncode == 2 and len(set(errors)) == 1 and says in errors[0]:
+            return f"{package} is not installed: {errors[0]}"
+    return None
+
+
+def sample_lines(page: Path, after: str) -> list[re.Pattern[str]]:
+    """The lines of the page's first `text` block after `after`, as patterns of what a run prints: any
+    number for a number, anything for `<...>` and `...`, any folder before `logs/`."""
+    text = page.read_text()
+    block = re.search(r"```text\n(.*?)```", text[text.index(after) :], re.DOTALL)
+    assert block, f"{_page(page)} shows no sample after {after!r}"
+    patterns = []
+    for line in block.group(1).splitlines():
+        if line.strip() in ("", "..."):
+            continue
+        pattern = re.escape(line.strip())
+        pattern = re.sub(r"<[^>]+>", ".+", pattern)
+        pattern = pattern.replace(r"\.\.\.", ".*").replace("logs/", r"\S*logs/")
+        pattern = re.sub(r"\d+(\\\.\d+)?", r"\\d+(\\.\\d+)?", pattern)
+        patterns.append(re.compile(pattern))
+    return patterns
+
+
+def _photos(folder: Path) -> None:
+    """A few digits as PNG files: `predict.input=photos/` of the cheat sheet."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 256, (20 + i, 24), dtype=np.uint8)).save(folder / f"digit{i}.png")
 
 
 @pytest.mark.slow
-def test_the_getting_started_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog):
-    """Each command of the README and the getting-started pages that is not marked as needing what this
-    machine lacks, run as the page gives it, with tiny limits, one after another in one log dir (so
-    `ckpt_path=last` and `<run>` find the runs before them): the tutorial's with its files in place of
-    the reader's, which train for a few steps on scikit-learn's digits, under DDP on two processes. A
-    command two pages give alike runs once."""
+def test_the_newcomers_transcript_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog):
+    """A newcomer's first hour: each command of the README, the getting-started pages and the cheat sheet
+    that is not marked as needing what this machine lacks, run as the page gives it, one after another in
+    one log dir (so `ckpt_path=last` and `<run>` find the runs before them), with tiny limits and the
+    tutorial's files in place of the reader's (they train for a few steps on scikit-learn's digits, under
+    DDP on two processes). Each line exits 0, or, where the page says so, with its one-sentence refusal;
+    a command two pages give alike runs once. Then: the README shows what the quickstart printed and the
+    files it left; a checkpoint of the tutorial's model, whose config came from a searchpath, is refused by
+    eval.py with the searchpath its training recorded, and evaluated when it is passed again."""
     searchpath, env = install_readers_files(RUN_PAGES, tmp_path / "readers")
     monkeypatch.syspath_prepend(env["PYTHONPATH"])
-    done: set[tuple[str, ...]] = set()
+    _photos(tmp_path / "photos")
+    logs = tmp_path / "logs"
+    done: dict[tuple[str, ...], str] = {}
+    failures, refusals = [], []
     for path in RUN_PAGES:
         for block in blocks(path):
             if block.needs:
                 continue
             for command in block_commands(block):
-                runnable = as_run(command)
+                runnable = as_run(command, tmp_path)
                 if runnable in done:
                     continue
-                done.add(runnable)
+                assert not any("<" in a and "<run>" not in a for a in runnable), (
+                    f"a form to fill in: {command}"
+                )
                 started = time.monotonic()
+                output = ""
                 if runnable[0] == "pytest":
                     run_contract_checks(runnable, tmp_path / "contract", searchpath, caplog)
                 else:
-                    result = run(runnable, tmp_path / "logs", searchpath, env)
-                    assert result.returncode == 0, f"{_page(path)}: {command}\n{result.stdout[-4000:]}"
+                    result = run(runnable, logs, searchpath, env)
+                    output = result.stdout
+                    why = refused_as_documented(command, result)
+                    if why:
+                        refusals.append(f"{_page(path)}: {command}: {why}")
+                    elif result.returncode != 0:
+                        failures.append(f"{_page(path)}: {command}\n{result.stdout[-3000:]}")
+                done[runnable] = output
                 print(f"{time.monotonic() - started:5.1f} s  {_page(path)}: {command}")
+    print("\n".join(refusals))
     assert any(r[0] == "pytest" for r in done) and any("ddp_cpu" in " ".join(r) for r in done)
+
+    # the README's first screen: what the quickstart printed, and where its files went
+    printed = done[as_run("make train")].splitlines()
+    for pattern in sample_lines(ROOT / "README.md", "## The first run"):
+        if not any(pattern.search(line) for line in printed):
+            failures.append(f"README: the quickstart printed no line like {pattern.pattern}")
+    quickstart = [p for p in run_dirs(logs) if "quickstart" in (p / "config.yaml").read_text()]
+    listed = (ROOT / "README.md").read_text().split("Everything the run wrote is in its run dir", 1)[1]
+    names = re.findall(r"(?:^|(?<=\s\s))(\S+\.\w+|\S+/)(?=\s{2,})", listed.split("```")[1], re.MULTILINE)
+    assert len(names) >= 7, names
+    failures += [
+        f"README: the run dir has no {name}" for name in names if not (quickstart[0] / name).exists()
+    ]
+
+    # the tutorial's checkpoint: its classes came from the searchpath, which eval.py names to trust them
+    tutorial = [p for p in run_dirs(logs) if "mymodel" in (p / "config.yaml").read_text()][-1]
+    evaluate = (f"ckpt_path={tutorial / 'checkpoints' / 'last.ckpt'}", f"paths.log_dir={logs}")
+    refused = run_entry("eval.py", *evaluate, env=env)
+    errors = [line for line in refused.stdout.splitlines() if line.startswith("error: ")]
+    if not (refused.returncode == 2 and len(errors) == 1 and f"searched again ({searchpath})" in errors[0]):
+        failures.append(f"eval.py without the searchpath:\n{refused.stdout[-3000:]}")
+    evaluated = run_entry("eval.py", *evaluate, "trainer.limit_test_batches=1", searchpath, env=env)
+    if evaluated.returncode != 0:
+        failures.append(f"eval.py with the searchpath its training recorded:\n{evaluated.stdout[-3000:]}")
 
     # fine-tune, predict, export: the notebook lines, on the newest checkpoint of these runs
     import torch
 
     notebook = _import(DOCS / "examples" / "predict_in_a_notebook.py", "predict_in_a_notebook")
-    quickstart = [p for p in run_dirs(tmp_path / "logs") if "quickstart" in (p / "config.yaml").read_text()]
     images = torch.randint(0, 256, (5, 1, 28, 28), dtype=torch.uint8)
     probabilities = notebook.class_probabilities(str(quickstart[-1] / "checkpoints" / "last.ckpt"), images)
     assert probabilities.shape == (5, 10) and torch.allclose(probabilities.sum(1), torch.ones(5))
+    assert not failures, "\n\n".join(failures)
 
 
 def _import(path: Path, name: str):

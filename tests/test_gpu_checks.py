@@ -1,8 +1,9 @@
-"""scripts/gpu_checks.py, the checks only a GPU node can run, as a tool that always finishes and loses
-nothing: its dry form on this CPU machine (every check skipped or passed), and stand-in checks that pass,
-crash and hang, each in a process of its own (the hang, and what it started, ended at its limit, every
-earlier result on disk while it ran). The checks' own training runs need GPUs; what of them a CPU can
-show (the Slurm environment of one GPU per task, the callbacks they add to a run) is checked here too."""
+"""scripts/gpu_checks.py, the checks only a GPU node can run, as a tool that always finishes, loses
+nothing and skips nothing silently: its form on this CPU machine (every GPU check a row "not run", the
+exit status "partial"), its budget, and stand-in checks that pass, crash and hang, each in a process of
+its own (the hang, and what it started, ended at its limit, every earlier result on disk while it ran).
+The checks' own training runs need GPUs; what of them a CPU can show (the Slurm environment of one GPU
+per task or of tasks sharing one, the callbacks they add to a run) is checked here too."""
 
 from __future__ import annotations
 
@@ -31,6 +32,17 @@ ITEMS = {
     "bf16 support (8)": "bf16",
     "MFU on this GPU (8)": "mfu",
     "FSDP2 bf16, the character Transformer's text sample on (1)": "fsdp2",
+}
+# What a user with one GPU gets: each a check of the one-GPU set
+ONE_GPU = {
+    "NCCL at world size 1": "ddp_nccl",
+    "FSDP2 at world size 1": "fsdp2",
+    "async DCP": "async_dcp",
+    "the watchdog (two tasks sharing the GPU)": "watchdog",
+    "two tasks on one GPU over gloo (the launch logic)": "two_tasks_one_gpu",
+    "a compute-bound Transformer's MFU, no profiler": "mfu",
+    "host syncs per step, judged": "sync_points",
+    "the flight recorder's dump read back": "flight_recorder",
 }
 
 
@@ -98,12 +110,12 @@ def test_a_crash_and_a_hang_are_rows_and_every_result_is_on_disk_as_it_comes(
     assert {n: r["status"] for n, r in rows.items()} == {
         "environment": "passed",
         "passes": "passed",
-        "needs_a_gpu": "skipped",
+        "needs_a_gpu": "not run",
         "crashes": "failed",
         "hangs": "timed out",
         "after_the_hang": "passed",
     }
-    assert rows["needs_a_gpu"]["summary"] == "no GPU"
+    assert rows["needs_a_gpu"]["summary"] == "no GPU here"
     assert rows["crashes"]["summary"] == "its process ended with exit status 1: something broke in the check"
     assert rows["hangs"]["summary"].startswith("timed out after 2 s")
 
@@ -113,7 +125,7 @@ def test_a_crash_and_a_hang_are_rows_and_every_result_is_on_disk_as_it_comes(
     assert [(r["name"], r["status"]) for r in seen["checks"]] == [
         ("environment", "passed"),
         ("passes", "passed"),
-        ("needs_a_gpu", "skipped"),
+        ("needs_a_gpu", "not run"),
         ("crashes", "failed"),
         ("hangs", "running"),
     ]
@@ -127,7 +139,8 @@ def test_a_crash_and_a_hang_are_rows_and_every_result_is_on_disk_as_it_comes(
     printed = capsys.readouterr().out
     table = (out / "gpu_checks.txt").read_text()
     assert "hangs              timed out" in table and table.strip() in printed
-    assert table.strip().endswith("3 passed, 1 skipped, 1 failed, 1 timed out")
+    assert table.strip().endswith("3 passed, 1 not run, 1 failed, 1 timed out")
+    assert "failed: crashes, hangs; not run: needs_a_gpu (no GPU here) (exit status 1)" in printed
 
 
 def _state(pid: int) -> str:
@@ -146,6 +159,8 @@ def test_a_bad_argument_is_one_sentence_and_exit_status_2(
     assert error.count("\n") == 1
     assert tool.main(["--timeout", "0", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "error: --timeout 0 must be a number of seconds above 0.\n"
+    assert tool.main(["--budget", "-5", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "error: --budget -5 must be a number of seconds above 0.\n"
     assert not (tmp_path / "gpu_checks.json").exists()
 
 
@@ -155,6 +170,43 @@ def test_the_checks_cover_what_only_a_gpu_shows_of_issue_37(tool: ModuleType):
     missing = {item: name for item, name in ITEMS.items() if name not in names}
     assert not missing
     assert all(c.gpus >= 1 and c.timeout_s > 0 for c in tool.CHECKS[1:])
+
+
+def test_one_gpu_runs_nccl_fsdp2_async_dcp_and_the_watchdog_first(tool: ModuleType):
+    """A user's single GPU runs every check of the one-GPU set, which comes first (a budget that ends
+    early cuts the multi-GPU checks), and the set's own limits fit the 8 minutes of --budget 480."""
+    gpus = {c.name: c.gpus for c in tool.CHECKS}
+    assert {item: gpus.get(name) for item, name in ONE_GPU.items()} == dict.fromkeys(ONE_GPU, 1)
+    counts = [c.gpus for c in tool.CHECKS]
+    assert counts == sorted(counts)
+
+
+def test_a_budget_that_runs_out_leaves_rows_that_say_so_and_a_partial_exit_status(
+    tool: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    monkeypatch.setattr(tool, "LEAST_S", 3.0)
+    sleepy = "import time; time.sleep(3.5); " + _result("passed")
+    monkeypatch.setattr(
+        tool,
+        "CHECKS",
+        [
+            _stand_in(tool, "environment", _result("passed", gpus=1, gpu_devices=1, gpu_names=["H100"])),
+            _stand_in(tool, "sleepy", sleepy),
+            _stand_in(tool, "after", _result("passed")),
+        ],
+    )
+    assert tool.main(["--out", str(tmp_path), "--budget", "6"]) == tool.PARTIAL == 3
+    rows = {r["name"]: r for r in json.loads((tmp_path / "gpu_checks.json").read_text())["checks"]}
+    assert rows["sleepy"]["status"] == "passed"
+    assert (rows["after"]["status"], rows["after"]["summary"]) == (
+        "not run",
+        "the budget (--budget 6 s) was spent before it",
+    )
+    printed = capsys.readouterr().out
+    assert "partial: every check that ran passed; could not run here: after (the budget" in printed
+    (report,) = tmp_path.glob("*-gpu-checks.md")
+    assert report.name == f"{time.strftime('%Y-%m-%d')}-gpu-checks.md"
+    assert report.read_text().startswith(f"# GPU checks, {time.strftime('%Y-%m-%d')}: H100\n")
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -185,6 +237,24 @@ def test_the_one_gpu_per_task_check_starts_tasks_as_slurm_does(
         0,
     )
     assert (slurm.main_address, slurm.main_port) == ("127.0.0.1", 29512)
+
+
+def test_two_tasks_sharing_the_one_gpu_start_as_slurm_starts_them_and_only_gloo_may(
+    tool: ModuleType, monkeypatch: pytest.MonkeyPatch
+):
+    """`--gres=gpu:1 --ntasks-per-node=2`: both tasks see the node's one GPU; the preflight lets them share
+    it over gloo (the launch logic, the watchdog) and refuses it over NCCL ("Duplicate GPU")."""
+    from hpctrain.runtime.environment import launch_checks, launched
+    from hpctrain.runtime.errors import UserError
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    envs = [tool.slurm_task_env(rank, 2, 29513, share_one_gpu=True) for rank in (0, 1)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3", "3"]
+    assert [launched.global_rank(e) for e in envs] == [0, 1]
+    for env in envs:
+        launch_checks.preflight(1, 2, "gpu", env=env, backend="gloo")
+        with pytest.raises(UserError, match="so ranks would share a GPU, which NCCL refuses"):
+            launch_checks.preflight(1, 2, "gpu", env=env)
 
 
 def test_the_launchers_variables_of_the_tools_own_shell_do_not_reach_its_runs(
@@ -233,29 +303,31 @@ def test_the_callbacks_the_checks_add_to_a_run_compose_and_act_only_where_asked(
 
 
 @pytest.mark.slow
-def test_the_dry_form_on_a_machine_without_a_gpu_skips_or_passes_every_check(tmp_path: Path):
-    """As a user runs it (and as a Slurm step runs it: the step's variables stay out of its runs), and by
-    its old name in scripts/dev/ where the template has it."""
+def test_on_a_machine_without_a_gpu_it_says_what_it_could_not_run_and_exits_partial(tmp_path: Path):
+    """`scripts/gpu_checks.py --budget 480` as a user runs it (and as a Slurm step runs it: the step's
+    variables stay out of its runs): the environment check passes, every other check is a row saying it
+    could not run here, and the exit status is "partial" (3), not "all ran" (0)."""
     env = {**local_env(), "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    for script in ("scripts/gpu_checks.py", "scripts/dev/gpu_checks.py"):
-        if not (ROOT / script).is_file():
-            continue
-        out = tmp_path / Path(script).parent.name
-        started = time.monotonic()
-        result = subprocess.run(
-            [PYTHON, script, "--out", str(out)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        assert time.monotonic() - started < 120
-        report = json.loads((out / "gpu_checks.json").read_text())
-        rows = {r["name"]: r for r in report["checks"]}
-        assert report["finished"] and set(ITEMS.values()) <= set(rows)
-        assert rows.pop("environment")["status"] == "passed"
-        assert {(r["status"], r["summary"]) for r in rows.values()} == {("skipped", "no GPU")}
-        assert (out / "gpu_checks.txt").read_text().strip() in result.stdout
+    out = tmp_path / "out"
+    started = time.monotonic()
+    result = subprocess.run(
+        [PYTHON, "scripts/gpu_checks.py", "--budget", "480", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    assert time.monotonic() - started < 120
+    report = json.loads((out / "gpu_checks.json").read_text())
+    rows = {r["name"]: r for r in report["checks"]}
+    assert report["finished"] and report["exit_status"] == 3 and set(ITEMS.values()) <= set(rows)
+    assert rows.pop("environment")["status"] == "passed"
+    assert {(r["status"], r["summary"]) for r in rows.values()} == {("not run", "no GPU here")}
+    said = "partial: every check that ran passed; could not run here: cuda_driver (no GPU here); bf16 (no GPU"
+    assert said in result.stdout and "(exit status 3)" in result.stdout
+    assert (out / "gpu_checks.txt").read_text().strip() in result.stdout
+    (dated,) = out.glob("*-gpu-checks.md")
+    assert said in dated.read_text() and "driver none" in dated.read_text()

@@ -97,6 +97,7 @@ def test_a_rank_that_does_not_arrive_within_the_timeout_is_named_with_where_it_w
             "SLEEP_AT_STEP": "3",
             "SLEEP_S": "120",
             "SLEEP_MARK": str(mark),
+            "TORCH_FR_BUFFER_SIZE": "200",  # torch's flight recorder on (gloo's since torch 2.8)
             **webhook.env(),
         },
     )
@@ -123,6 +124,27 @@ def test_a_rank_that_does_not_arrive_within_the_timeout_is_named_with_where_it_w
     assert text.startswith(f"hpctrain: run hung: rank 1 on {os.uname().nodename} (before its backward pass")
     assert "did not arrive at a collective within dist.timeout_min=0.2" in text
     assert f"\nrun dir: {tmp_path / 'run'}\nhost: " in text
+    _the_flight_record_was_written_by_every_rank(tmp_path / "run")
+
+
+def _the_flight_record_was_written_by_every_rank(run: Path) -> None:
+    """torch writes its flight record only at NCCL's own timeout, which hpctrain's watchdog comes before:
+    each rank wrote its own as the job ended, where and as torch would have (<run dir>/flight_recorder/
+    rank<N>, pickled): rank 0's last collective is the all-reduce rank 1 never joined. (torch's reader,
+    fr_trace, reads NCCL's records; gloo's name no process group in torch 2.14, which it cannot read:
+    scripts/gpu_checks.py reads NCCL's back with it.)"""
+    import pickle
+
+    from torch._C import _distributed_c10d as c10d
+
+    if not hasattr(c10d, "_dump_fr_trace"):
+        pytest.skip("this torch keeps no flight record of gloo's collectives (torch 2.8 and later do)")
+    folder = run / "flight_recorder"
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0", "rank1"]
+    records = {r: pickle.loads((folder / f"rank{r}").read_bytes()) for r in (0, 1)}
+    last = {r: record["entries"][-1] for r, record in records.items()}
+    assert last[0]["profiling_name"] == "gloo:all_reduce" and last[0]["state"] != "completed", last[0]
+    assert last[0]["collective_seq_id"] > last[1]["collective_seq_id"]  # rank 1 never issued it
 
 
 @pytest.mark.slow
@@ -174,6 +196,35 @@ Current thread 0x00007fef396a9b80 (most recent call first):
   File "/venv/lib/python3.11/site-packages/pytorch_lightning/loops/optimization/automatic.py", line 140 in closure
   File "/home/me/project/src/train.py", line 48 in <module>
 """
+
+
+def test_every_rank_notes_its_process_in_a_file_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Appends of many nodes to one file on NFS are not atomic (their lines interleave or vanish): each
+    rank writes `stacks/rank<N>.pid` whole, a restarted rank replaces its own, and a run of hpctrain 0.4
+    or before (one `stacks/pids` for all) is still read."""
+    import socket
+
+    from hpctrain.runtime import run_state
+    from hpctrain.runtime.distributed import stacks
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    host = socket.gethostname()
+    for rank in (0, 1, 2, 1):  # rank 1 twice: its restart
+        monkeypatch.setenv("RANK", str(rank))
+        run_state.begin()
+        try:
+            stacks.register(tmp_path, "SIGURG")
+        finally:
+            run_state.end()
+    folder = tmp_path / "stacks"
+    assert sorted(p.name for p in folder.glob("*.pid")) == ["rank0.pid", "rank1.pid", "rank2.pid"]
+    assert not (folder / "pids").exists() and not list(folder.glob(".*"))
+    assert (folder / "rank1.pid").read_text() == f"1 {os.getpid()} {host}\n"
+    assert stacks.known_ranks(tmp_path) == {r: (os.getpid(), host) for r in (0, 1, 2)}
+    old = tmp_path / "old"
+    (old / "stacks").mkdir(parents=True)
+    (old / "stacks" / "pids").write_text("0 11 node1\n1 12 node2\n")
+    assert stacks.known_ranks(old) == {0: (11, "node1"), 1: (12, "node2")}
 
 
 def test_a_dump_is_summed_up_by_its_innermost_call_and_the_users_frame():

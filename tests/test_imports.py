@@ -50,7 +50,17 @@ HEAVY = {
     "numpy", "PIL", "matplotlib", "sklearn", "optuna", "submitit", "pynvml",
 }  # fmt: skip
 HEAVY_BEFORE_HYDRA = HEAVY | {"hydra"}
-OPTIONAL = {"safetensors", "onnx", "onnxruntime", "onnxscript", "mlflow", "wandb", "tensorboard"}
+OPTIONAL = {
+    "safetensors",
+    "onnx",
+    "onnxruntime",
+    "onnxscript",
+    "mlflow",
+    "wandb",
+    "tensorboard",
+    "transformers",
+    "peft",
+}
 
 
 def _modules() -> dict[str, Path]:

@@ -1,24 +1,31 @@
-"""Every combination the template ships runs: each experiment under trainer=cpu, ddp_cpu and fsdp_cpu, fit
-and the test after fit with its own callbacks on, a resume under each strategy, and FSDP2's sharding by
-`auto` and by a named block class, for the template's models and for a plain user module without
-configure_model. A cell trains two batches: it proves the combination works, not that it learns (other
-tests do that). docs/reference/combinations.md lists the same cells."""
+"""Every combination the template ships runs as a GPU node would run it: each experiment under trainer=cpu,
+ddp_cpu and fsdp_cpu (the stand-ins of trainer=gpu, ddp and fsdp) in the precision its GPU recipe uses
+(bf16-mixed is emulated on CPUs), fit and the test after fit with its own callbacks on, a resume under each
+strategy; the options users switch on (gradient clipping, accumulation, compile, activation checkpointing,
+tensor parallelism where a plan ships) under each strategy that offers them; FSDP2's sharding by `auto` and
+by a named block class; and the combinations that cannot work, refused in one sentence before the first
+step. A cell trains two or three batches of a few samples: it proves the combination works, not that it
+learns (other tests do that). docs/reference/combinations.md lists the same cells."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from hpctrain.runtime.config.checks import check_config
+from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.checkpoints import reading
 from tests.differential.cases import user_overrides
-from tests.helpers import EXAMPLES, ROOT, assert_ok, run_dirs, train
+from tests.helpers import EXAMPLES, ROOT, assert_ok, compose_train, run_dirs, train
 
 pytestmark = pytest.mark.slow
 
 STRATEGIES = ("cpu", "ddp_cpu", "fsdp_cpu")
+ON_GPUS = {"cpu": "gpu", "ddp_cpu": "ddp", "fsdp_cpu": "fsdp"}  # what each strategy stands in for
 TINY = (
     "trainer.max_epochs=1",
     "trainer.limit_train_batches=2",
@@ -28,26 +35,54 @@ TINY = (
     "trainer.log_every_n_steps=1",
 )
 # What each experiment needs besides the strategy to run two batches in seconds on CPU (its own
-# callbacks stay on): smaller batches, and the digits' checkpoint a fine-tuning starts from.
+# callbacks stay on): batches of a few samples, and the digits' checkpoint a fine-tuning starts from.
 EXPERIMENTS: dict[str, tuple[str, ...]] = {
-    "quickstart": ("data.batch_size=16",),
-    "mnist_cnn": ("data.batch_size=16",),
-    "fashion_mnist": ("data.batch_size=16",),
-    "cifar10_resnet18": ("data.batch_size=8", "trainer.precision=32-true"),  # bf16 is emulated on CPUs
-    "image_folder_demo": ("data.batch_size=16",),
-    "finetune_digits": ("data.batch_size=16",),
-    "char_transformer": ("data.batch_size=8", "data.block_size=32", "callbacks.text_sample.length=4"),
+    "quickstart": ("data.batch_size=4",),
+    "mnist_cnn": ("data.batch_size=4",),
+    "fashion_mnist": ("data.batch_size=4",),
+    "cifar10_resnet18": ("data.batch_size=2",),  # BatchNorm: under FSDP2 in bf16, its layers stay float32
+    "image_folder_demo": ("data.batch_size=4",),
+    "finetune_digits": ("data.batch_size=4",),
+    "char_transformer": ("data.batch_size=4", "data.block_size=32", "callbacks.text_sample.length=4"),
 }
+RESUMED = ("quickstart",)  # a resume under each strategy, in the precision of its GPU recipe
 
 
-def test_the_cells_are_the_shipped_experiments_the_combinations_page_lists():
+@functools.cache
+def gpu_precision(experiment: str, strategy: str) -> str:
+    """The precision `experiment` trains in under the GPU trainer `strategy` stands in for (the experiment's
+    own, else the trainer's: bf16-mixed under trainer=fsdp)."""
+    cfg = compose_train(
+        ROOT / "logs", ROOT / "data", f"experiment={experiment}", f"trainer={ON_GPUS[strategy]}"
+    )
+    return str(cfg.trainer.precision)
+
+
+def _page() -> str:
+    return (ROOT / "docs" / "reference" / "combinations.md").read_text()
+
+
+def _rows(heading: str) -> dict[str, list[str]]:
+    """The table under `heading` on the combinations page: its first cell (backticks off) -> the others."""
+    section = _page().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    rows = [line.strip().strip("|").split(" | ") for line in lines]
+    return {cells[0].strip().strip("`"): [c.strip() for c in cells[1:]] for cells in rows[1:]}
+
+
+def test_the_cells_are_the_shipped_experiments_in_their_gpu_precision_as_the_page_lists():
     """The template's own experiments, by name: a user's experiment added to conf/experiment/ is not a cell
     (tests/test_config.py runs a batch of it; the contract tests check its pair). A new experiment of the
-    template's gets a row on the page, and so a cell."""
+    template's gets a row on the page, and so a cell; each cell of the page names the precision the
+    experiment's GPU recipe trains in."""
     shipped = {p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")}
     assert not EXAMPLES or set(EXPERIMENTS) <= shipped, sorted(set(EXPERIMENTS) - shipped)
-    page = (ROOT / "docs" / "reference" / "combinations.md").read_text()
-    assert re.findall(r"^\| `(\w+)` \|", page, re.MULTILINE) == list(EXPERIMENTS)
+    assert re.findall(r"^\| `(\w+)` \|", _page(), re.MULTILINE)[: len(EXPERIMENTS)] == list(EXPERIMENTS)
+    rows = _rows("Experiments and strategies")
+    for experiment in EXPERIMENTS:
+        for strategy, cell in zip(STRATEGIES, rows[experiment], strict=True):
+            assert cell.startswith(gpu_precision(experiment, strategy) + ":"), (experiment, strategy, cell)
+            assert ("resume" in cell) == (experiment in RESUMED), cell
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +92,14 @@ def digits_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dirs(logs)[0] / "checkpoints" / "last.ckpt"
 
 
-def _ran(log_dir: Path, result, strategy: str) -> Path:
+def _ran(log_dir: Path, result, strategy: str, data_parallel: int = 2) -> Path:
     assert_ok(result)
     (run,) = run_dirs(log_dir)
     outcome = yaml.safe_load((run / "outcome.yaml").read_text())
     assert outcome["status"] == "completed" and outcome["test"], outcome  # fit, then the test after fit
     assert (run / "checkpoints" / "last.ckpt").exists()
     if strategy == "fsdp_cpu":
-        assert "FSDP2: " in result.stdout and "block(s) sharded over 2 process(es)" in result.stdout
+        assert f"block(s) sharded over {data_parallel} process(es)" in result.stdout
     return run
 
 
@@ -73,26 +108,133 @@ CELLS = [(e, s) for e in EXPERIMENTS for s in STRATEGIES]
 
 @pytest.mark.skipif(not EXAMPLES, reason="the examples' experiments are not in this project")
 @pytest.mark.parametrize("experiment, strategy", CELLS, ids=[f"{e}-{s}" for e, s in CELLS])
-def test_a_shipped_experiment_fits_and_tests(
+def test_a_shipped_experiment_fits_and_tests_in_its_gpu_precision(
     experiment: str, strategy: str, data_dir: Path, digits_checkpoint: Path, tmp_path: Path
 ):
-    """Fit and the test after fit; the quickstart's cell then resumes from its last.ckpt for a second epoch
-    (a resume under each strategy)."""
+    """Fit and the test after fit in the precision of the GPU recipe; the quickstart's cell then resumes
+    from its last.ckpt for a second epoch (a resume under each strategy)."""
+    precision = gpu_precision(experiment, strategy)
     extra = [f"init_from.path={digits_checkpoint}"] if experiment == "finetune_digits" else []
-    common = (f"experiment={experiment}", f"trainer={strategy}", f"paths.data_dir={data_dir}", *TINY)
-    result = train(tmp_path / "first", *common, *EXPERIMENTS[experiment], *extra, timeout=300)
+    common = (
+        f"experiment={experiment}",
+        f"trainer={strategy}",
+        f"trainer.precision={precision}",
+        f"paths.data_dir={data_dir}",
+        *TINY,
+        *EXPERIMENTS[experiment],
+    )
+    result = train(tmp_path / "first", *common, *extra, timeout=300)
     run = _ran(tmp_path / "first", result, strategy)
+    if strategy == "fsdp_cpu" and precision == "bf16-mixed":
+        assert "gathered and computed in bfloat16" in result.stdout
+        if experiment == "cifar10_resnet18":
+            assert "norm layer(s) kept in float32" in result.stdout  # BatchNorm: its own float32 units
     if experiment == "char_transformer":
         assert "sample after epoch 0:" in result.stdout  # the text sample ran on every rank, rank 0 logged
-    if experiment != "quickstart":
+    if experiment not in RESUMED:
         return
     last = run / "checkpoints" / "last.ckpt"
-    resumed = train(
-        tmp_path / "resumed", *common, *EXPERIMENTS[experiment], "trainer.max_epochs=2", f"ckpt_path={last}"
-    )
+    resumed = train(tmp_path / "resumed", *common, "trainer.max_epochs=2", f"ckpt_path={last}", timeout=300)
     again = _ran(tmp_path / "resumed", resumed, strategy)
     assert f"starting from {last}" in resumed.stdout
     assert reading.read(again / "checkpoints" / "last.ckpt", weights=False)["global_step"] == 4
+    if strategy == "fsdp_cpu":  # a folder of shards continues under FSDP2 only: one sentence before a step
+        other = [o for o in common if not o.startswith(("trainer=", "trainer.precision="))]
+        refused = train(tmp_path / "refused", *other, "trainer=cpu", f"ckpt_path={last}", timeout=300)
+        assert refused.returncode != 0 and "which continues under trainer=fsdp" in refused.stdout
+        assert "init_from.path=" in refused.stdout and "Traceback" not in refused.stdout
+
+
+# The options a GPU run switches on, on the character Transformer (its config ships a tensor-parallel
+# plan), in bf16-mixed, three batches with accumulation over two. Each strategy runs the options it offers
+# together, as a recipe would set them; the last cell adds tensor parallelism (2 processes, both in one
+# tensor-parallel group: the split layers' gradients on the 2-D mesh, the rest on the data-parallel one).
+TRANSFORMER = (
+    "experiment=char_transformer",
+    "trainer.precision=bf16-mixed",
+    *EXPERIMENTS["char_transformer"],
+    "model.net.n_layer=2",
+    "model.net.n_embd=64",
+    *TINY,
+    "trainer.limit_train_batches=3",
+    "trainer.gradient_clip_val=0.5",
+    "trainer.accumulate_grad_batches=2",
+)
+# dynamo's graph capture and AOT autograd (what inductor compiles on GPUs), without inductor's C++ build
+COMPILED = ("compile=true", "compile_backend=aot_eager")
+OPTIONS = {
+    "cpu": ("trainer=cpu", *COMPILED),
+    "ddp_cpu": ("trainer=ddp_cpu",),  # compile under DDP: tests/test_beyond_mnist.py
+    "fsdp_cpu": ("trainer=fsdp_cpu", "dist.fsdp.activation_checkpointing=true", *COMPILED),
+    "fsdp_cpu, tensor parallel": (
+        "trainer=fsdp_cpu",
+        "dist.fsdp.activation_checkpointing=true",
+        *COMPILED,
+        "dist.tensor_parallel=2",
+    ),
+}
+
+
+def test_the_option_cells_are_the_ones_the_page_lists():
+    assert list(_rows("Options")) == list(OPTIONS)
+
+
+@pytest.mark.parametrize("cell", OPTIONS)
+def test_the_options_a_gpu_run_switches_on_fit_and_test_together(cell: str, tmp_path: Path):
+    """Gradient clipping (over both meshes under tensor parallelism), accumulation (one gradient reduction
+    per step under FSDP2), compile (each block under FSDP2), activation checkpointing (FSDP2)."""
+    strategy = OPTIONS[cell][0].split("=")[1]
+    result = train(tmp_path, *TRANSFORMER, *OPTIONS[cell], timeout=420)
+    _ran(tmp_path, result, strategy, data_parallel=1 if "tensor parallel" in cell else 2)
+    if strategy == "fsdp_cpu":
+        assert "each block compiled (aot_eager)" in result.stdout
+    if "tensor parallel" in cell:  # the plan's 6 layers in each of the 2 blocks
+        assert "tensor parallel: 12 layer(s) split over 2 process(es) each" in result.stdout
+
+
+# Refused by design in the preflight, before torch is imported: the page's row -> (overrides, sentence)
+REFUSED = {
+    "trainer.precision=16-mixed with trainer=fsdp or fsdp_cpu": (
+        ("trainer=fsdp_cpu", "trainer.precision=16-mixed"),
+        "trainer.precision=16-mixed under FSDP2",
+    ),
+    "trainer.precision=16-mixed on CPU (trainer=cpu, ddp_cpu)": (
+        ("trainer=ddp_cpu", "trainer.precision=16-mixed"),
+        "trainer.precision=16-mixed needs a GPU",
+    ),
+    "dist.fsdp.cpu_offload=true with trainer=fsdp_cpu": (
+        ("trainer=fsdp_cpu", "dist.fsdp.cpu_offload=true"),
+        "dist.fsdp.cpu_offload=true with FSDP2 on CPU",
+    ),
+    "dist.tensor_parallel=N for a model whose config ships no dist.tensor_parallel_plan": (
+        ("experiment=quickstart", "trainer=fsdp_cpu", "trainer.devices=4", "dist.tensor_parallel=2"),
+        "the model's config ships no tensor-parallel plan",
+    ),
+    "dist.tensor_parallel=N that does not divide the processes": (
+        ("experiment=char_transformer", "trainer=fsdp_cpu", "trainer.devices=4", "dist.tensor_parallel=3"),
+        "does not divide the 4 processes",
+    ),
+    "dist.tensor_parallel=N with trainer=ddp_cpu or ddp": (
+        ("experiment=char_transformer", "trainer=ddp_cpu", "dist.tensor_parallel=2"),
+        "needs trainer=fsdp or trainer=fsdp_cpu",
+    ),
+}
+
+
+def test_every_refusal_the_page_lists_is_tested():
+    """The page's rows refused in the preflight are the cases below; the others name where they are."""
+    rows = _rows("Refused by design, in one sentence before the first step")
+    assert set(REFUSED) <= set(rows), sorted(set(REFUSED) - set(rows))
+    assert all("preflight" in rows[r][-1] for r in REFUSED)
+    assert all(r in REFUSED or "preflight" not in cells[-1] for r, cells in rows.items())
+
+
+@pytest.mark.parametrize("refused", REFUSED)
+def test_a_combination_that_cannot_work_is_one_sentence_before_torch(refused: str, tmp_path: Path):
+    """As the preflight of src/train.py sees it: the composed config, checked before anything is built."""
+    overrides, sentence = REFUSED[refused]
+    with pytest.raises(UserError, match=re.escape(sentence)):
+        check_config(compose_train(tmp_path, tmp_path, *overrides))
 
 
 SHARDS = {

@@ -119,6 +119,7 @@ def test_hpctrain_has_parts_of_every_kind():
     names = {cls.__name__ for cls in PARTS}
     assert {"ModelCheckpoint", "HydraDDPStrategy", "HydraJobLauncher", "AtomicCheckpointIO"} <= names
     assert {"ImageDataModule", "ResumableCSVLogger", "OneGPUPerTaskSLURMEnvironment", "LogProgress"} <= names
+    assert {"TokenizedDataModule", "BatchLimits", "TrainableOnly", "PredictionWriter"} <= names
 
 
 @pytest.mark.parametrize("part", PARTS, ids=[c.__qualname__ for c in PARTS])

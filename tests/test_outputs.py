@@ -78,6 +78,110 @@ def test_a_fresh_run_starts_cleanly_or_from_what_it_was_given(tmp_path: Path):
         checkpoints.start_point(str(tmp_path / "missing.ckpt"), fresh, runs, env={})
 
 
+def _task(rank: int, restart: int = 1) -> dict[str, str]:
+    """Task `rank` of a two-task srun step of SLURM job 4242, in its attempt `restart`."""
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(rank),
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_RESTART_COUNT": str(restart),
+    }
+
+
+def _killed_between_renames(run: Path) -> Path:
+    """A run dir as a kill between a folder commit's two renames leaves it: last.ckpt set aside (complete),
+    its successor still staged under the job's earlier attempt's name, an older best beside them."""
+    _record(run, "4242")
+    folder = run / "checkpoints"
+    aside = folder / ".last.ckpt.old-7f3a"
+    for shard in (aside, folder / ".last.ckpt.tmp-8e41@slurm4242"):
+        shard.mkdir(parents=True)
+        (shard / "__0_0.distcp").write_bytes(b"x")
+    _ckpt(run, "epoch_000.ckpt", age_s=60)
+    return aside
+
+
+def test_every_rank_resumes_from_rank_0s_choice_after_a_kill_mid_commit(tmp_path: Path):
+    """While rank 0 tidies the folder (the abandoned staging removed), rank 1 waits for its choice and uses
+    it, whatever the folder shows rank 1 afterwards (here, a newer file, as a node's stale or newer view
+    could); the choice of an earlier attempt is never taken for this one's."""
+    import threading
+
+    run = tmp_path / "runs" / "slurm-4242"
+    aside = _killed_between_renames(run)
+    told: list[checkpoints.StartPoint] = []
+    rank_1 = threading.Thread(
+        target=lambda: told.append(
+            checkpoints.start_point(None, run, tmp_path / "runs", env=_task(1), wait_s=30)
+        )
+    )
+    rank_1.start()  # first: it waits
+    time.sleep(0.5)
+    assert rank_1.is_alive() and not told
+    chosen = checkpoints.start_point(None, run, tmp_path / "runs", env=_task(0))
+    rank_1.join(timeout=10)
+    assert chosen.checkpoint == aside and [t.checkpoint for t in told] == [aside]
+    assert not list((run / "checkpoints").glob(".*.tmp-*"))  # rank 0 removed the abandoned staging
+
+    _ckpt(run, "epoch_001.ckpt", age_s=-30)  # what rank 1 would choose now, by itself
+    late = checkpoints.start_point(None, run, tmp_path / "runs", env=_task(1), wait_s=5)
+    assert (late.checkpoint, late.reason) == (aside, chosen.reason)
+    with pytest.raises(UserError, match=r"rank 1 on .* waited 0 s for rank 0 to record which checkpoint"):
+        checkpoints.start_point(None, run, tmp_path / "runs", env=_task(1, restart=2), wait_s=0.3)
+
+
+def test_ranks_wait_for_rank_0_only_where_the_choice_is_made_from_folders(tmp_path: Path):
+    """A first attempt starts fresh (or from the named file) on every rank alike: no waiting, and nothing
+    written in the run dir; ckpt_path=last is chosen from folders other runs may be writing: it waits."""
+    runs = tmp_path / "runs"
+    fresh = runs / "slurm-4242"
+    fresh.mkdir(parents=True)
+    assert checkpoints.start_point(None, fresh, runs, env=_task(1, restart=0), wait_s=0).checkpoint is None
+    assert checkpoints.start_point(None, fresh, runs, env=_task(0, restart=0)).checkpoint is None
+    assert list(fresh.iterdir()) == []
+    newest = _ckpt(runs / "b", "last.ckpt", age_s=10)
+    assert checkpoints.start_point("last", fresh, runs, env=_task(0, restart=0)).checkpoint == newest
+    _ckpt(runs / "c", "last.ckpt", age_s=5)  # another run saved since: rank 1 still takes rank 0's
+    assert (
+        checkpoints.start_point("last", fresh, runs, env=_task(1, restart=0), wait_s=5).checkpoint == newest
+    )
+
+
+def test_the_local_launchers_ranks_inherit_rank_0s_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from hpctrain.runtime.run.checkpoints import agreement
+
+    runs = tmp_path / "runs"
+    run = runs / "2026-01-01_00-00-00.000"
+    first = _ckpt(runs / "a", "last.ckpt", age_s=10)
+    monkeypatch.delenv(agreement.INHERITED, raising=False)
+    for key in ("SLURM_JOB_ID", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert checkpoints.start_point("last", run, runs).checkpoint == first  # rank 0, this process
+    _ckpt(runs / "b", "last.ckpt")  # saved before Lightning starts local rank 1
+    child = {"LOCAL_RANK": "1", agreement.INHERITED: os.environ[agreement.INHERITED]}
+    assert checkpoints.start_point("last", run, runs, env=child).checkpoint == first
+
+
+def test_of_checkpoints_saved_in_one_tick_of_the_clock_every_process_chooses_alike(tmp_path: Path):
+    """Lustre keeps whole seconds: requeue.ckpt, then last.ckpt (or the one set aside for it), then the
+    later name, never the order of a set of names (which differs from process to process)."""
+    run = tmp_path / "run"
+    paths = [_ckpt(run, name) for name in ("epoch_002.ckpt", "last.ckpt", "requeue.ckpt", "epoch_001.ckpt")]
+    tick = 1_700_000_000 * 10**9
+    for path in paths:
+        os.utime(path, ns=(tick, tick))
+    assert checkpoints.newest_checkpoint(run) == run / "checkpoints" / "requeue.ckpt"
+    (run / "checkpoints" / "requeue.ckpt").unlink()
+    assert checkpoints.newest_checkpoint(run) == run / "checkpoints" / "last.ckpt"
+    aside = run / "checkpoints" / ".last.ckpt.old-1"
+    (run / "checkpoints" / "last.ckpt").rename(aside)
+    assert checkpoints.newest_checkpoint(run) == aside
+    aside.unlink()
+    assert checkpoints.newest_checkpoint(run) == run / "checkpoints" / "epoch_002.ckpt"
+
+
 def test_an_unwritable_run_dir_is_refused(tmp_path: Path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -77,8 +77,122 @@ def test_without_nvml_nothing_is_sampled_and_nothing_fails():
         assert gpus.NodeSampler.start(0.1) is None
         assert gpus.read(None, None) == {}
         return
-    devices = gpus.sample(nvml)  # a GPU machine: every GPU of the node, with its utilisation
-    assert devices and all(0 <= d["util"] <= 100 and d["mem_used_mib"] > 0 for d in devices)
+    sampled = gpus.sample(nvml, [0])  # a GPU machine: its first GPU, with its utilisation
+    assert sampled and all(0 <= d["util"] <= 100 and d["mem_used_mib"] > 0 for d in sampled.values())
+
+
+class CountingStore:
+    """torch's own in-memory store, counting the requests made to it (each a round trip on TCPStore)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.HashStore()
+        self.requests: list[str] = []
+
+    def __getattr__(self, name: str):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.requests.append(name)
+            return method(*args, **kwargs)
+
+        return counted
+
+
+class NodeNVML:
+    """NVML of an 8-GPU node: GPU i at i * 10 % utilisation."""
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 8
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        if not 0 <= index < 8:
+            raise ValueError(index)
+        return index
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:
+        return f"GPU-{handle}{handle}{handle}"
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(gpu=10 * handle)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(used=2**30)
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
+        return 300_000
+
+
+def test_the_gpu_sampler_samples_the_jobs_gpus_not_every_gpu_of_the_node(monkeypatch: pytest.MonkeyPatch):
+    """A node shared by jobs: each job's sampler reports the GPUs it holds (CUDA_VISIBLE_DEVICES, or under
+    SLURM the job's GPUs on the node, which with one GPU bound to each task are more than local rank 0
+    sees), by their index on the node; a device cgroup that renumbered them leaves NVML only the job's."""
+    from hpctrain.runtime.environment import devices
+
+    uuids = devices.node_uuids(NodeNVML())
+    assert devices.job_indices(uuids, {}) == list(range(8))
+    assert devices.job_indices(uuids, {"CUDA_VISIBLE_DEVICES": "4,5"}) == [4, 5]
+    assert devices.job_indices(uuids, {"CUDA_VISIBLE_DEVICES": "GPU-666,GPU-777"}) == [6, 7]
+    per_task = {"CUDA_VISIBLE_DEVICES": "4", "SLURM_STEP_GPUS": "4,5", "SLURM_JOB_GPUS": "4,5"}
+    assert devices.job_indices(uuids, per_task) == [4, 5]
+    assert devices.job_indices(uuids[:2], {"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_JOB_GPUS": "4,5"}) == [0, 1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    for key in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        monkeypatch.delenv(key, raising=False)
+    sampler = gpus.NodeSampler(NodeNVML(), 5.0, None)
+    assert sampler._sampled() and sorted(sampler.latest) == ["2", "3"]
+    assert gpus.read(None, sampler) == {
+        f"gpus/{sampler.host}/{i}/{name}": value
+        for i in (2, 3)
+        for name, value in (("util", 10.0 * i), ("mem_used_mib", 1024.0), ("power_w", 300.0))
+    }
+
+
+def test_rank_0_reads_every_ranks_figures_in_a_few_requests_per_log_interval(monkeypatch: pytest.MonkeyPatch):
+    """80 ranks on 10 nodes: at each log interval rank 0 reads every other rank's sums and every other
+    node's GPU sample from the store on its training thread. Two requests per rank and two per node made
+    that about 180 round trips; a handful now, and every rank and node is still there."""
+    from types import SimpleNamespace
+
+    from hpctrain.callbacks.performance_log import PerformanceLog
+    from hpctrain.runtime.distributed import job_store
+
+    store = CountingStore()
+    monkeypatch.setattr(job_store, "store", lambda: store)
+    world = 80
+    logs = {r: PerformanceLog() for r in range(world)}
+    for r, log in logs.items():
+        for _ in range(50):
+            log.meter.step_started()
+            log.meter.step_ended(32)
+        if r > 0:
+            log._gathered(SimpleNamespace(global_rank=r, is_global_zero=False), "")
+    for node in range(1, 10):
+        other = gpus.NodeSampler(NodeNVML(), 5.0, store, indices=list(range(8)))
+        other.host = f"node{node}"
+        assert other._sampled()
+        store.append(f"{gpus.GPUS_KEY}/hosts", f"{other.host}\n")
+    logged: list[dict[str, float]] = []
+    logger = SimpleNamespace(log_metrics=lambda found, step: logged.append(found))
+    trainer = SimpleNamespace(
+        global_rank=0, is_global_zero=True, world_size=world, loggers=[logger], global_step=50
+    )
+    own = gpus.NodeSampler(NodeNVML(), 5.0, None, indices=list(range(8)))
+    own._sampled()
+    store.requests.clear()
+    logs[0]._interval(trainer)
+    perf_requests = list(store.requests)
+    found = gpus.read(store, own)
+    assert len(perf_requests) <= 2 and len(store.requests) <= 5, store.requests
+    (metrics,) = logged
+    assert {int(k.rsplit("/", 1)[1]) for k in metrics if k.startswith("ranks/step_ms/")} == set(range(world))
+    assert {k.split("/")[1] for k in found} == {own.host, *(f"node{n}" for n in range(1, 10))}
+    assert len(found) == 10 * 8 * 3
 
 
 def test_the_per_rank_view_names_the_slowest_rank(tmp_path: Path):
@@ -200,3 +314,49 @@ def test_on_a_gpu_the_data_wait_is_the_devices_idle_time_not_the_hosts():
     meter.step_ended(8)
     late = performance.figures(meter.sums(), busy)
     assert late["data_wait"] == pytest.approx(60 / 160) and late["step_ms"] == pytest.approx(100.0)
+
+
+def _rates(world: int, tensor_parallel: int, monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
+    """What `train/samples_per_s` (summed over the ranks) and the progress line say when every rank trains
+    4 batches of 8 samples in 2 s: under tensor parallelism the ranks of a group read the same batch."""
+    from types import SimpleNamespace
+
+    from hpctrain.callbacks import progress_bar, throughput_log
+    from hpctrain.runtime import run_state
+    from hpctrain.runtime.distributed import job_store
+
+    run_state.begin()
+    if tensor_parallel > 1:
+        job_store.set_data_parallel(world // tensor_parallel, 0)
+    clock = [100.0]
+    monkeypatch.setattr(throughput_log.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(progress_bar.time, "monotonic", lambda: clock[0])
+    logged, lines = [], []
+    module = SimpleNamespace(log=lambda name, value, **kw: logged.append(value))
+    trainer = SimpleNamespace(world_size=world, is_global_zero=True, current_epoch=0, max_epochs=1)
+    monkeypatch.setattr(progress_bar.log, "info", lambda message, *args: lines.append(args))
+    throughput, bar = throughput_log.ThroughputLog(), progress_bar.LogProgress(every_n_s=1.0)
+    monkeypatch.setattr(bar, "_format", lambda *a: "")
+    throughput.on_train_epoch_start(trainer, module)
+    bar._last = bar._window_start = clock[0]
+    bar._total, bar._window_samples = 4, 0
+    batch = (torch.zeros(8, 3), torch.zeros(8))
+    for index in range(4):
+        throughput.on_train_batch_start(trainer, module, batch, index)
+        clock[0] += 0.5
+        throughput.on_train_batch_end(trainer, module, None, batch, index)
+        bar.on_train_batch_end(trainer, module, None, batch, index)
+    throughput.on_train_epoch_end(trainer, module)
+    run_state.begin()
+    (per_rank,) = logged
+    return per_rank * world, lines[-1][-1]  # sync_dist sums every rank's value; rank 0 prints the line
+
+
+def test_tensor_parallel_rates_equal_data_parallel_rates_for_the_same_global_batch(monkeypatch):
+    """2 processes of data parallelism and 4 in a 2 x 2 mesh train the same global batch (16) in the same
+    time: train/samples_per_s and the progress line's samples/s say the same 32 samples/s for both (they
+    said twice that under tensor parallelism)."""
+    alone = _rates(2, 1, monkeypatch)
+    split = _rates(4, 2, monkeypatch)
+    assert alone == pytest.approx((32.0, 32.0))
+    assert split == pytest.approx(alone)

@@ -63,8 +63,8 @@ def _changed(project: Path) -> set[str]:
 def test_the_add_a_callback_recipe_runs_its_callback_beside_the_default_set(tmp_path: Path):
     recipe = _recipe("Add a callback")
     project = _copy(tmp_path / "project", "conf", "src", "pyproject.toml")
-    for title, snippet in re.findall(r'^```\w+ title="([^"]+)"\n--8<-- "([^"]+)"', recipe, re.MULTILINE):
-        (project / title).write_text((ROOT / snippet).read_text())  # the page's files, where it puts them
+    for source, title in re.findall(r'^<!-- code: (\S+) -->\n```\w+ title="([^"]+)"', recipe, re.MULTILINE):
+        (project / title).write_text((ROOT / source).read_text())  # the page's files, where it puts them
     assert _changed(project) == {
         "src/hpctrain/callbacks/epoch_marks.py",
         "src/hpctrain/conf/callbacks/epoch_marks.yaml",

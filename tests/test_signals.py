@@ -50,3 +50,26 @@ def test_during_fit_the_handlers_are_the_templates(tmp_path: Path, data_dir: Pat
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def test_a_signal_after_the_run_completed_is_noted_and_ignored_until_the_process_ends(
+    capsys: pytest.CaptureFixture[str],
+):
+    """SLURM's time-limit warning can come late, while a job that did all its work tears down: it is
+    noted and ends nothing; for the interpreter's end the signals are ignored, which CPython keeps
+    through its finalization (a handler it replaces by the default action, which kills)."""
+    previous = {s: signal.getsignal(s) for s in signals.EARLY}
+    try:
+        signals.completed()
+        for sig in signals.EARLY:
+            signal.raise_signal(sig)  # the default action of each would end this process
+        noted = capsys.readouterr().err.splitlines()
+        assert noted == [
+            f"note: {sig.name} arrived after the run completed; its work is saved, so the process ends normally."
+            for sig in signals.EARLY
+        ]
+        signals.ignored_until_exit()
+        assert all(signal.getsignal(sig) == signal.SIG_IGN for sig in signals.EARLY)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

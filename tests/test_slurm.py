@@ -297,12 +297,13 @@ def test_time_limit_signal_requeues_and_resumes_exactly(slurm_cluster, tmp_path:
     wandb_runs = list((resumed / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and len({r.name.rsplit("-", 1)[-1] for r in wandb_runs}) == 1
 
-    # Each job's rank 0 listened on a port its batch script found free, not one derived from the job id.
+    # Each job's rank 0 listened on a port of its own, derived from its job id (slurm/job_env.sh), in
+    # both attempts: nothing bound and released first, which another process could have taken.
     ports = {
-        job: re.search(r"rank 0 at \S+:(\d+)", _output(tmp_path, job)).group(1)
+        job: set(re.findall(r"rank 0 at \S+:(\d+)", _output(tmp_path, job)))
         for job in (interrupted, reference)
     }
-    assert ports[interrupted] != ports[reference]
+    assert ports == {job: {str(15000 + int(job) % 15000)} for job in (interrupted, reference)}
     # Each node staged its own copy once; the requeued attempt read the copy its node already had.
     assert {node: marker.stat().st_mtime_ns for node, marker in staged.items()} == made
 
@@ -489,3 +490,47 @@ def test_a_sharded_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupte
         k for k in final if not torch.equal(final[k], expected[k])
     ]
     assert metrics_without_timing(resumed) == metrics_without_timing(uninterrupted)
+
+
+def test_a_time_limit_signal_during_the_teardown_of_a_completed_job_leaves_it_completed(
+    slurm_cluster, tmp_path: Path
+):
+    """The last attempt of a job its time limit sliced finishes fit and test; SLURM's USR1 then comes while
+    rank 0's process finalizes (destructors that take seconds, after CPython stopped running Python
+    signal handlers and gave them back their default action, which kills). The job did all its work: it
+    stays COMPLETED (an `afterok` dependency starts, an array counts it done), not FAILED."""
+    mark = tmp_path / "finalizing"
+    job = _submit(
+        slurm_cluster,
+        tmp_path,
+        "--nodes=1",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=2",
+        "--mem=2G",
+        "--gres=none",
+        "--export=ALL,PYTHONPATH=" + str(ROOT) + f",SLOW_TEARDOWN_MARK={mark},SLOW_TEARDOWN_S=8",
+        SBATCH_FILE,
+        "trainer=cpu",
+        "data=digits",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=5",
+        "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=2",
+        "callbacks.progress.log_every_n_s=0",
+        "extras.print_config=false",
+        f"paths.log_dir={tmp_path}",
+        "+callbacks.slow_teardown._target_=tests.job_callbacks.SlowTeardown",
+    )
+    deadline = time.monotonic() + 240
+    while not mark.exists():
+        state = slurm_cluster.job(job).get("JobState")
+        assert time.monotonic() < deadline and state not in ("COMPLETED", "FAILED"), (
+            state,
+            _output(tmp_path, job)[-3000:],
+        )
+        time.sleep(0.2)
+    assert slurm_cluster.run("scancel", "--signal=USR1", job).returncode == 0
+    info = slurm_cluster.wait(job, timeout_s=120)
+    output = _output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-3000:])
+    assert "User defined signal" not in output and "run dir: " in output

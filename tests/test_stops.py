@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.runtime.distributed import stacks
 from tests.differential.cases import user_overrides
 from tests.helpers import PYTHON, ROOT, local_env, run_dirs, train
 
@@ -49,7 +50,7 @@ def _hung_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
 
 
 def _pids(run: Path) -> list[int]:
-    return [int(line.split()[1]) for line in (run / "stacks" / "pids").read_text().splitlines()]
+    return [pid for pid, _ in stacks.known_ranks(run).values()]
 
 
 def _gone(pid: int) -> bool:

@@ -118,3 +118,23 @@ def test_a_pack_without_a_sweep_or_of_points_that_need_several_nodes_is_refused(
     )
     fits = {**request, "ntasks-per-node": "4", "gres": "gpu:4"}
     assert _submit().pack_never_fits(2, fits, "gpu", nodes) is None
+
+
+def test_help_says_the_job_name_the_sbatch_files_give():
+    """Without --job-name the job is named by the sbatch file (the project's name); --help says that
+    name, not another."""
+    import re
+
+    helped = subprocess.run(
+        [PYTHON, str(ROOT / "scripts" / "submit.py"), "--help"], capture_output=True, text=True
+    )
+    assert helped.returncode == 0, helped.stderr
+    said = " ".join(helped.stdout.split())
+    for name, option in (("train", ""), ("sweep", " with --sweep"), ("pack", " with --pack")):
+        (given,) = re.findall(
+            r"^#SBATCH --job-name=(\S+)", (ROOT / "slurm" / f"{name}.sbatch").read_text(), re.M
+        )
+        assert f"{given}{option}" in said, (given, said)
+    assert "default: train)" not in said
+    command = shlex.split(_dry_run("--nodes", "2", "--cpu", "--", "experiment=quickstart").stdout)
+    assert "job-name" not in _flags(command)  # so sbatch takes the file's

@@ -138,11 +138,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _two_nodes(commands: list[list[str]], timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
+def _two_nodes(
+    commands: list[list[str]], timeout: float = 240, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
     """Start one command per "node" at once (each as a user would type it), wait for both."""
     processes = [
         subprocess.Popen(
-            command, cwd=ROOT, env=local_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command,
+            cwd=ROOT,
+            env={**local_env(), **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for command in commands
     ]
@@ -161,15 +168,28 @@ def _printed_commands(*args: str) -> list[list[str]]:
     return [[torchrun, *line.split()[1:]] for line in printed.splitlines() if line.startswith("torchrun ")]
 
 
+def _reachable_address() -> tuple[str, str] | None:
+    """An interface of this machine with a non-loopback IPv4 address, and the address (None: none)."""
+    from hpctrain.runtime.environment import network
+
+    facts = network.network_facts({})
+    found = sorted((n, a) for n, a in facts.interfaces.items() if a and not a.startswith("127."))
+    return found[0] if found else None
+
+
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
 def test_torchrun_trains_one_model_across_two_nodes(tmp_path: Path, rendezvous: str):
+    """The static form reaches rank 0 at an address of this machine's network (where there is one), while
+    the hostname resolves to a loopback one, as a node whose hostname points elsewhere: gloo binds to
+    the interface that reaches rank 0, on both nodes, and the model trains."""
     flags = ["--c10d"] if rendezvous == "c10d" else []
+    reachable = _reachable_address() if rendezvous == "static" else None
     commands = _printed_commands(
         "--nodes",
         "2",
         "--cpu",
         "--master-addr",
-        "127.0.0.1",
+        reachable[1] if reachable else "127.0.0.1",
         "--master-port",
         str(_free_port()),
         "--run-id",
@@ -190,6 +210,34 @@ def test_torchrun_trains_one_model_across_two_nodes(tmp_path: Path, rendezvous: 
     attempt = yaml.safe_load((run / "run.yaml").read_text())["attempts"][0]
     assert (attempt["launcher"], attempt["world_size"]) == ("torchrun", 2)
     assert sum("processes: 2 (process group backend: gloo)" in r.stdout for r in results) == 1
+    if reachable and socket.gethostbyname(socket.gethostname()).startswith("127."):
+        interface, address = reachable
+        assert f"gloo uses {interface} ({address}) on {socket.gethostname()}, the interface that reaches" in (
+            results[0].stdout
+        )
+
+
+def test_an_interface_gloo_cannot_bind_to_is_one_sentence_on_every_node(tmp_path: Path):
+    commands = _printed_commands(
+        "--nodes",
+        "2",
+        "--cpu",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "--",
+        *QUICK,
+    )
+    started = time.monotonic()
+    results = _two_nodes(commands, timeout=120, env={"GLOO_SOCKET_IFNAME": "nosuch0"})
+    assert time.monotonic() - started < 60
+    for result in results:
+        assert result.returncode != 0, result.stdout[-2000:]
+        assert (
+            "error: GLOO_SOCKET_IFNAME=nosuch0 names nosuch0, which is no interface with an IPv4"
+            in result.stdout
+        )
 
 
 def test_the_issues_torchrun_command_without_a_run_id_works(tmp_path: Path):
@@ -280,13 +328,13 @@ def test_printed_torchrun_lines_leave_variables_to_the_nodes_shell(form: str):
     ).stdout
     line = next(li for li in printed.splitlines() if "torchrun " in li)
     script = f'torchrun() {{ printf \'%s\\n\' "$@"; }}; srun() {{ shift 2; "$@"; }}; {line}'
-    env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "10.1.2.3", "SLURM_JOB_ID": "77"}
+    env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "15077", "SLURM_JOB_ID": "77"}
     words = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True)
     words = words.stdout.splitlines()
     expected = {
         "static": "--master-addr=10.1.2.3",
         "c10d": "--rdzv-endpoint=10.1.2.3:29500",
-        "srun": "--rdzv-endpoint=10.1.2.3:29500",
+        "srun": "--rdzv-endpoint=10.1.2.3:15077",  # the job's port (slurm/job_env.sh)
     }[form]
     assert expected in words and "tag=${data.name}" in words, words
     if form == "srun":

@@ -106,3 +106,79 @@ def test_the_template_tests_that_iterate_conf_pass_beside_users_configs_of_three
     assert set(AT_ONCE) <= passed, report[-3000:]
     for option in USERS_OPTIONS:  # each of the user's options was judged, and passed
         assert any(re.search(rf"[\[=]{option}\]", test) for test in passed), (option, report[-3000:])
+
+
+# A user's option in every group a user extends, beside the batch shapes' model, data and experiment
+OPTION_IN_EVERY_GROUP = {
+    **USERS_CONFIGS,
+    "experiment/my_quickstart.yaml": (
+        "# @package _global_\n# The quickstart, longer and with weight decay.\ndefaults:\n"
+        "  - override /experiment: quickstart\ntrainer:\n  max_epochs: 40\nmodel:\n  optimizer:\n"
+        "    weight_decay: 0.0001\n"
+    ),
+    "callbacks/swa.yaml": (ROOT / "docs" / "examples" / "swa.yaml").read_text(),  # your model's guide
+    "logger/lightning_csv.yaml": (
+        "# Lightning's own CSV logger, beside the template's.\nlightning_csv:\n"
+        "  _target_: pytorch_lightning.loggers.CSVLogger\n  save_dir: ${paths.output_dir}\n  name: lightning\n"
+    ),
+    "trainer/my_cpu.yaml": "# One CPU process, a longer run.\ndefaults:\n  - cpu\nmax_epochs: 40\n",
+    "hparams_search/my_search.yaml": (
+        "# @package _global_\n# A smaller search: the learning rate only.\ndefaults:\n"
+        "  - override /experiment: quickstart\n  - override /hydra/sweeper: optuna\nhydra:\n  sweeper:\n"
+        "    n_trials: 5\n    storage: sqlite:///${paths.log_dir}/${task_name}/optuna.db\n    params:\n"
+        "      model.optimizer.lr: {type: float, low: 1.0e-4, high: 0.03, log: true}\n"
+    ),
+}
+EXTENDED_GROUPS = {"model", "data", "experiment", "callbacks", "logger", "trainer", "hparams_search"}
+
+
+def _clone_with_an_option_in_every_group(project: Path) -> Path:
+    """A copy of this checkout as a user's clone holds it (the files git would give them, and those not
+    yet committed), with a config of the user's in every group they extend."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            (project / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, project / name)
+    shutil.copy(ROOT / "tests" / "batch_shapes.py", project / "src" / "myproject" / "batch_shapes.py")
+    for name, text in OPTION_IN_EVERY_GROUP.items():
+        (project / "conf" / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / "conf" / name).write_text(text)
+    git = ["git", "-c", "user.name=a user", "-c", "user.email=user@example.org"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "my configs"]):  # a clone is a repo
+        subprocess.run([*git, *command], cwd=project, check=True, capture_output=True)
+    return project
+
+
+def test_the_quick_tier_passes_in_a_clone_with_a_users_option_in_every_group(tmp_path: Path):
+    """The whole quick tier, in a clone whose conf/ has an option of the user's in each group a user
+    extends: nothing the template compares (a reference page, a list of options) turns red, and each
+    test that iterates over conf/ judges the user's options too."""
+    assert {name.split("/")[0] for name in OPTION_IN_EVERY_GROUP} == EXTENDED_GROUPS
+    project = _clone_with_an_option_in_every_group(tmp_path / "clone")
+    env = {
+        **local_env(),
+        "PYTHONPATH": str(project / "src"),  # the clone's hpctrain and myproject, not this checkout's
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),  # (its code root: the clone that carries that hpctrain)
+    }
+    result = subprocess.run(
+        [PYTHON, "-m", "pytest", "-m", "not slow", "-v", "-p", "no:cacheprovider"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    report = result.stdout + result.stderr
+    failed = [line for line in report.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    assert result.returncode == 0, "\n".join(failed) or report[-6000:]
+    for name in OPTION_IN_EVERY_GROUP:  # each of the user's options was judged, and passed
+        group, option = name.removesuffix(".yaml").split("/")
+        assert re.search(rf"\[{re.escape(group)}={option}\] PASSED", report), (name, report[-2000:])

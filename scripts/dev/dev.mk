@@ -13,3 +13,8 @@ versions: install
 	bash scripts/dev/versions.sh oldest
 	bash scripts/dev/versions.sh newest
 	$(if $(PRE),bash scripts/dev/versions.sh newest --pre)
+
+# Every test's wall time, per file and per tier: docs/benchmarks/<date>-suite.md (and its data as JSON)
+.PHONY: durations
+durations: install
+	$(PYTHON) scripts/dev/suite_durations.py --run

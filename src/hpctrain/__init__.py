@@ -5,6 +5,7 @@ A project carries it untouched (src/hpctrain/, its configs in hpctrain/conf/); i
 public API, versioned by `__version__` (semantic versioning, CHANGELOG.md beside this file):
 - `hpctrain.data`: the datamodule base classes and loaders;
 - `hpctrain.load`: a trained checkpoint's model, ready to call;
+- `hpctrain.empty_weights`: build a large pretrained base without memory, read from its files later;
 - `hpctrain.UserError`: a mistake said in one sentence with its fix (exit status 2).
 
 Importing the package is cheap (no torch). It registers the config resolvers
@@ -16,7 +17,7 @@ from hpctrain.runtime.config.resolvers import register_resolvers
 from hpctrain.runtime.errors import UserError
 
 __version__ = "0.3.0"
-__all__ = ["UserError", "__version__", "load"]
+__all__ = ["UserError", "__version__", "empty_weights", "load"]
 
 
 def load(ckpt_path: str, trusted_targets: "Iterable[str] | None" = None) -> "Predictor":  # noqa: F821
@@ -33,6 +34,16 @@ def load(ckpt_path: str, trusted_targets: "Iterable[str] | None" = None) -> "Pre
     from hpctrain.runtime.inference.loaded import load as load_checkpoint
 
     return load_checkpoint(ckpt_path, trusted_targets)
+
+
+def empty_weights() -> "AbstractContextManager[None]":  # noqa: F821
+    """A context in which the parameters a module creates take no memory (the meta device): build a large
+    pretrained base inside it and name its files in the LightningModule's `pretrained_files()`
+    ({parameter name: (safetensors file, tensor name)}); hpctrain reads them after the model is built,
+    or under FSDP2 each rank its own shards after sharding (`hpctrain.runtime.distributed.materialize`)."""
+    from hpctrain.runtime.distributed.materialize import empty_weights as context
+
+    return context()
 
 
 register_resolvers(PROJECT_ROOT)

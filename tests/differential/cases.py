@@ -143,6 +143,8 @@ CASES: dict[str, Case] = {
     "onecycle_mid_epoch_resume": Case(
         "OneCycleClassifier", data="ResumableData", checkpoint_every_epoch=True
     ),
+    # the best epoch (1) comes before the resume (after epoch 2), and every epoch after it is worse
+    "best_before_resume": Case("PeaksEarly", monitor=("val_acc", "max"), trainer={"max_epochs": 4}),
 }
 
 

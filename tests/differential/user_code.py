@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, default_collate
+from torchmetrics import MaxMetric, MeanMetric
 
 COUNTS: Counter[str] = Counter()
 NOTES: dict[str, object] = {}
@@ -224,6 +225,37 @@ class LitClassifier(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class PeaksEarly(LitClassifier):
+    """Its validation accuracy peaks at epoch `peak_epoch` and falls after it (from then on each step climbs
+    the loss, as a learning rate gone wrong would). It keeps its best validation accuracy as torchmetrics'
+    docs show: a MaxMetric, persistent, so that checkpoints hold it, logged as val_acc_best."""
+
+    def __init__(self, lr: float = 0.05, peak_epoch: int = 1):
+        super().__init__(lr)
+        self.peak_epoch = peak_epoch
+        self.val_acc = MeanMetric()
+        self.val_acc_best = MaxMetric()
+        self.val_acc_best.persistent(True)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss if self.current_epoch <= self.peak_epoch else -loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.val_acc.update((logits.argmax(1) == y).float().mean(), len(y))
+
+    def on_validation_epoch_end(self):
+        acc = self.val_acc.compute()
+        self.val_acc.reset()
+        if not self.trainer.sanity_checking:
+            self.val_acc_best.update(acc)
+        self.log("val_acc", acc)
+        self.log("val_acc_best", acc if self.trainer.sanity_checking else self.val_acc_best.compute())
 
 
 class WideClassifier(LitClassifier):
@@ -595,3 +627,35 @@ class HangOnRankZero(Callback):
             import threading
 
             threading.Event().wait()
+
+
+class CountGradientReduces(Callback):
+    """Counts the gradient reductions (torch.distributed.reduce_scatter_single, FSDP2's) issued during each
+    training batch, and writes rank 0's list to `path` at the end of fit."""
+
+    def __init__(self, path: str):
+        self.path, self.per_batch, self._calls, self._before = path, [], [0], 0
+
+    def on_train_start(self, trainer, pl_module):
+        import torch.distributed as dist
+
+        original = self._original = dist.reduce_scatter_single
+
+        def counted(*args, **kwargs):
+            self._calls[0] += 1
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counted
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = self._calls[0]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.per_batch.append(self._calls[0] - self._before)
+
+    def on_train_end(self, trainer, pl_module):
+        import torch.distributed as dist
+
+        dist.reduce_scatter_single = self._original
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(self.per_batch))

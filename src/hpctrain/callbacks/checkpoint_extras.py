@@ -111,6 +111,13 @@ class CheckpointExtras(LightningPart, lightning="pytorch_lightning.Callback"):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_started = False
+        # Under FSDP2 (restore_checkpoint_after_setup) Lightning restores the checkpoint after on_fit_start,
+        # so the early loader above was kept (ckpt_path was not known yet) and its saved position, read
+        # since, is never given to it: give it now, before the first resumed iterator is made.
+        loop = trainer.fit_loop
+        if loop._combined_loader_states_to_load and loop._combined_loader is not None:
+            loop._combined_loader._load_state_dicts(loop._combined_loader_states_to_load)
+            loop._combined_loader_states_to_load = []
         # After Lightning restored the checkpoint, before the first resumed batch is transferred (and
         # augmented: the transfer hooks run before on_train_batch_start).
         state, self._state = self._state, None

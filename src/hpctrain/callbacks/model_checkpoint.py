@@ -1,16 +1,22 @@
 """`ModelCheckpoint` (the `callbacks` group's model_checkpoint): Lightning's, following the monitored
-metric, with hpctrain's commit protocol (the old best is removed only once the new one is saved)."""
+metric, with hpctrain's commit protocol (the old best is removed only once the new one is saved), and
+the best so far carried across a resume into a new run dir."""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing
+from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing, metric_is_due
 from hpctrain.callbacks.state_key import CachedStateKey
+from hpctrain.runtime.environment import launched
 from hpctrain.runtime.namespaces import LightningPart
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule, Trainer
+
+log = logging.getLogger("hpctrain.runtime.run")
 
 
 class ModelCheckpoint(CachedStateKey, LightningPart, lightning="pytorch_lightning.callbacks.ModelCheckpoint"):
@@ -27,12 +33,61 @@ class ModelCheckpoint(CachedStateKey, LightningPart, lightning="pytorch_lightnin
     """
 
     _last_saved_at: int | None = None  # the global step last.ckpt holds
+    _validated = False  # a validation (not the sanity check) ended in this process
+    _carried_said = False  # the earlier run's best, carried into this run dir, has been said
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.monitor is None and self.save_top_k == 1:
             self.save_top_k = 0
         self._pending_removals: list[str] = []
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A resume in the same run dir (a requeue) restores everything, as Lightning does. A resume into a
+        new run dir (`ckpt_path=last` or a path: every run has its own dir) gets, from Lightning, only the
+        earlier best's path and no score: the first validation after it would then be named the best
+        however bad, while the module's own best metric (`val/acc_best`) and the value returned to sweepers
+        remember the earlier one. Here the earlier run's best checkpoints and scores stay the run's best, in
+        the earlier run dir (never removed from there), as long as their files exist; this run's epochs
+        replace them only by being better. Where they are gone, this run's best is picked among its own
+        epochs, said once."""
+        saved_dir = state_dict.get("dirpath", self.dirpath)
+        if saved_dir == self.dirpath:
+            super().load_state_dict(state_dict)
+            return
+        saved: dict[str, Any] = dict(state_dict.get("best_k_models") or {})
+        if not saved and state_dict.get("best_model_path"):
+            saved = {state_dict["best_model_path"]: state_dict.get("best_model_score")}
+        kept = {path: score for path, score in saved.items() if score is not None and os.path.exists(path)}
+        self.best_k_models = kept
+        if kept:
+            better = min if self.mode == "min" else max
+            self.best_model_path = better(kept, key=lambda p: float(kept[p]))
+            self.best_model_score = kept[self.best_model_path]
+            if len(kept) == self.save_top_k:  # full: the worst of them is the one a better epoch replaces
+                worse = max if self.mode == "min" else min
+                self.kth_best_model_path = worse(kept, key=lambda p: float(kept[p]))
+                self.kth_value = kept[self.kth_best_model_path]
+        if self._carried_said or not launched.is_rank_zero():
+            return  # said once: the test after fit restores the tested checkpoint's state again
+        self._carried_said = True
+        gone = sorted(set(saved) - set(kept))
+        if kept:
+            log.info(
+                "the best checkpoint so far is the earlier run's %s (%s=%.4g); an epoch of this run replaces "
+                "it only if it is better",
+                self.best_model_path,
+                self.monitor,
+                float(self.best_model_score),  # type: ignore[arg-type]
+            )
+        if gone:
+            log.warning(
+                "the earlier run's best checkpoint(s) %s are gone: this run's best is picked among the epochs "
+                "it trains, though %s's best so far (a metric the model keeps, the value a sweep gets) may be "
+                "an earlier epoch's",
+                ", ".join(gone),
+                self.monitor,
+            )
 
     def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         """Lightning removes the previous best right after saving the new one, while last.ckpt (what a
@@ -74,6 +129,8 @@ class ModelCheckpoint(CachedStateKey, LightningPart, lightning="pytorch_lightnin
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._validated = True
         super().on_validation_end(trainer, pl_module)
         if not self._should_save_on_train_epoch_end(trainer):
             self._bring_last_up_to_date(trainer)
@@ -100,11 +157,8 @@ class ModelCheckpoint(CachedStateKey, LightningPart, lightning="pytorch_lightnin
             self._removals_done(trainer)
 
     def _save_topk_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
-        if (
-            self.monitor is not None
-            and self.save_top_k != 0
-            and self.monitor not in monitor_candidates
-            and trainer.fit_loop.epoch_loop.val_loop._has_run
-        ):
-            raise MonitoredMetricMissing(self.monitor, monitor_candidates)
+        if self.monitor is not None and self.save_top_k != 0 and self.monitor not in monitor_candidates:
+            if metric_is_due(trainer, self._validated):
+                raise MonitoredMetricMissing(self.monitor, monitor_candidates)
+            return  # before the first validation (a short run): nothing to rank yet, last.ckpt is kept
         super()._save_topk_checkpoint(trainer, monitor_candidates)

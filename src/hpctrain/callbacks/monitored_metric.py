@@ -3,8 +3,14 @@ exist and tracked for sweepers; every run gets it from `build`.
 
 A module that never logs the monitored metric (or a typo in `monitor.metric`) would otherwise train a
 whole epoch and then crash inside ModelCheckpoint or EarlyStopping; here the run stops at the end of
-the sanity check (or at the first validation, or when training ends if there is none) with one
-sentence naming the metric, what was logged, and the override that fixes it.
+the sanity check (or at the first validation, or, for a module without validation, at the first
+training epoch's end) with one sentence naming the metric, what was logged, and the override that
+fixes it.
+
+A run that ends before its first validation (`trainer.max_steps=5`, a `max_time`, `limit_val_batches=0`)
+is a short run, not a mistake: the metric is not missing, it is not computed yet. It completes with
+last.ckpt and one line saying that no validation ran (`metric_is_due` decides, for this callback and the
+template's ModelCheckpoint and EarlyStopping alike).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.namespaces import LightningPart
+from hpctrain.runtime.namespaces import LightningPart, is_overridden
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule, Trainer
@@ -50,6 +56,43 @@ class NothingLogged(UserError):
             f"points by the monitored metric; log it in validation_step with self.log('{metric}', ...) (or pass "
             "monitor.metric=<a name it logs>)."
         )
+
+
+def has_validation(trainer: Trainer) -> bool:
+    """Whether the run's code validates at all: a validation_step and a val_dataloader (the module's or the
+    datamodule's), whatever `limit_val_batches` says."""
+    module = trainer.lightning_module
+    if not is_overridden("validation_step", module):
+        return False
+    return any(o is not None and is_overridden("val_dataloader", o) for o in (trainer.datamodule, module))
+
+
+def metric_is_due(trainer: Trainer, validated: bool) -> bool:
+    """Whether a monitored metric missing now is a mistake: a validation ran in this process (not the sanity
+    check) and did not log it, or the code has no validation, so the metric can only come from training.
+    Before the first validation of a run that validates, it is not computed yet (a short run)."""
+    return validated or not has_validation(trainer)
+
+
+def no_validation_note(metric: str, trainer: Trainer) -> str:
+    """The line a run that ended before its first validation says about its monitored metric."""
+    if trainer.limit_val_batches == 0:
+        why = "no validation ran (trainer.limit_val_batches=0)"
+    else:
+        limit = trainer.max_steps
+        cap = (
+            f" (trainer.max_steps={limit})"
+            if limit not in (None, -1) and trainer.global_step >= limit
+            else ""
+        )
+        why = f"no validation ran: training ended at step {trainer.global_step}{cap}, before the first one"
+    checkpoint = trainer.checkpoint_callback
+    kept = (
+        "last.ckpt holds the weights it ended with and the test after fit uses them"
+        if checkpoint is not None and getattr(checkpoint, "save_last", False)
+        else "the test after fit uses the weights it ended with"
+    )
+    return f"{why}, so monitor.metric={metric} has no value and this run has no best checkpoint; {kept}."
 
 
 def no_monitor_note(metric: str | None) -> str:
@@ -100,6 +143,11 @@ class MonitoredMetric(LightningPart, lightning="pytorch_lightning.Callback"):
         self._record(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        missing = self.metric is not None and self.metric not in trainer.callback_metrics
+        if missing and not metric_is_due(trainer, self._validated):  # a short run: not computed yet
+            if trainer.is_global_zero:
+                log.info(no_validation_note(str(self.metric), trainer))
+            return
         self._check(trainer)
         if not self._validated:  # no validation: the value the last epoch ended with
             self._record(trainer)

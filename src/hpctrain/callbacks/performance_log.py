@@ -92,7 +92,7 @@ class PerformanceLog(LightningPart, lightning="pytorch_lightning.Callback"):
     ) -> None:
         if not self._flops_done:
             self._flops_done = True
-            self._count_flops(trainer, batch)
+            self._count_flops(trainer, batch, pl_module)
         self.meter.step_started()
 
     def on_train_batch_end(
@@ -126,7 +126,7 @@ class PerformanceLog(LightningPart, lightning="pytorch_lightning.Callback"):
         """This rank's sums into the job's store; on rank 0, every rank's sums (None on the others)."""
         mine = self.meter.sums()
         store = job_store.store()
-        if store is not None:
+        if store is not None and not trainer.is_global_zero:  # rank 0 reads its own from memory
             store.set(f"{PERF_KEY}/{trainer.global_rank}{suffix}", json.dumps(mine))
         if not trainer.is_global_zero:
             return None
@@ -188,12 +188,17 @@ class PerformanceLog(LightningPart, lightning="pytorch_lightning.Callback"):
             }
         return summary
 
-    def _count_flops(self, trainer: Trainer, batch: Any) -> None:
-        """Once, on rank 0: the FLOPs of one training step (a meta copy, else the first real step as it
-        runs), and the device's peak FLOP/s."""
+    def _count_flops(self, trainer: Trainer, batch: Any, pl_module: LightningModule | None = None) -> None:
+        """Once, on rank 0: the FLOPs of one training step (the module's own count, `flops_per_batch(batch)`,
+        where it has one: a transformer's from its shape; else a meta copy's, else the first real step as
+        it runs), and the device's peak FLOP/s."""
         if not (self.count_flops and trainer.is_global_zero):
             return
         self._peak = flop_count.peak_flops(trainer, self.peak_flops)
+        own = getattr(pl_module, "flops_per_batch", None)
+        if callable(own):
+            self._flops_counted(float(own(batch)), batch)
+            return
         counted = flop_count.meta_step_flops(self.model_config, batch)
         if counted is not None:
             self._flops_counted(counted, batch)

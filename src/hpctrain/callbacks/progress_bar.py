@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.runtime.namespaces import LightningPart
+from hpctrain.runtime.report.performance import tensor_parallel
 from hpctrain.runtime.report.progress import batch_size_of
 
 if TYPE_CHECKING:
@@ -77,7 +78,9 @@ class LogProgress(LightningPart, lightning="pytorch_lightning.callbacks.Progress
             return
         if not (self._enabled and trainer.is_global_zero):
             return
-        rate = self._window_samples * trainer.world_size / max(now - self._window_start, 1e-9)
+        # the ranks of a tensor-parallel group train on the same samples: count each group once
+        groups = trainer.world_size // tensor_parallel(trainer)
+        rate = self._window_samples * groups / max(now - self._window_start, 1e-9)
         total = self._total
         share = f" ({100 * (batch_idx + 1) / total:.0f}%)" if isinstance(total, int) and total else ""
         log.info(

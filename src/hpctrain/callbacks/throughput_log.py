@@ -7,7 +7,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.runtime.namespaces import LightningPart
-from hpctrain.runtime.report.progress import batch_size_of, seconds_since_process_start
+from hpctrain.runtime.report.performance import tensor_parallel
+from hpctrain.runtime.report.progress import batch_size_of, seconds_since_process_start, tokens_of
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule, Trainer
@@ -17,12 +18,18 @@ log = logging.getLogger("hpctrain")
 
 class ThroughputLog(LightningPart, lightning="pytorch_lightning.Callback"):
     """Logs `train/samples_per_s` once per epoch: the samples all ranks trained on per second of
-    training steps (validation, and the checkpointing that follows it, are not counted), and once
-    per run how long after the process started the first training step began.
+    training steps (validation, and the checkpointing that follows it, are not counted; the ranks of a
+    tensor-parallel group share their samples, counted once), and once per run how long after the
+    process started the first training step began.
+
+    For token batches (a mapping with `labels`, -100 where no loss is taken: padding, masked prompts) it
+    logs `train/tokens_per_s` too: the tokens a loss was taken on, all ranks together, per second. They are
+    counted on the device, so no step waits for the count.
     """
 
     def __init__(self) -> None:
         self.samples = 0
+        self.tokens: Any = None  # a device tensor, for token batches
         self.seconds = 0.0
         self._started: float | None = None
         self._first_step_logged = True
@@ -32,6 +39,7 @@ class ThroughputLog(LightningPart, lightning="pytorch_lightning.Callback"):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.samples, self.seconds, self._started = 0, 0.0, time.perf_counter()
+        self.tokens = None
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -48,6 +56,9 @@ class ThroughputLog(LightningPart, lightning="pytorch_lightning.Callback"):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.samples += batch_size_of(batch)
+        counted = tokens_of(batch)
+        if counted is not None:
+            self.tokens = counted if self.tokens is None else self.tokens + counted
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause()
@@ -58,11 +69,19 @@ class ThroughputLog(LightningPart, lightning="pytorch_lightning.Callback"):
             # Summed over ranks at the epoch end, where every rank already synchronises.
             pl_module.log(
                 "train/samples_per_s",
-                self.samples / self.seconds,
+                self.samples / self.seconds / tensor_parallel(trainer),
                 on_epoch=True,
                 sync_dist=True,
                 reduce_fx="sum",
             )
+            if self.tokens is not None:
+                pl_module.log(
+                    "train/tokens_per_s",
+                    self.tokens.double() / self.seconds / tensor_parallel(trainer),
+                    on_epoch=True,
+                    sync_dist=True,
+                    reduce_fx="sum",
+                )
 
     def _pause(self) -> None:
         if self._started is not None:

@@ -7,6 +7,7 @@
   of PNG/JPEG files), `ShardsDataModule` (the same packed into shards, staged per node).
 - Loading: `TensorDataset`, `make_loader` and `ResumableDataLoader` (exact mid-epoch resume),
   `pin_memory_default`, `tensors_to_device`, `split`.
+- Staging: `stage_folder` (a node-local copy of a folder, such as a pretrained model's, once per node).
 - Streams: `ShardedIterable` and `stream_share` (an IterableDataset shared out across ranks and workers).
 - k-fold cross-validation: `folds` (the training and validation indices of one fold, stratified by class)
   and `check_folds` (`data.num_folds` and `data.fold` checked, one sentence if wrong); numpy, no torch.
@@ -29,6 +30,9 @@ _PUBLIC = {
     "FileImageDataModule": "files",
     "ImageFolderDataModule": "files",
     "ShardsDataModule": "shards",
+    "TokenizedDataModule": "tokens",
+    "made_once": "tokens",
+    "stage_folder": "staging",
     "TensorDataset": "loading",
     "ResumableDataLoader": "loading",
     "make_loader": "loading",

@@ -101,6 +101,19 @@ class ShardedBatchSampler(DistributedSampler):
         else:
             self.shard_size = len(range(rank, size, world_size))
 
+    def in_order(self) -> ShardedBatchSampler:
+        """The same batches of the same shard, unshuffled: the first batches are the same every epoch."""
+        return ShardedBatchSampler(
+            self.dataset,
+            self.batch_size,
+            shuffle=False,
+            seed=self.seed,
+            drop_last=self.drop_last_batch,
+            pad=self.pad,
+            num_replicas=self.num_replicas,
+            rank=self.rank,
+        )
+
     def skip_next(self, batches: int) -> None:
         """Start the next iteration `batches` batches into the epoch (used on resume)."""
         self._skip_batches = batches
@@ -127,11 +140,37 @@ class ShardedBatchSampler(DistributedSampler):
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader over a `ShardedBatchSampler` whose position in the epoch survives a checkpoint."""
+    """A DataLoader over a `ShardedBatchSampler` whose position in the epoch survives a checkpoint.
+
+    Lightning rebuilds a loader with a sampler of its own in one case: `trainer.overfit_batches` asks for
+    the samples in order (a `SequentialSampler`), passed as `sampler=` beside the arguments the loader was
+    made with (the reason `sampler` is positional-only here). The rebuilt loader keeps its batch sampler,
+    unshuffled (`ShardedBatchSampler.in_order`): the same first batches every epoch, one shard per rank.
+    """
 
     sampler: ShardedBatchSampler
 
-    def __init__(self, dataset: Dataset, sampler: ShardedBatchSampler, **kwargs: Any) -> None:
+    def __init__(
+        self, dataset: Dataset, sampler: ShardedBatchSampler | None = None, /, **kwargs: Any
+    ) -> None:
+        asked = kwargs.pop("sampler", None)
+        if (
+            isinstance(asked, ShardedBatchSampler) and sampler is None
+        ):  # ResumableDataLoader(data, sampler=...)
+            sampler, asked = asked, None
+        if not isinstance(sampler, ShardedBatchSampler):
+            given = type(asked or sampler).__name__
+            raise UserError(
+                f"a ResumableDataLoader was given a {given} where it needs the "
+                "ShardedBatchSampler it was made with (Lightning rebuilds a loader for trainer.overfit_batches "
+                "from the arguments it saw when *_dataloader() made it); build it with hpctrain.data.make_loader "
+                "inside the datamodule's *_dataloader() method, not in setup()."
+            )
+        if asked is not None:  # Lightning's own sampler (overfit_batches): the samples in order
+            sampler = sampler.in_order()
+            # what Lightning passes beside it, which a loader over a batch sampler leaves to the sampler
+            for key in ("shuffle", "batch_sampler", "batch_size", "drop_last"):
+                kwargs.pop(key, None)
         super().__init__(dataset, batch_size=None, sampler=sampler, **kwargs)
         self._yielded = 0
         self._resume: dict[str, int] | None = None
@@ -154,7 +193,11 @@ class ResumableDataLoader(DataLoader):
         for index in self.sampler:
             batch = self.dataset[index]
             if self.pin_memory:
-                batch = tuple(t.pin_memory() for t in batch)
+                batch = (
+                    {k: t.pin_memory() for k, t in batch.items()}
+                    if isinstance(batch, dict)
+                    else tuple(t.pin_memory() for t in batch)
+                )
             yield batch
 
     def state_dict(self) -> dict[str, int]:

@@ -41,10 +41,14 @@ CHUNK = 1 << 20
 POLL_S = 0.5
 
 
-def stage(source: Path, stage_dir: Path, files: Sequence[tuple[str, int, str]], index: str) -> Path:
+def stage(
+    source: Path, stage_dir: Path, files: Sequence[tuple[str, int, str]], index: str, verify: bool = True
+) -> Path:
     """The node-local copy of the data set in `source` (made now, by this process or another on the
     node, or reused from an earlier attempt): `<stage_dir>/<source's name>`. `files` are (path relative
-    to `source`, size, sha256); `index` (the manifest listing them) is copied last."""
+    to `source`, size, sha256); `index` (the manifest listing them) is copied last. `verify=False`: the
+    third item is a tag that changes with the file (no manifest records a sha256, as for a model's
+    folder), and the copy is not checked against it."""
     if (stage_dir / source.name).resolve() == source.resolve():
         return source  # the data already lies in scratch: read in place
     own = private_folder(stage_dir)
@@ -76,7 +80,7 @@ def stage(source: Path, stage_dir: Path, files: Sequence[tuple[str, int, str]], 
             file.write(f"{socket.gethostname()} {os.getpid()}\n")
         try:
             if not _reusable(target, expected):  # another process may have finished between our two looks
-                _copy(source, target, files, index, expected)
+                _copy(source, target, files, index, expected, verify)
         finally:
             lock.unlink(missing_ok=True)
         return target
@@ -137,7 +141,12 @@ def _yours(path: Path, size: int | None = None) -> bool:
 
 
 def _copy(
-    source: Path, target: Path, files: Sequence[tuple[str, int, str]], index: str, expected: dict[str, Any]
+    source: Path,
+    target: Path,
+    files: Sequence[tuple[str, int, str]],
+    index: str,
+    expected: dict[str, Any],
+    verify: bool = True,
 ) -> None:
     needed = sum(size for _, size, _ in files)
     target.mkdir(parents=True, exist_ok=True)
@@ -153,7 +162,7 @@ def _copy(
     started = time.monotonic()
     log.info("staging %s (%s) to %s", source, _size(needed), target)
     for name, _size_bytes, sha256 in files:
-        _copy_checked(source / name, target / name, sha256)
+        _copy_checked(source / name, target / name, sha256 if verify else None)
     shutil.copyfile(source / index, target / index)
     tmp = target / f"{MARKER}.tmp"
     tmp.write_text(json.dumps(expected))
@@ -164,8 +173,9 @@ def _copy(
     )
 
 
-def _copy_checked(source: Path, target: Path, sha256: str) -> None:
-    """Copy one file, computing its sha256 on the way; a mismatch is one sentence and no copy."""
+def _copy_checked(source: Path, target: Path, sha256: str | None) -> None:
+    """Copy one file, computing its sha256 on the way; a mismatch is one sentence and no copy (None:
+    nothing to compare with)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     tmp = target.with_name(target.name + ".tmp")
@@ -175,7 +185,7 @@ def _copy_checked(source: Path, target: Path, sha256: str) -> None:
         while count := src.readinto(buffer):
             digest.update(view[:count])
             dst.write(view[:count])
-    if digest.hexdigest() != sha256:
+    if sha256 is not None and digest.hexdigest() != sha256:
         tmp.unlink()
         raise UserError(
             f"{source} does not match the sha256 its manifest lists (changed or corrupt since it was made); "
@@ -204,3 +214,24 @@ def _holder_is_gone(lock: Path) -> bool:
         except OSError:
             return False
     return launched.process_is_gone(host, pid)
+
+
+def stage_folder(folder: str | Path, stage_dir: str | Path) -> Path:
+    """A node-local copy of a folder without a manifest (a pretrained model's: config, safetensors,
+    tokenizer), made once per node as `stage` makes it; a file is known by its path, size and modification
+    time (hashing a 16 GB model on every rank to decide would cost more than the copy), and `config.json`
+    or else the largest file's name is copied last."""
+    source = Path(folder).expanduser()
+    if not source.is_dir():
+        raise UserError(f"{source} is not a folder to stage; pass the folder of the model (its config.json).")
+    files = sorted(
+        (str(p.relative_to(source)), p.stat().st_size, f"mtime-{p.stat().st_mtime_ns}")
+        for p in source.rglob("*")
+        if p.is_file() and not p.name.startswith(".")
+    )
+    names = [name for name, _, _ in files]
+    if not names:
+        raise UserError(f"{source} holds no file to stage; pass the folder of the model (its config.json).")
+    last = "config.json" if "config.json" in names else max(files, key=lambda f: f[1])[0]
+    return stage(source, Path(stage_dir).expanduser(), [f for f in files if f[0] != last], last, verify=False)
+

@@ -18,6 +18,9 @@ class Internal:
     used_in: str  # the template module that relies on it
     why: str
     test: str  # the behaviour test that fails if its meaning changes
+    since: str | None = (
+        None  # "torch 2.8": the oldest release of the window that has it (older: done without)
+    )
 
 
 INTERNALS = (
@@ -26,6 +29,20 @@ INTERNALS = (
         "callbacks/rank_watchdog.py",
         "torch 2.6 has no public torch.distributed.set_timeout: dist.timeout_min after the first step",
         "tests/test_fsdp.py::test_the_device_meshs_groups_get_the_configured_collective_timeout",
+    ),
+    Internal(
+        "torch._C._distributed_c10d:_dump_nccl_trace",
+        "runtime/distributed/flight_recorder.py",
+        "NCCL's flight record, written by each rank when hpctrain ends a hung job: torch writes it only at "
+        "NCCL's own timeout, which hpctrain's watchdog comes before",
+        "tests/test_hangs.py::test_a_rank_that_does_not_arrive_within_the_timeout_is_named_with_where_it_was",
+    ),
+    Internal(
+        "torch._C._distributed_c10d:_dump_fr_trace",
+        "runtime/distributed/flight_recorder.py",
+        "as _dump_nccl_trace, for gloo's groups (CPU jobs)",
+        "tests/test_hangs.py::test_a_rank_that_does_not_arrive_within_the_timeout_is_named_with_where_it_was",
+        since="torch 2.8",
     ),
     Internal(
         "hydra._internal.utils:run_and_report",
@@ -125,6 +142,19 @@ INTERNALS = (
         "tests/test_differential.py::test_onecycle_resumed_mid_epoch_ends_as_the_uninterrupted_run",
     ),
     Internal(
+        "pytorch_lightning.loops.fit_loop:_FitLoop.on_load_checkpoint",
+        "callbacks/checkpoint_extras.py",
+        "under FSDP2 the early train loader is kept (the checkpoint is restored after on_fit_start); its saved "
+        "position (fit_loop._combined_loader_states_to_load) is given to it at on_train_start",
+        "tests/test_llm.py::test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one",
+    ),
+    Internal(
+        "pytorch_lightning.utilities.combined_loader:CombinedLoader._load_state_dicts",
+        "callbacks/checkpoint_extras.py",
+        "as _FitLoop.on_load_checkpoint: the saved loader position given to the loader built early",
+        "tests/test_llm.py::test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one",
+    ),
+    Internal(
         "pytorch_lightning.callbacks:ModelCheckpoint._save_last_checkpoint",
         "callbacks/model_checkpoint.py",
         "last.ckpt brought up to the current step at every epoch end (Lightning writes it only with a new best)",
@@ -172,12 +202,6 @@ INTERNALS = (
         "callbacks/model_checkpoint.py",
         "see _every_n_train_steps",
         "tests/test_differential.py::test_user_code_behaves_as_under_bare_lightning",
-    ),
-    Internal(
-        "pytorch_lightning.loops.evaluation_loop:_EvaluationLoop._has_run",
-        "callbacks/model_checkpoint.py",
-        "a monitored metric missing is refused only once a validation has run (before it, nothing is logged yet)",
-        "tests/test_bring_your_own.py",
     ),
     Internal(
         "lightning_fabric.strategies.launchers.subprocess_script:_ChildProcessObserver._child_processes",

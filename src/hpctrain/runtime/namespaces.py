@@ -102,6 +102,12 @@ def namespace_of(cls: type | Any) -> Namespace | None:
     return None
 
 
+def is_overridden(method: str, instance: Any) -> bool:
+    """Lightning's `is_overridden` of the namespace `instance` is of (each compares with its own base
+    classes, and refuses an object of the other's); the declared one's for an object of neither."""
+    return (namespace_of(instance) or DECLARED).is_overridden(method, instance)
+
+
 def located(path: str) -> Any:
     """What a dotted path names, imported: the longest importable module, then its attributes."""
     parts = path.split(".")

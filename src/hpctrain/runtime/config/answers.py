@@ -5,7 +5,8 @@ Hydra and composing this conf/ costs twice `import hydra`, more with every group
 function of inputs that can all be read in a few milliseconds, so the first answer is stored under a key
 made of all of them, and the next identical question is answered from it (about `import hydra`'s time
 less than Hydra's, the entry point's own imports included):
-- the command line (argv), the working directory, the whole environment, the Python executable;
+- the entry point and its command line (argv), the working directory, the whole environment, the Python
+  executable;
 - the bytes of every file under conf/ and hpctrain's conf/, and of every `.py` under src/ (the entry points, and the packages
   whose structured configs and resolvers Hydra reads);
 - the distributions installed where Python looks (`*.dist-info` names carry the versions of Hydra,
@@ -79,7 +80,15 @@ def _question_key(argv: list[str]) -> str | None:
     if flags not in _ANSWERED or any(_UNCACHEABLE_OVERRIDE in o for o in overrides):
         return None
     digest = hashlib.blake2b(digest_size=20)
-    for part in (repr(argv), os.getcwd(), sys.executable, sys.version, repr(sorted(os.environ.items()))):
+    script = os.path.abspath(sys.argv[0])  # which entry point asks: each answers its own --help
+    for part in (
+        script,
+        repr(argv),
+        os.getcwd(),
+        sys.executable,
+        sys.version,
+        repr(sorted(os.environ.items())),
+    ):
         digest.update(part.encode() + b"\0")
     sources = [(CONF_DIR, "*"), (HPCTRAIN_CONF_DIR, "*"), (CODE_ROOT / "src", "*.py")]
     if not HPCTRAIN_CONF_DIR.is_relative_to(CODE_ROOT / "src"):  # hpctrain installed, not in the project

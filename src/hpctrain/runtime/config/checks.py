@@ -108,6 +108,13 @@ def _check_precision(cfg: DictConfig) -> None:
             "memory to the host, and on CPU they are there already; drop it (or train on GPUs, trainer=fsdp)."
         )
     _check_tensor_parallel(cfg, fsdp)
+    if fsdp and precision in ("16", "16-mixed"):
+        raise UserError(
+            f"trainer.precision={precision} under FSDP2 (trainer.strategy=fsdp): Lightning's ModelParallelStrategy "
+            "has no float16 loss scaling and refuses it; pass trainer.precision=bf16-mixed on GPUs with bfloat16 "
+            "(Ampere or newer) or trainer.precision=32-true on older ones (a model that fits one GPU: trainer=ddp "
+            "trainer.precision=16-mixed)."
+        )
     if on_cpu and precision in ("16", "16-mixed"):
         raise UserError(
             f"trainer.precision={precision} needs a GPU: on CPU, Lightning would silently train in bf16-mixed "

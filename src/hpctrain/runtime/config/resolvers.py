@@ -6,6 +6,7 @@
                                  (hpctrain.runtime.environment.launched.run_id)
   ${rank_zero_only:<value>}      <value> on global rank 0, null on the other ranks
   ${rank_zero_file:<path>}       <path> on global rank 0, os.devnull on the other ranks
+  ${help_examples:<entry>}       the examples `python src/<entry>.py --help` ends with (help_text)
 
 They are registered when the package is imported (`hpctrain/__init__.py`): a config rebuilt from a
 pickle in another process (a SLURM job started by the submitit launcher) resolves them too.
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hpctrain.runtime.config import versions
+from hpctrain.runtime.config import help_text, versions
 from hpctrain.runtime.environment import launched
 
 
@@ -39,6 +40,7 @@ def register_resolvers(project_root: Path) -> None:
         "run_id": cached_run_id,
         "rank_zero_only": lambda value: value if launched.is_rank_zero() else None,
         "rank_zero_file": lambda path: path if launched.is_rank_zero() else os.devnull,
+        "help_examples": help_text.examples,
     }
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name) or name == "project_root":

@@ -32,7 +32,13 @@ PRECISIONS = (
     "bf16-true",
 )
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-EXPORT_FORMATS = ("torch_export", "onnx", "safetensors")  # src/export.py (hpctrain.runtime.inference.export)
+EXPORT_FORMATS = (
+    "torch_export",
+    "onnx",
+    "safetensors",
+    "peft",
+    "hf_merged",
+)  # src/export.py (hpctrain.runtime.inference.export)
 INTERPOLATION = {"type": "string", "pattern": r"^\$\{.*\}$"}  # ${...}: resolved later, checked then
 NOTIFY_EVENTS = settings.NOTIFY_EVENTS  # hpctrain.runtime.distributed.notify's events (tests/test_notify.py)
 

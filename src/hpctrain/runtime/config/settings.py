@@ -95,6 +95,14 @@ class Checkpoints:
         "[mypackage.models.Net]",
         "classes a checkpoint's stored config may name besides those of the project's configs",
     )
+    trainable_only: bool | str = setting(
+        "auto",
+        {"anyOf": [{"type": "boolean"}, {"const": "auto"}]},
+        "auto, true or false",
+        "true",
+        "store the trainable parameters (and their optimizer state) only; the frozen part is rebuilt from its "
+        "source; auto: when most parameters are frozen and the model reads them from files (pretrained_files)",
+    )
 
 
 @dataclass(frozen=True)
@@ -186,6 +194,13 @@ class FSDP:
         "true or false",
         "true",
         "FSDP2: parameters and optimizer states in host memory",
+    )
+    sync_each_micro_batch: bool = setting(
+        False,
+        {"type": "boolean"},
+        "true or false",
+        "true",
+        "FSDP2 with accumulate_grad_batches: reduce every micro-batch's gradients",
     )
 
 
@@ -294,8 +309,12 @@ class Monitor:
 
 @dataclass(frozen=True)
 class Extras:
-    print_config: bool = setting(
-        True, {"type": "boolean"}, "true or false", "false", "print the config as a tree"
+    print_config: str | bool = setting(
+        "summary",
+        {"anyOf": [{"enum": ["summary", "full"]}, {"type": "boolean"}]},
+        "summary, full or false",
+        "full",
+        "what a run prints of its config: a few lines, the whole tree (true: the same), or nothing",
     )
     ignore_warnings: bool = setting(
         False, {"type": "boolean"}, "true or false", "true", "silence Python warnings"

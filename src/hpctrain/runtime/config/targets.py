@@ -125,20 +125,26 @@ def _allowed(target: str, allowed: frozenset[str]) -> bool:
 
 
 def check_stored(
-    stored: Mapping[str, Any], source: str, extra: Iterable[str] | None = None, how: str = ""
+    stored: Mapping[str, Any],
+    source: str,
+    extra: Iterable[str] | None = None,
+    how: str = "",
+    searchpath: str = "",
 ) -> None:
     """Refuse a config read from a file (`source`, e.g. "ckpt_path=<path>") that names a `_target_` the
-    project's configs do not (nor `extra`, the user's trusted targets); `how`: how to trust one."""
+    project's configs do not (nor `extra`, the user's trusted targets); `how`: how to trust one;
+    `searchpath`: the `hydra.searchpath=...` the training run recorded, whose configs would name it."""
     allowed = trusted(extra)
     for key, target in targets_in(stored):
         if isinstance(target, str) and _allowed(target, allowed):
             continue
         where = f"{key}._target_" if key else TARGET
         allow = how or f"{TRUSTED_KEY}=[{target}]"
+        again = f"pass the configs its training run searched again ({searchpath}), " if searchpath else ""
         raise UntrustedTarget(
             f"{source} stores {where}={target!r}, which no config of this project names: a file's config gives "
             f"values, never the code that runs, so nothing was built from it; if you trust that file and the code "
-            f"it names, allow it with {allow}, or build this project's own model with model=<option>."
+            f"it names, allow it with {allow}, {again}or build this project's own model with model=<option>."
         )
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpctrain.runtime import run_state
-from hpctrain.runtime.distributed import notify, signals, stacks
+from hpctrain.runtime.distributed import flight_recorder, notify, signals, stacks
 from hpctrain.runtime.distributed.endings import ending
 from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, POSITION_KEY, POSTED_KEY, rank, store
 
@@ -250,6 +250,7 @@ def _who_did_not_arrive(job: Any, wait_s: float = 3.0, reason: str | None = None
     except Exception:
         return None
     stacks.dump(reason)
+    flight_recorder.dump()  # the collectives in flight: torch writes its own only at NCCL's timeout
     time.sleep(wait_s)  # the other ranks' watchdogs look every second
     import torch.distributed as dist
 

@@ -10,8 +10,22 @@ module that has no `configure_model` is sharded here instead, from the config (`
   not call `forward`). `auto`: the outermost classes the network repeats (a Transformer's blocks, a
   ResNet's BasicBlocks; for a plain CNN, its layers).
 - `param_dtype` / `reduce_dtype`: FSDP's mixed precision (the compute and the gradient reduction dtype).
+  Norm layers with running statistics (BatchNorm, InstanceNorm) stay in float32 under it: each is a unit
+  of its own whose policy computes in float32 and hands the compute dtype on (FSDP's policy would cast
+  their weights but not their float32 statistics, and the kernel refuses the mix).
 - `activation_checkpointing`: each sharded block recomputes its activations in the backward pass.
 - `cpu_offload`: parameters, gradients and optimizer states live in host memory between uses.
+- `sync_each_micro_batch`: under `trainer.accumulate_grad_batches=N`, false (the default) reduces the
+  gradients once per optimizer step (`set_requires_gradient_sync`), each rank holding its unsharded
+  gradients between micro-batches; true reduce-scatters every micro-batch (N times the traffic, the
+  memory of a step without accumulation).
+
+With `compile=true` each sharded block's forward is compiled on its own, after tensor parallelism and
+before `fully_shard` (torchtitan's order; under activation checkpointing, inside the checkpoint): FSDP's
+hooks stay outside the compiled graphs, and the repeated blocks share one compilation. Gradient clipping
+(`trainer.gradient_clip_val`) takes the norm of each mesh's gradients, then combines them: under
+tensor parallelism the split layers' gradients live on the 2-D mesh and the rest on the data-parallel
+one, and one norm over both is refused by DTensor.
 
 A module with its own `configure_model` is left alone (with `dist.fsdp.shard` set explicitly, the two
 would disagree: refused). Checkpoints are folders, one shard file per rank, committed atomically
@@ -23,20 +37,36 @@ Why FSDP1 (Lightning's `FSDPStrategy`) is gone: PyTorch keeps it in maintenance 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Iterable
+import math
+import types
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from hpctrain.runtime.distributed.job_store import set_data_parallel
 from hpctrain.runtime.distributed.launch import _HydraLaunched
+from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import LightningPart
 
@@ -45,6 +75,17 @@ log = logging.getLogger(__package__)
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 SHARD_FILE_SUFFIX = ".distcp"
 SHARDS_FROM_CONFIG = "_hpctrain_shards_from_config"  # marks the configure_model hpctrain gives a module
+# Norm layers that keep running statistics in float32 buffers: under FSDP's mixed precision each is a unit
+# of its own, computed in float32 (torchtitan#674: cast to bfloat16 beside float32 statistics, they fail)
+NORMS_WITH_STATISTICS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
 
 
 class FSDPOptionsError(UserError):
@@ -119,16 +160,26 @@ def _outermost(module: nn.Module, chosen: set[type], found: list[nn.Module]) -> 
             _outermost(child, chosen, found)
 
 
-def _checkpointed(module: nn.Module) -> None:
-    """Recompute the block's activations in the backward pass (torch.utils.checkpoint, non-reentrant)."""
+def _compiled_and_checkpointed(module: nn.Module, compile_backend: str | None, recompute: bool) -> None:
+    """The block's forward compiled (`compile_backend`) and/or its activations recomputed in the backward
+    pass (torch.utils.checkpoint, non-reentrant), the compiled forward inside the checkpoint: traced the
+    other way round, under tensor parallelism, torch's compiled checkpoint saves DTensor's device mesh for
+    the backward pass and fails. The module's own `forward` is replaced (its state-dict keys stay), so
+    FSDP's hooks run outside the compiled graph."""
 
     forward = module.forward
+    if compile_backend:
+        forward = torch.compile(forward, backend=compile_backend)
+    if recompute:
+        inner = forward
 
-    @functools.wraps(forward)
-    def recomputed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        @functools.wraps(module.forward)
+        def recomputed(*args: Any, **kwargs: Any) -> Any:
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
-    module.forward = recomputed  # type: ignore[method-assign]
+        forward = recomputed
+    if forward is not module.forward:
+        module.forward = forward  # type: ignore[method-assign]
 
 
 def apply_tensor_parallel(networks: list[nn.Module], mesh: Any, plan: dict[str, list[str]]) -> int:
@@ -166,24 +217,179 @@ def _matches(name: str, pattern: str) -> bool:
     return len(parts) == len(wanted) and all(w in ("*", p) for p, w in zip(parts, wanted, strict=True))
 
 
-def apply_fsdp(module: nn.Module, mesh: Any, options: dict[str, Any]) -> list[nn.Module]:
-    """Shard `module`'s networks as the module docstring says; the blocks sharded one by one."""
+def norm_layers(networks: Iterable[nn.Module]) -> list[nn.Module]:
+    """The norm layers with running statistics and parameters of their own (`NORMS_WITH_STATISTICS`)."""
+    networks = list(networks)
+    return [
+        m
+        for net in networks
+        for m in net.modules()
+        if isinstance(m, NORMS_WITH_STATISTICS) and m not in networks and _has_parameters(m)
+    ]
+
+
+def _float32_policy(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """A norm layer's: its inputs, weights and statistics in float32, its output in the network's compute
+    dtype (what the next layer of a lower-precision unit expects, with or without autocast)."""
+    return MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=policy.param_dtype
+    )
+
+
+def apply_fsdp(
+    module: nn.Module, mesh: Any, options: dict[str, Any], compile_backend: str | None = None
+) -> tuple[list[nn.Module], list[nn.Module]]:
+    """Shard `module`'s networks as the module docstring says; the blocks sharded one by one and the norm
+    layers kept in float32. With `compile_backend`, each block's forward is compiled (its state-dict keys
+    stay) before it is sharded."""
 
     kwargs: dict[str, Any] = {"mesh": mesh}
     param_dtype, reduce_dtype = _dtype(options.get("param_dtype")), _dtype(options.get("reduce_dtype"))
+    policy = None
     if param_dtype or reduce_dtype:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        policy = kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype
+        )
     if options.get("cpu_offload"):
         kwargs["offload_policy"] = CPUOffloadPolicy()
     networks = roots(module)
-    sharded = blocks(networks, options.get("shard", "auto"))
+    lower = policy is not None and policy.param_dtype not in (None, torch.float32)
+    norms = norm_layers(networks) if lower else []
+    for norm in norms:  # innermost first: fully_shard takes a module's children before the module
+        fully_shard(norm, **{**kwargs, "mp_policy": _float32_policy(policy)})  # type: ignore[arg-type]
+    candidates = apart_from_tied(blocks(networks, options.get("shard", "auto")), networks)
+    sharded = [b for b in candidates if b not in norms]
     for block in sharded:
-        if options.get("activation_checkpointing"):
-            _checkpointed(block)
-        fully_shard(block, **kwargs)
+        _compiled_and_checkpointed(block, compile_backend, bool(options.get("activation_checkpointing")))
+        _shard_by_dtype(block, kwargs)
     for net in networks:
-        fully_shard(net, **kwargs)
-    return sharded
+        _shard_by_dtype(net, kwargs)
+        if callable(getattr(net, "generate", None)):
+            # generate (a Hugging Face model's, a PEFT model's) calls the inner model, not forward: without
+            # this the root's parameters are never gathered for it ("mixed torch.Tensor and DTensor")
+            register_fsdp_forward_method(net, "generate")
+    return sharded, norms
+
+
+def clip_grad_norm_over_meshes(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for gradients on several device meshes (tensor parallelism: the
+    split layers' on the data x tensor mesh, the rest on the data-parallel one), which DTensor refuses to
+    combine: each rank sums its local shards' norms, each divided by the number of ranks that hold the
+    same shard (the replicas along a mesh dimension, and the meshes beside this one), and one all-reduce
+    over the ranks makes the total; then each mesh's gradients are scaled by the one coefficient. The
+    total norm is returned, as torch's clip_grad_norm_ does."""
+    with_grads = [p for p in parameters if p.grad is not None]
+    if not with_grads:
+        return torch.tensor(0.0)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    by_copies: dict[int, list[torch.Tensor]] = {}  # local gradients by how many ranks hold each
+    by_mesh: dict[Any, list[torch.Tensor]] = {}  # parameters by their gradients' mesh (None: plain)
+    for param in with_grads:
+        grad, copies = param.grad, world
+        if isinstance(grad, DTensor):
+            mesh = grad.device_mesh
+            replicated = [
+                mesh.size(i) for i, placement in enumerate(grad.placements) if placement.is_replicate()
+            ]
+            copies = world // mesh.size() * math.prod(replicated)
+            grad = grad.to_local()
+        by_copies.setdefault(copies, []).append(grad)
+        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    device = next(iter(by_copies.values()))[0].device
+    infinite = math.isinf(norm_type)
+    parts = [
+        torch.nn.utils.get_total_norm(grads, norm_type).to(device, torch.float32)
+        for grads in by_copies.values()
+    ]
+    if infinite:
+        total = torch.stack(parts).max()
+    else:
+        total = sum(part.pow(norm_type) / copies for part, copies in zip(parts, by_copies, strict=True))
+    if world > 1:
+        on = (
+            total.cuda() if total.device.type == "cpu" and dist.get_backend() == "nccl" else total
+        )  # cpu_offload
+        dist.all_reduce(on, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
+        total = on.to(device)
+    if not infinite:
+        total = total.pow(1.0 / norm_type)
+    for params in by_mesh.values():  # torch scales the gradients of one mesh at a time
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float) -> None:
+    """Lightning's `Precision.clip_grad_by_norm`, over meshes (installed on this strategy's plugin)."""
+    clip_grad_norm_over_meshes(plugin.main_params(optimizer), clip_val)
+
+
+def apart_from_tied(candidates: list[nn.Module], networks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks that may be sharded one by one: a block holding a parameter that is also used outside it
+    (tied input and output embeddings, a weight shared across blocks) stays in the unit around it, where
+    one gathering serves every use; a separate unit would hand the other users its unsharded shard."""
+    owners: dict[int, set[int]] = {}
+    for net in networks:
+        for owner in net.modules():
+            for param in owner.parameters(recurse=False):
+                owners.setdefault(id(param), set()).add(id(owner))
+    kept = []
+    for block in candidates:
+        inside = {id(m) for m in block.modules()}
+        if all(owners[id(p)] <= inside for p in block.parameters()):
+            kept.append(block)
+        else:
+            log.info(
+                "FSDP2: %s shares a parameter with modules outside it: sharded with its parent",
+                type(block).__name__,
+            )
+    return kept
+
+
+def _shard_by_dtype(unit: nn.Module, kwargs: dict[str, Any]) -> None:
+    """fully_shard(unit); where its trainable parameters have several dtypes (fp32 adapters on a bf16
+    base, one trainable norm kept in fp32), the modules holding the less common dtypes become units of
+    their own first: FSDP2 gathers and reduces one dtype per unit (else an AssertionError at the first step)."""
+    trainable = _unit_trainable(unit)
+    dtypes = {p.dtype for _, p in trainable}
+    if len(dtypes) > 1:
+        common = max(dtypes, key=lambda d: sum(p.numel() for _, p in trainable if p.dtype == d))
+        for name, holder in _holders(unit):
+            own = {p.dtype for p in holder.parameters(recurse=False) if p.requires_grad}
+            if len(own) > 1:
+                raise FSDPOptionsError(
+                    f"{name or type(unit).__name__} holds trainable parameters of several dtypes "
+                    f"({', '.join(sorted(str(d) for d in own))}), which FSDP2 cannot shard as one unit; cast them "
+                    "to one dtype in the model, or set dist.fsdp.param_dtype and keep the parameters in float32."
+                )
+            if own and common not in own and holder is not unit:
+                fully_shard(holder, **kwargs)
+        left = {str(p.dtype) for _, p in _unit_trainable(unit)}
+        if len(left) > 1:
+            raise FSDPOptionsError(
+                f"{type(unit).__name__} holds trainable parameters of several dtypes ({', '.join(sorted(left))}) "
+                "directly, which FSDP2 cannot shard as one unit; cast them to one dtype in the model."
+            )
+    fully_shard(unit, **kwargs)
+
+
+def _unit_trainable(unit: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters a fully_shard(unit) would manage (those of sub-units already sharded aside)."""
+    return [(n, p) for n, h in _holders(unit) for p in h.parameters(recurse=False) if p.requires_grad]
+
+
+def _holders(unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The modules under `unit` (itself included) whose own parameters it would manage."""
+    stack = [("", unit)]
+    while stack:
+        name, module = stack.pop()
+        yield name, module
+        stack += [
+            (f"{name}.{child_name}" if name else child_name, child)
+            for child_name, child in module.named_children()
+            if not isinstance(child, FSDPModule)
+        ]
 
 
 MODEL_PARALLEL = "pytorch_lightning.strategies.ModelParallelStrategy"
@@ -198,18 +404,47 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         saves: Any,
         fsdp: dict[str, Any] | None = None,
         tensor_parallel_plan: dict[str, list[str]] | None = None,
+        compile_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(save_distributed_checkpoint=True, **kwargs)
         self.saves = saves  # how checkpoints are committed: run.checkpoints.folder_saves.FolderSaves
         self.fsdp_options = dict(fsdp or {})
         self.tensor_parallel_plan = dict(tensor_parallel_plan or {})
+        self.compile_backend = compile_backend  # compile=true: each block compiled before it is sharded
+
+    @property
+    def precision_plugin(self) -> Any:
+        return self.namespace.get(MODEL_PARALLEL).precision_plugin.fget(self)  # Lightning's getter
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        # Lightning's clipping takes one norm over every gradient, which DTensor refuses for gradients on
+        # two meshes (tensor parallelism); this strategy's own plugin clips over meshes instead
+        if plugin is not None:
+            plugin.clip_grad_by_norm = types.MethodType(_clip_grad_by_norm, plugin)
+        self._precision_plugin = plugin
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's hook for the micro-batches of `accumulate_grad_batches` that do not end a step:
+        no gradient reduction until the last one (`dist.fsdp.sync_each_micro_batch=true`: every one)."""
+        units = [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
+        if self.fsdp_options.get("sync_each_micro_batch") or not units:
+            yield None
+            return
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return self.namespace.get(MODEL_PARALLEL).distributed_sampler_kwargs.fget(
-            self
-        )  # not _HydraLaunched's
+        # Lightning's ModelParallelStrategy's (of this strategy's namespace), not _HydraLaunched's
+        return self.namespace.get(MODEL_PARALLEL).distributed_sampler_kwargs.fget(self)
 
     def _setup_distributed(self) -> None:
         super()._setup_distributed()
@@ -266,22 +501,38 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
                 )
                 if self.global_rank == 0:
                     log.info("tensor parallel: %d layer(s) split over %d process(es) each", split, tensor)
-            sharded = apply_fsdp(module, mesh["data_parallel"], options)
+            sharded, norms = apply_fsdp(module, mesh["data_parallel"], options, self.compile_backend)
+            if has_empty_parameters(module):  # a pretrained base built empty: each rank reads its shards
+                read = materialize(module, self.root_device)
+                if self.global_rank == 0:
+                    log.info("pretrained base: %d tensors read into their shards", read)
             if self.global_rank == 0:
                 log.info(
-                    "FSDP2: %d block(s) sharded over %d process(es) (%s), then %s as root(s)",
+                    "FSDP2: %d block(s) sharded over %d process(es) (%s), then %s as root(s)%s%s",
                     len(sharded),
                     mesh["data_parallel"].size(),
                     ", ".join(sorted({type(b).__name__.removeprefix("FSDP") for b in sharded})) or "none",
                     ", ".join(names),
+                    f"; {len(norms)} norm layer(s) kept in float32" if norms else "",
+                    f"; each block compiled ({self.compile_backend})" if self.compile_backend else "",
                 )
 
         setattr(configure_model, SHARDS_FROM_CONFIG, True)  # told apart from a module's own
         module.configure_model = configure_model  # type: ignore[method-assign]
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
+        if not self.saves.asynchronous:
+            state = super().lightning_module_state_dict()
+        else:  # left where it is: the save's staging copies it, into host buffers it keeps (folder_saves)
+            state = get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
         return _agreed_buffers(state, self.lightning_module, self.root_device)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self.saves.asynchronous:
+            return super().optimizer_state(optimizer)
+        # Lightning's offloads every state to fresh host memory first, a second copy per save
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        return get_optimizer_state_dict(self.model, inner, options=StateDictOptions(cpu_offload=False))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A folder committed whole (`saves`, hpctrain.runtime.run.checkpoints.folder_saves); the write
@@ -297,7 +548,7 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         self.saves.wait()
 
     def teardown(self) -> None:
-        self.saves.wait()  # the best checkpoint is tested next, and a process must not end mid-write
+        self.saves.close()  # the best checkpoint is tested next, and a process must not end mid-write
         super().teardown()
 
     def remove_checkpoint(self, filepath: Any) -> None:

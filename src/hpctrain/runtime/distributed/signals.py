@@ -1,4 +1,5 @@
-"""The template owns SIGTERM and the requeue signal for the whole run; the handlers only record.
+"""The template owns SIGTERM and the requeue signal for the whole life of the process; while a run goes
+on, the handlers only record.
 
 Python runs a signal handler between two bytecodes of whatever the main thread is doing, possibly in
 the middle of a backward pass. A handler that saves a checkpoint or runs a collective there (as
@@ -16,6 +17,12 @@ and while a run trains, tests or predicts: if no batch completes for `GRACE_S` s
 batches are slow) and no step boundary has answered, it writes every rank's stacks, says in one sentence
 where each rank stood, and ends every local rank with 128 + the signal (143, 130). A second signal ends
 it at once. Outside those loops (startup, the final report) Ctrl-C is Python's KeyboardInterrupt.
+
+After a run completed (`completed`), SIGTERM and SLURM's signals are noted and change nothing: the time
+limit's warning can come late, while the process tears down, and by default it kills, so Slurm would
+record a job that did all its work as FAILED (an `afterok` dependency would never start). For the
+interpreter's own end (`ignored_until_exit`) they are ignored: CPython gives a signal with a Python
+handler its default action back as it finalizes, while an ignored one stays ignored.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runtime import run_state
-from hpctrain.runtime.distributed import job_store, stacks
+from hpctrain.runtime.distributed import flight_recorder, job_store, stacks
 from hpctrain.runtime.environment import launched
 
 NO_SIGNAL, TERMINATE, REQUEUE = 0, 1, 2
@@ -117,6 +124,32 @@ def install_early() -> None:
 
 def _record_early(signum: int, frame: Any) -> None:
     _state().early.add(signum)
+
+
+def completed() -> None:
+    """The job's work is done and recorded: from now on SIGTERM and SLURM's signals are noted, one line
+    each, and the process goes on to exit 0 (a time limit's warning that comes during the teardown)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in EARLY:
+            signal.signal(sig, _late)
+
+
+def _late(signum: int, frame: Any) -> None:
+    print(
+        f"note: {signal.Signals(signum).name} arrived after the run completed; its work is saved, so the "
+        "process ends normally.",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def ignored_until_exit() -> None:
+    """The process's last Python lines: SIGTERM and SLURM's signals ignored. As CPython finalizes it gives
+    every signal that has a Python handler its default action back (which kills) but keeps ignored ones
+    ignored, and destructors (torch's, loggers') can take seconds after that."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in EARLY:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def install(requeue_signal: str | None, stop_grace_s: float | None = None) -> None:
@@ -259,6 +292,7 @@ class StopGuard(threading.Thread):
         code = 128 + signum
         me = job_store.rank()
         stacks.dump(reason)
+        flight_recorder.dump()
         places = ""
         if not at_once:
             job = job_store.store()

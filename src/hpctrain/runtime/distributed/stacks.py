@@ -1,7 +1,8 @@
 """Where every rank is, on demand: Python's faulthandler on `diagnostics.stacks_signal`.
 
 Each rank registers faulthandler (all threads) for the signal when it starts building its run, writing
-to `<run dir>/stacks/rank<N>.txt` (appending), and notes `<rank> <pid> <host>` in `<run dir>/stacks/pids`.
+to `<run dir>/stacks/rank<N>.txt` (appending), and notes `<rank> <pid> <host>` in a file of its own,
+`<run dir>/stacks/rank<N>.pid` (appends of many nodes to one file on NFS are not atomic: lines interleave).
 faulthandler's handler runs in C, so it answers even while the main thread is blocked inside a
 collective. The default signal, SIGURG, is ignored by any process that has not registered it (a
 loader worker, the batch shell), and forked loader workers drop the registration, so a signal sent to a
@@ -27,7 +28,8 @@ from hpctrain.runtime import run_state
 from hpctrain.runtime.environment import launched
 
 STACKS_DIR = "stacks"
-PIDS_FILE = "pids"
+PIDS_FILE = "pids"  # 0.4 and before: every rank appended its line here (still read)
+PID_SUFFIX = ".pid"  # rank<N>.pid: one rank's line, written whole by that rank alone
 HEADER = "===== stacks"  # each dump begins with a line starting so, with its time and why
 
 
@@ -77,8 +79,10 @@ def register(run_dir: str | Path, signal_name: str) -> None:
     registered = _registered()
     registered.close()  # an earlier registration of this run (a second build)
     file = open(rank_file(run_dir, rank), "a", buffering=1)  # noqa: SIM115 - open until the run ends (Registered.close)
-    with open(folder / PIDS_FILE, "a") as pids:
-        pids.write(f"{rank} {os.getpid()} {socket.gethostname()}\n")
+    pid_file = folder / f"rank{rank}{PID_SUFFIX}"
+    partial = pid_file.with_name(f".{pid_file.name}.partial")
+    partial.write_text(f"{rank} {os.getpid()} {socket.gethostname()}\n")
+    os.replace(partial, pid_file)  # whole: a reader never sees half a line, a restart replaces it
     faulthandler.register(signum, file=file, all_threads=True, chain=False)
     registered.file, registered.signal = file, signum
 
@@ -186,11 +190,17 @@ def summary(places: dict[int, str]) -> str:
 
 
 def known_ranks(run_dir: str | Path) -> dict[int, tuple[int, str]]:
-    """rank -> (pid, host) of the run's latest processes, from `stacks/pids`."""
+    """rank -> (pid, host) of the run's latest processes, from `stacks/rank<N>.pid` (and the one
+    `stacks/pids` file of a run started by hpctrain 0.4 or before)."""
     found: dict[int, tuple[int, str]] = {}
-    path = Path(run_dir) / STACKS_DIR / PIDS_FILE
-    if path.is_file():
-        for line in path.read_text().splitlines():
+    folder = Path(run_dir) / STACKS_DIR
+    files = [folder / PIDS_FILE, *sorted(folder.glob(f"rank*{PID_SUFFIX}"))]
+    for path in files:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
             parts = line.split()
             if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
                 found[int(parts[0])] = (int(parts[1]), parts[2])

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from hpctrain.runtime import run_state
-from hpctrain.runtime.distributed import failures, positions, signals, stacks
+from hpctrain.runtime.distributed import failures, flight_recorder, positions, signals, stacks
 from hpctrain.runtime.distributed.failures import STORE_LOST, announce, dead_child, exit_with
 from hpctrain.runtime.distributed.job_store import DUMP_KEY, FAILED_KEY, rank, store
 
@@ -69,6 +69,7 @@ class Watchdog(threading.Thread):
                 positions.publish(job, self.rank)
                 if not dumped and job.check([DUMP_KEY]):  # before the failure below ends this process
                     stacks.dump(job.get(DUMP_KEY).decode(errors="replace"))
+                    flight_recorder.dump()
                     dumped = True
                 failed = job.check([FAILED_KEY]) and job.get(FAILED_KEY).decode(errors="replace")
                 misses = 0

@@ -7,7 +7,8 @@ preflight answers before any heavy import or process group.
     allocated      what it was allocated: visible GPUs, CPUs per process, the job's granted resources
     network        what the backends are told: rank 0's address, gloo's and NCCL's interfaces, NCCL's
                    flight recorder
-    cuda           whether the installed torch's CUDA build runs on this node's driver
+    devices        the GPUs this process sees (CUDA_VISIBLE_DEVICES mapped to NVML's), their architectures
+    cuda           whether the installed torch's CUDA build runs on this node's driver and its GPUs
     launch_checks  whether the launcher starts the processes the trainer config expects (preflight)
     slurm_job      what SLURM says about this job (scontrol, squeue) and what it is asked (requeue, signal)
     pack_shares    how a packed job's node is shared between its points

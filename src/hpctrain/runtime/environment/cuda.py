@@ -1,5 +1,5 @@
-"""Whether the installed torch's CUDA build runs on this node's NVIDIA driver, read from torch's
-version.py and the driver's /proc file without importing torch."""
+"""Whether the installed torch's CUDA build runs on this node's NVIDIA driver and its GPUs, read from
+torch's version.py, the driver's /proc file and NVML without importing torch."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import importlib.util
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hpctrain.runtime.environment.devices import GPU
 from hpctrain.runtime.environment.reading import int_or_none
 from hpctrain.runtime.errors import UserError
 
@@ -17,6 +18,12 @@ from hpctrain.runtime.errors import UserError
 # compatibility lets a build of any 13.x run on a >= 580 driver, of any 12.x on >= 525.60.13). A torch
 # wheel carries its CUDA runtime; the node gives the driver.
 MINIMUM_DRIVER = {13: "580", 12: "525.60.13", 11: "450.80.02"}
+
+
+# The oldest GPU architecture (compute capability) a CUDA major release compiles for: CUDA 13 dropped
+# Maxwell, Pascal and Volta (sm_50 to sm_72), so no torch built for it has kernels for a V100 ("no kernel
+# image is available for execution on the device" at the first operation).
+MINIMUM_CAPABILITY = {13: (7, 5), 12: (5, 0), 11: (3, 5)}
 
 
 # PyTorch's builds of the lock's torch that `make install CUDA=<variant>` installs (from PyTorch's index)
@@ -112,4 +119,29 @@ def check_cuda_build(
     raise UserError(
         f"torch {version} is built for CUDA {cuda}, which needs an NVIDIA driver >= {needed}, but this node's "
         f"driver is {driver} and CUDA does not start; {fix}."
+    )
+
+
+def check_gpu_architectures(gpus: Sequence[GPU] | None, build: tuple[str, str | None] | None = None) -> None:
+    """Refuse, in one sentence, a GPU run on a GPU whose architecture the installed torch's CUDA cannot
+    compile for (a V100, sm_70, under a CUDA 13 build). `gpus`: the GPUs this process sees (devices)."""
+    build = build or torch_build()
+    if not gpus or build is None or build[1] is None:
+        return
+    version, cuda = build
+    major = int_or_none(cuda.split(".")[0])
+    oldest = MINIMUM_CAPABILITY.get(major) if major is not None else None
+    too_old = [gpu for gpu in gpus if oldest is not None and gpu.capability < oldest]
+    if not too_old:
+        return
+    gpu = too_old[0]
+    fix = (
+        f"install torch's build for CUDA 12 (make install CUDA={CUDA_VARIANTS[0]})"
+        if major is not None and major > 12
+        else "install a torch built for an older CUDA"
+    )
+    raise UserError(
+        f"GPU {gpu.index} of this node, {gpu.name}, is {gpu.arch}, but torch {version} is built for CUDA {cuda}, "
+        f"which has no kernels for GPUs older than sm_{oldest[0]}{oldest[1]} (every operation would fail with "
+        f"'no kernel image is available'); {fix}, or run on newer GPUs."
     )

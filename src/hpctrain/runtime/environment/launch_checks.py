@@ -10,8 +10,9 @@ from __future__ import annotations
 import shutil
 from collections.abc import Mapping
 
+from hpctrain.runtime.environment import devices as gpu_devices
 from hpctrain.runtime.environment.allocated import GPU_ACCELERATORS, devices_asked, visible_gpus
-from hpctrain.runtime.environment.cuda import check_cuda_build
+from hpctrain.runtime.environment.cuda import check_cuda_build, check_gpu_architectures
 from hpctrain.runtime.environment.launched import (
     CHILD,
     SLURM,
@@ -30,8 +31,10 @@ def preflight(
     accelerator: object,
     requeue_enabled: bool = False,
     env: Mapping[str, str] | None = None,
+    backend: str | None = None,
 ) -> None:
     """Check that the launcher will start exactly the processes the trainer config expects.
+    `backend`: dist.backend (None: the strategy's own, nccl on GPUs).
 
     Raises UserError with one sentence naming both values and the fix.
     """
@@ -60,7 +63,12 @@ def preflight(
         )
     if accelerator in GPU_ACCELERATORS:
         _check_gpus(env, per_node, kind)
-        check_cuda_build(visible_gpus(env))
+        if backend != "gloo":  # gloo's ranks may share a GPU; NCCL's may not
+            _check_tasks_have_gpus_of_their_own(env, kind)
+        visible = visible_gpus(env)
+        check_cuda_build(visible)
+        if visible != 0:
+            check_gpu_architectures(gpu_devices.visible_gpus(env))
 
 
 def preflight_one_process(
@@ -140,6 +148,34 @@ def _check_slurm_step(env: Mapping[str, str], nodes: int | None, per_node: int |
             f"the SLURM step has {tasks} task(s) but --nodes={slurm_nodes} x --ntasks-per-node={tasks_per_node} "
             f"is {slurm_nodes * tasks_per_node}; drop --ntasks and keep --nodes with --ntasks-per-node."
         )
+
+
+def _job_gpus_here(env: Mapping[str, str]) -> tuple[int, str] | None:
+    """The GPUs the job (or this step) holds on this node as Slurm says, and the variable that says it."""
+    for name in ("SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS"):
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        count = int_or_none(value) if name == "SLURM_GPUS_ON_NODE" else len(value.split(","))
+        if count is not None:
+            return count, f"{name}={value}"
+    return None
+
+
+def _check_tasks_have_gpus_of_their_own(env: Mapping[str, str], kind: str) -> None:
+    """Under SLURM, fewer GPUs on the node than tasks on it: ranks would share a GPU, which NCCL refuses
+    at the first collective ("Duplicate GPU detected") after every rank has imported and built."""
+    tasks = int_or_none((env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0])
+    held = _job_gpus_here(env)
+    if kind != SLURM or tasks is None or held is None or held[0] >= tasks:
+        return
+    gpus, said = held
+    raise UserError(
+        f"trainer.accelerator=gpu with {tasks} tasks per node (--ntasks-per-node={tasks}), but the job holds "
+        f"{gpus} GPU(s) on this node ({said}), so ranks would share a GPU, which NCCL refuses ('Duplicate GPU "
+        f"detected'); request one GPU per task (--gres=gpu:{tasks} or --gpus-per-task=1) or submit with "
+        f"--ntasks-per-node={max(gpus, 1)}."
+    )
 
 
 def _check_gpus(env: Mapping[str, str], devices: int | None, kind: str) -> None:

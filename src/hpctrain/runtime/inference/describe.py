@@ -46,7 +46,12 @@ def describe(preprocess: nn.Module) -> str:
 
 
 def file_size(path: Path) -> str:
-    size = float(path.stat().st_size)
+    """The size of a file, or of all the files of a folder (an export that is a folder)."""
+    size = float(
+        sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if path.is_dir()
+        else path.stat().st_size
+    )
     for unit in ("bytes", "KB", "MB", "GB"):
         if size < 1000 or unit == "GB":
             return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"

@@ -6,6 +6,9 @@
     safetensors    model.safetensors  the LightningModule's weights;      the model as the project's configs
                                       its model and data config (JSON,    build it; safetensors' load_model
                                       a description, never built from)
+    peft           adapter/           a PEFT model's adapters, tokenizer  peft's PeftModel.from_pretrained
+    hf_merged      merged/            the adapters merged into the base   transformers' from_pretrained alone
+                                      (the last two: hpctrain.runtime.inference.hf_formats, the llm extra)
 
 What is exported is `hpctrain.load(ckpt)`'s Predictor: the datamodule's preprocessing in front of the
 model, so the two graphs take the data's raw inputs (uint8 images for the template's image data) and
@@ -34,9 +37,10 @@ from omegaconf import OmegaConf
 
 from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.inference import hf_formats
 from hpctrain.runtime.inference.describe import describe, describe_tensor, file_size, input_name, tensors
 from hpctrain.runtime.inference.exporter_errors import reason, reported
-from hpctrain.runtime.namespaces import DECLARED, namespace_of
+from hpctrain.runtime.namespaces import is_overridden
 from hpctrain.runtime.run import records
 from hpctrain.runtime.run.checkpoints import CHECKPOINT_DIR
 
@@ -63,6 +67,8 @@ class Format:
     write: Callable[[Any, Any, Path], None]  # (predictor, example inputs, path)
     run: Callable[[Path, Any, Any, Any], Any]  # (path, inputs, predictor, rebuild overrides) -> outputs
     card: Callable[[Any, Any], list[str]]  # (exported, predictor) -> the card's Python lines
+    extra: str = "export"  # the extra of pyproject.toml that installs `packages`
+    stem: str = "model"  # the default name in the run dir: <stem><suffix> (a folder where suffix is "")
 
 
 @dataclass
@@ -90,7 +96,7 @@ def check_installed(name: str) -> Format:
         verb = "is" if len(missing) == 1 else "are"
         raise UserError(
             f"export.format={name} needs {', '.join(missing)}, which {verb} not installed; "
-            "pip install -e '.[export]' (or make install)."
+            f"pip install -e '.[{chosen.extra}]' (or make install)."
         )
     return chosen
 
@@ -98,9 +104,9 @@ def check_installed(name: str) -> Format:
 def output_path(chosen: Format, output: str | None, run_dir: Path) -> Path:
     """export.output, or <run dir>/model<suffix>; a suffix of another format is refused (a likely slip)."""
     if not output:
-        return run_dir / f"model{chosen.suffix}"
+        return run_dir / f"{chosen.stem}{chosen.suffix}"
     path = Path(output).expanduser()
-    if path.suffix != chosen.suffix:
+    if chosen.suffix and path.suffix != chosen.suffix:
         raise UserError(
             f"export.output={output} does not end in {chosen.suffix}, the suffix of "
             f"export.format={chosen.name}; name the file <name>{chosen.suffix}, or pass the export.format "
@@ -144,11 +150,12 @@ def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
     check_data_available(data)
     data.prepare_data()
     splits = (("test", "test_dataloader"), ("validate", "val_dataloader"), ("fit", "train_dataloader"))
-    is_overridden = (namespace_of(data) or DECLARED).is_overridden
     stage, loader = next(s for s in splits if is_overridden(s[1], data) or s[0] == "fit")
     data.setup(stage)
     batch = next(iter(getattr(data, loader)()))
     inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+    if isinstance(inputs, dict) and "input_ids" in inputs:  # token batches: the model takes the token ids
+        inputs = inputs["input_ids"]
     if not isinstance(inputs, Tensor):
         raise UserError(
             f"{type(data).__name__}'s batches hold {type(inputs).__name__} inputs, not a tensor; export "
@@ -426,6 +433,26 @@ FORMATS = {
             _write_safetensors,
             _run_safetensors,
             _safetensors_card,
+        ),
+        Format(
+            "peft",
+            "",
+            ("transformers", "peft"),
+            hf_formats.write_peft,
+            hf_formats.run_peft,
+            hf_formats.peft_card,
+            extra="llm",
+            stem="adapter",
+        ),
+        Format(
+            "hf_merged",
+            "",
+            ("transformers", "peft"),
+            hf_formats.write_merged,
+            hf_formats.run_merged,
+            hf_formats.merged_card,
+            extra="llm",
+            stem="merged",
         ),
     )
 }

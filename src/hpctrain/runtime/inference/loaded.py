@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.build import datamodule, model
-from hpctrain.runtime.run.checkpoints import reading
+from hpctrain.runtime.run.checkpoints import reading, trainable_only
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule
@@ -75,6 +75,6 @@ def load(
     config = OmegaConf.create(stored)
     module = model(config)
     reading.check_matches_model(path, module, content=content)
-    module.load_state_dict(content["state_dict"])
+    trainable_only.load_weights(module, content, str(path))
     preprocess = preprocessing_of(datamodule(config)) if "data" in stored else nn.Identity()
     return Predictor(module, preprocess, stored)

@@ -39,8 +39,8 @@ from hpctrain.data import decode
 from hpctrain.data.loading import ResumableDataLoader, TensorDataset
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.export import tensors
-from hpctrain.runtime.namespaces import DECLARED, LightningPart, namespace_of
-from hpctrain.runtime.run.checkpoints import reading
+from hpctrain.runtime.namespaces import LightningPart, is_overridden, namespace_of
+from hpctrain.runtime.run.checkpoints import reading, trainable_only
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 from hpctrain.runtime.run.records import write_atomically
 
@@ -72,7 +72,7 @@ def predict(
     run.trainer.callbacks.append(writer)
     # The weights only (as trainer.predict(ckpt_path=...) would load), without Lightning's warning that
     # the training callbacks stored in the checkpoint are missing: prediction needs none of them.
-    run.model.load_state_dict(reading.read(checkpoint)["state_dict"])
+    trainable_only.load_weights(run.model, reading.read(checkpoint), f"ckpt_path={checkpoint}")
     run.trainer.predict(run.model, run.datamodule, return_predictions=False)
     return writer.written
 
@@ -85,7 +85,6 @@ def choose_source(
 ) -> tuple[str, list[str] | None]:
     """Point the datamodule's `predict_dataloader` at what is to be predicted; returns its description and,
     for a folder of images, each sample's path."""
-    is_overridden = (namespace_of(datamodule) or DECLARED).is_overridden
     batch_size = int(settings.get("batch_size") or getattr(datamodule, "batch_size", None) or 64)
     workers = int(settings.get("num_workers") or 0)
     if settings.get("input"):

@@ -1,5 +1,5 @@
-"""What a run prints for its user: the config tree and a slow-precision warning at the start, where the
-outputs went at the end."""
+"""What a run prints for its user: a summary of its config (or the whole tree) and a slow-precision warning
+at the start, where the outputs went at the end."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich import print as rich_print
 from rich.syntax import Syntax
@@ -17,7 +18,7 @@ from rich.tree import Tree
 from hpctrain.runtime.config import redact
 from hpctrain.runtime.config.settings import Extras
 from hpctrain.runtime.environment import launched
-from hpctrain.runtime.namespaces import NAMESPACES, namespace_of
+from hpctrain.runtime.namespaces import DECLARED, NAMESPACES, namespace_of
 from hpctrain.runtime.report.plots import plot_run
 
 log = logging.getLogger("hpctrain")
@@ -29,7 +30,11 @@ def apply_extras(cfg: DictConfig, extras: Extras) -> None:
     quiet_lightning()
     if extras.ignore_warnings:
         warnings.filterwarnings("ignore")
-    if extras.print_config and launched.is_rank_zero():
+    if not launched.is_rank_zero() or extras.print_config is False:
+        return
+    if extras.print_config == "summary":
+        log.info("%s", "\n".join(config_summary(cfg, *_hydra_choices_and_overrides())))
+    else:  # full (or true, its name before 0.4)
         print_config(cfg)
 
 
@@ -64,34 +69,108 @@ def emulated_bf16_note(precision: str, on_cpu: bool, flags: set[str] | None) -> 
     )
 
 
-def emulated_bf16_gpu_note(precision: str, gpu: str | None, capability: tuple[int, int] | None) -> str | None:
+def emulated_bf16_gpu_note(
+    precision: str, gpu: str | None, capability: tuple[int, int] | None, sharded: bool = False
+) -> str | None:
     """A sentence when bf16 would run emulated on this GPU: before Ampere (compute capability 8.0; a V100,
-    a T4, an RTX 8000) there are no bfloat16 units, and torch emulates them, slower than float16."""
+    a T4, an RTX 8000) there are no bfloat16 units, and torch emulates them, slower than float16. Its
+    advice must run: under FSDP2 (`sharded`) Lightning refuses 16-mixed, which needs loss scaling."""
     if gpu is None or capability is None or not precision.startswith("bf16") or capability >= (8, 0):
         return None
     major, minor = capability
+    advice = (
+        "pass trainer.precision=32-true (FSDP2 in Lightning has no float16 mixed precision: it refuses 16-mixed); "
+        "a model that fits one GPU trains faster with trainer=ddp trainer.precision=16-mixed."
+        if sharded
+        else "pass trainer.precision=16-mixed."
+    )
     return (
         f"trainer.precision={precision} on {gpu} (compute capability {major}.{minor}), which has no bfloat16 units: "
-        "torch emulates them, slower than float16; pass trainer.precision=16-mixed (and, under FSDP2, "
-        "dist.fsdp.param_dtype=float16)."
+        f"torch emulates them, slower than float16; {advice}"
     )
 
 
 def warn_if_bf16_is_emulated(trainer: Any, precision: Any) -> None:
     """Say once, at the start, when the trainer's CPU or GPU would emulate the configured bf16 precision."""
-    accelerators = namespace_of(trainer).get("pytorch_lightning.accelerators")  # the trainer's namespace's
+    namespace = namespace_of(trainer) or DECLARED  # the trainer's: its classes are what it holds
+    accelerators = namespace.get("pytorch_lightning.accelerators")
     note = emulated_bf16_note(
         str(precision), isinstance(trainer.accelerator, accelerators.CPUAccelerator), cpu_flags()
     )
     if note is None and isinstance(trainer.accelerator, accelerators.CUDAAccelerator):
         import torch
 
+        model_parallel = namespace.get("pytorch_lightning.strategies.ModelParallelStrategy")
         device = trainer.strategy.root_device
         note = emulated_bf16_gpu_note(
-            str(precision), torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+            str(precision),
+            torch.cuda.get_device_name(device),
+            torch.cuda.get_device_capability(device),
+            sharded=isinstance(trainer.strategy, model_parallel),
         )
     if note is not None:
         log.warning(note)
+
+
+# The groups whose choice the summary names (hydra/*, paths, extras and local say little of the run)
+UNSHOWN_GROUPS = ("hydra", "paths", "extras", "local")
+
+
+def _hydra_choices_and_overrides() -> tuple[dict[str, str], list[str]]:
+    """The running Hydra app's group choices and command-line overrides ({} and [] outside one)."""
+    try:
+        hydra = HydraConfig.get()
+    except ValueError:  # not inside a Hydra app (the contract tests build a run directly)
+        return {}, []
+    choices = {str(k): str(v) for k, v in hydra.runtime.choices.items() if v is not None}
+    return choices, [str(o) for o in hydra.overrides.task]
+
+
+def _class_name(node: Any) -> str | None:
+    target = node.get("_target_") if isinstance(node, dict) else None
+    return str(target).rsplit(".", 1)[-1] if target else None
+
+
+def config_summary(cfg: DictConfig, choices: dict[str, str], overrides: list[str]) -> list[str]:
+    """A few lines of what the run was composed of: the options chosen, the overrides, the model's and
+    data's classes, the trainer's shape, the monitored metric and the run dir, where config.yaml holds
+    the whole of it (`extras.print_config=full` prints it here)."""
+    shown = redact.recorded(cfg)  # a job's log is a record too: no secret in it
+    output_dir = (shown.get("paths") or {}).get("output_dir")
+    where = f"{output_dir}/config.yaml" if output_dir else "config.yaml in the run dir"
+    lines = [f"config (all of it: {where}; extras.print_config=full prints it here)"]
+    chosen = [f"{g}={o}" for g, o in choices.items() if g.split("/")[0] not in UNSHOWN_GROUPS]
+    if chosen:
+        lines.append(f"  options    {' '.join(chosen)}")
+    if overrides:
+        lines.append(f"  overrides  {' '.join(redact.override(o) for o in overrides)}")
+    model = shown.get("model")
+    if isinstance(model, dict) and _class_name(model):
+        parts = [f"{k} {_class_name(v)}" for k, v in model.items() if _class_name(v)]
+        lines.append(f"  model      {model['_target_']}" + (f" ({', '.join(parts)})" if parts else ""))
+    data = shown.get("data")
+    if isinstance(data, dict) and _class_name(data):
+        sizes = [f"{k} {data[k]}" for k in ("batch_size", "num_workers") if k in data]
+        lines.append(f"  data       {data['_target_']}" + (f" ({', '.join(sizes)})" if sizes else ""))
+    trainer = shown.get("trainer")
+    if isinstance(trainer, dict):
+        shape = [
+            f"{trainer.get('accelerator', 'auto')} x {trainer.get('devices', 'auto')} device(s) x "
+            f"{trainer.get('num_nodes', 1)} node(s)",
+            f"strategy {trainer.get('strategy', 'auto')}",
+            f"precision {trainer.get('precision', '32-true')}",
+        ]
+        if trainer.get("max_epochs") is not None:
+            shape.append(f"max_epochs {trainer['max_epochs']}")
+        if trainer.get("max_steps") not in (None, -1):
+            shape.append(f"max_steps {trainer['max_steps']}")
+        lines.append(f"  trainer    {', '.join(shape)}")
+    monitor = shown.get("monitor")
+    if isinstance(monitor, dict) and monitor.get("metric"):
+        lines.append(f"  monitor    {monitor['metric']} ({monitor.get('mode', 'max')})")
+    if output_dir:
+        lines.append(f"  run dir    {output_dir}")
+    return lines
 
 
 def print_config(cfg: DictConfig) -> None:

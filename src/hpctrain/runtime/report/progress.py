@@ -32,6 +32,15 @@ def batch_size_of(batch: Any) -> int:
     return extract_batch_size(batch)
 
 
+def tokens_of(batch: Any) -> Tensor | None:
+    """The tokens a loss is taken on in a token batch (a mapping with `labels`, -100 where none is taken,
+    the first position predicting nothing), as a tensor on the batch's device; None for other batches."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if not isinstance(labels, Tensor) or labels.dim() != 2:
+        return None
+    return (labels[:, 1:] != -100).sum()
+
+
 def seconds_since_process_start() -> float | None:
     """Wall time since this process started (Linux), so startup cost includes the interpreter and imports.
 

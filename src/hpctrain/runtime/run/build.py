@@ -8,7 +8,9 @@ the trainer always gets:
   collective timeout from `dist.timeout_min`;
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
 - `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
-  `NonFiniteLoss` (`nan.*`), `AttemptProgress` (run.yaml; a save too slow for `requeue.signal_lead_s`)
+  `BatchLimits` (a `limit_*_batches` fraction of a tiny split is one batch),
+  `NonFiniteLoss` (`nan.*`), `TrainableOnly` (`checkpoints.trainable_only`), `AttemptProgress` (run.yaml;
+  a save too slow for `requeue.signal_lead_s`)
   and, when `requeue.enabled`, `RequeueOnSignal`.
 All of it of the Lightning namespace the run's classes are written with (`run_namespace`: pytorch_lightning
 or lightning.pytorch, `hpctrain.runtime.namespaces`), chosen before anything is built.
@@ -37,7 +39,9 @@ from omegaconf import DictConfig, OmegaConf
 from torchmetrics import Metric
 
 from hpctrain.callbacks.attempt_progress import AttemptProgress
+from hpctrain.callbacks.batch_limits import BatchLimits
 from hpctrain.callbacks.checkpoint_extras import CheckpointExtras
+from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
 from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
 from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
 from hpctrain.callbacks.one_rank_calls import OneRankCalls
@@ -45,13 +49,16 @@ from hpctrain.callbacks.performance_log import PerformanceLog
 from hpctrain.callbacks.rank_watchdog import RankWatchdog
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
+from hpctrain.callbacks.trainable_only import TrainableOnly
 from hpctrain.loggers import job_metadata, tag_runs
 from hpctrain.runtime import namespaces
-from hpctrain.runtime.config import redact, targets
+from hpctrain.runtime.config import redact, target_spelling, targets
+from hpctrain.runtime.config.arguments import check_arguments
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
+from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
 from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import Namespace
@@ -302,11 +309,16 @@ def _import_failure(err: InstantiationException) -> str | None:
             "which is not installed here; install it beside pytorch-lightning, the same version "
             "(pip install 'lightning>=2.6,<2.7', as pyproject.toml lists it), or import pytorch_lightning instead."
         )
+    close = target_spelling.closest_target(target)  # a misspelt path: the name it most likely means
     if module_found and (missing.name or "").startswith(target):
-        return (
-            f"_target_: {target} cannot be imported: module {module_name} has no {name}; "
-            "check the spelling of the class or function name in the config."
+        fix = (
+            f"did you mean {close}?"
+            if close
+            else "check the spelling of the class or function name in the config."
         )
+        return f"_target_: {target} cannot be imported: module {module_name} has no {name}; {fix}"
+    if close:
+        return f"_target_: {target} cannot be imported ({type(missing).__name__}: {missing}); did you mean {close}?"
     return (
         f"_target_: {target} cannot be imported ({type(missing).__name__}: {missing}); put the package that "
         "holds it on PYTHONPATH (PYTHONPATH=/path/to/its/parent python src/train.py ...), install it "
@@ -340,12 +352,20 @@ def _datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningD
                 preset.name,
                 scratch,
             )
+    check_arguments(node, "data")
     return _of_the_run(_instantiate(node), "data")
 
 
 def model(cfg: DictConfig) -> LightningModule:
+    """The LightningModule; a pretrained base it built empty (`hpctrain.empty_weights`) is read from its
+    files now, except under FSDP2, where each rank reads its shards once the model is sharded."""
+    # an optimizer's key it does not take: one sentence, not a TypeError later
+    check_arguments(cfg.model, "model")
     with namespace_of_run(cfg):
-        return _of_the_run(_instantiate(cfg.model), "model")
+        module = _of_the_run(_instantiate(cfg.model), "model")
+    if has_empty_parameters(module) and (cfg.get("trainer") or {}).get("strategy") != "fsdp":
+        materialize(module, "cpu")
+    return module
 
 
 def check_data_available(data: LightningDataModule) -> None:
@@ -437,6 +457,7 @@ def callbacks(
         chosen = [c for c in chosen if not isinstance(c, lr_monitor)]
     for performance in (c for c in chosen if isinstance(c, PerformanceLog)):
         performance.model_config = cfg.get("model")  # its FLOPs are counted on a meta copy built from it
+    chosen.append(TrainableOnly(settings.checkpoints.trainable_only))  # also how eval reads such checkpoints
     chosen.append(
         RankWatchdog(
             settings.dist.timeout_min,
@@ -445,6 +466,9 @@ def callbacks(
             straggler_factor=settings.diagnostics.straggler_factor,
         )
     )
+    chosen.append(
+        BatchLimits()
+    )  # a limit_*_batches fraction of a tiny split: one batch, not Lightning's refusal
     if training:
         # what eval, predict, export and hpctrain.load rebuild the run from
         recorded = redact.recorded(cfg)  # resolved, but no secret (hpctrain.runtime.config.redact)
@@ -493,8 +517,12 @@ def _processes(trainer_cfg: DictConfig) -> int | None:
         return None
 
 
-def strategy(trainer_cfg: DictConfig, dist: Dist, async_save: bool = False) -> Any:
-    """DDP and FSDP2 with the Hydra-aware launcher and the configured collective timeout; else as given."""
+def strategy(
+    trainer_cfg: DictConfig, dist: Dist, async_save: bool = False, compile_backend: str | None = None
+) -> Any:
+    """DDP and FSDP2 with the Hydra-aware launcher and the configured collective timeout; else as given.
+    `compile_backend` (compile=true): FSDP2 compiles each block before sharding it (`tune_model` leaves
+    those networks alone)."""
     chosen = trainer_cfg.get("strategy", "auto")
     # Created with the startup timeout; RankWatchdog sets dist.timeout_min once the first step is done.
     common = {
@@ -507,6 +535,7 @@ def strategy(trainer_cfg: DictConfig, dist: Dist, async_save: bool = False) -> A
             fsdp=fsdp_dtypes(dataclasses.asdict(dist.fsdp), str(trainer_cfg.get("precision"))),
             tensor_parallel_size=dist.tensor_parallel,
             tensor_parallel_plan=dist.tensor_parallel_plan,  # shipped with the model's config
+            compile_backend=compile_backend,
             **common,
         )
     if chosen == "ddp" or (chosen == "auto" and _processes(trainer_cfg) not in (None, 1)):
@@ -516,12 +545,12 @@ def strategy(trainer_cfg: DictConfig, dist: Dist, async_save: bool = False) -> A
     return chosen
 
 
-MIXED_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+MIXED_DTYPES = {"bf16-mixed": "bfloat16"}  # 16-mixed: refused under FSDP2 (config/checks.py)
 
 
 def fsdp_dtypes(fsdp: dict[str, Any], precision: str) -> dict[str, Any]:
-    """FSDP2's mixed precision from the trainer's: under bf16-mixed (16-mixed) with `dist.fsdp.param_dtype`
-    unset, parameters are gathered and computed in bfloat16 (float16) and gradients reduced in float32.
+    """FSDP2's mixed precision from the trainer's: under bf16-mixed with `dist.fsdp.param_dtype` unset,
+    parameters are gathered and computed in bfloat16 and gradients reduced in float32.
     Autocast alone would compute in half precision yet gather and reduce float32: twice the traffic.
     An explicit `param_dtype` or `reduce_dtype` is kept; said once on rank 0."""
     half = MIXED_DTYPES.get(precision)
@@ -545,7 +574,8 @@ def tune_model(module: LightningModule, cfg: DictConfig) -> LightningModule:
     - `channels_last`: parameters and 4-D inputs of its networks in channels-last memory order (faster
       convolutions on GPUs under mixed precision);
     - `compile`: torch.compile each network in place (`nn.Module.compile`): the module and its
-      state-dict keys stay the same, so checkpoints load with or without it.
+      state-dict keys stay the same, so checkpoints load with or without it. Under FSDP2, for a module
+      that hpctrain shards, the strategy compiles each block instead (`strategy`).
     Networks are the module's direct children that hold parameters (metrics are left alone).
     """
     nets = [c for c in module.children() if not isinstance(c, Metric) and any(True for _ in c.parameters())]
@@ -553,7 +583,9 @@ def tune_model(module: LightningModule, cfg: DictConfig) -> LightningModule:
         module.to(memory_format=torch.channels_last)
         for net in nets:
             net.register_forward_pre_hook(_channels_last_inputs)
-    if cfg.get("compile"):
+    sharded_here = cfg.trainer.get("strategy") == "fsdp"
+    sharded_here = sharded_here and not namespaces.is_overridden("configure_model", module)
+    if cfg.get("compile") and not sharded_here:
         for net in nets:
             net.compile(backend=cfg.get("compile_backend") or "inductor")
     return module
@@ -595,7 +627,12 @@ def _trainer(
     kwargs: dict[str, Any] = {
         "logger": chosen_loggers or False,
         "callbacks": callbacks(cfg, run_dir, bool(chosen_loggers), training, sweep, settings),
-        "strategy": strategy(cfg.trainer, settings.dist, asynchronous),
+        "strategy": strategy(
+            cfg.trainer,
+            settings.dist,
+            asynchronous,
+            (cfg.get("compile_backend") or "inductor") if cfg.get("compile") else None,
+        ),
         "plugins": [
             launch.lightning_cluster_environment(namespaces.current()),
             (AsyncAtomicCheckpointIO if asynchronous else AtomicCheckpointIO)(redact.environment_values(cfg)),
@@ -626,7 +663,7 @@ def can_test(module: LightningModule, data: LightningDataModule) -> bool:
     """Whether `test=true` can test this model on this data: a module without a test_step (a GAN, say)
     or data without a test split is not an error, it is said once and the run completes."""
     for owner, what, hook in ((module, "model", "test_step"), (data, "datamodule", "test_dataloader")):
-        if not (namespaces.namespace_of(owner) or namespaces.DECLARED).is_overridden(hook, owner):
+        if not namespaces.is_overridden(hook, owner):
             if launched.is_rank_zero():
                 log.info("no test: the %s has no %s (pass test=false to skip it silently)", what, hook)
             return False
@@ -638,10 +675,12 @@ def can_test(module: LightningModule, data: LightningDataModule) -> bool:
 
 
 def best_checkpoint(trainer: Trainer) -> str | None:
-    """The best checkpoint of this fit, if a ModelCheckpoint saved one; with no monitored metric, the
-    last one (last.ckpt)."""
+    """The best checkpoint of this fit, if a ModelCheckpoint saved one; with no monitored metric, or none
+    computed yet (a run that ended before its first validation), the last one: the template's last.ckpt
+    always holds the weights fit ended with."""
     callback = trainer.checkpoint_callback
     path = getattr(callback, "best_model_path", "") if callback is not None else ""
-    if not path and callback is not None and getattr(callback, "monitor", "") is None:
+    newest = isinstance(callback, ModelCheckpoint) or getattr(callback, "monitor", "") is None
+    if not path and callback is not None and newest:
         path = getattr(callback, "last_model_path", "")
     return path if path and os.path.exists(path) else None  # a file, or a sharded checkpoint's folder

@@ -32,8 +32,11 @@ def main_args() -> dict[str, Any]:
 
 
 def end() -> None:
-    """After `main()` returns: a rank > 0 whose run completed leaves at once (`watchdog`). Only a job
-    imports the watchdog, so `--cfg` and the other answers that run none do not import it here either."""
+    """After `main()` returns: SIGTERM and SLURM's signals are ignored from here to the process's end (a
+    late one would otherwise kill it as the interpreter finalizes: `signals.ignored_until_exit`), and a
+    rank > 0 whose run completed leaves at once (`watchdog`). Only a job imports the watchdog, so `--cfg`
+    and the other answers that run none do not import it here either."""
+    signals.ignored_until_exit()
     watchdog = sys.modules.get("hpctrain.runtime.distributed.watchdog")
     if watchdog is not None:
         watchdog.exit_if_finished_worker()

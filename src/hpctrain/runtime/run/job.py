@@ -33,9 +33,18 @@ from hpctrain.runtime import run_state
 from hpctrain.runtime.config.checks import check_config, check_hydra_env
 from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
 from hpctrain.runtime.config.settings import Settings, Sources
-from hpctrain.runtime.distributed import failures, notify, positions, signals, stacks, watchdog
+from hpctrain.runtime.distributed import (
+    failures,
+    flight_recorder,
+    notify,
+    positions,
+    signals,
+    stacks,
+    watchdog,
+)
 from hpctrain.runtime.distributed.requeue import requeue_and_wait
 from hpctrain.runtime.environment import allocated, launch_checks, launched, network
+from hpctrain.runtime.environment.reading import int_or_none
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import attempts, records
@@ -86,6 +95,8 @@ class Job:
     def __exit__(self, *exc: Any) -> bool:
         if self._stack.__exit__(*exc):
             return True
+        if exc[0] is None:  # done and recorded: a late time-limit signal no longer fails the job
+            signals.completed()
         # A point of a packed job saved for the requeue, recorded as requeued: it ends here (status 0),
         # and its pack's driver requeues the allocation (requeue.requeue_and_wait).
         stopped = exc[1]
@@ -124,8 +135,15 @@ class Job:
         if self.one_process:
             launch_checks.preflight_one_process(cfg.task_name, cfg.trainer.num_nodes, cfg.trainer.devices)
         launch_checks.preflight(
-            cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.accelerator, requeue.enabled
+            cfg.trainer.num_nodes,
+            cfg.trainer.devices,
+            cfg.trainer.accelerator,
+            requeue.enabled,
+            backend=settings.dist.backend,
         )
+        chosen = network.settle_gloo_interface(int_or_none(cfg.trainer.num_nodes))  # gloo's side groups
+        if chosen and launched.is_rank_zero():
+            log.info(chosen)
         if launched.is_rank_zero():
             records.check_writable(self.run_dir)
 
@@ -150,8 +168,8 @@ class Job:
         stacks_signal = self.settings.diagnostics.stacks_signal
         if stacks_signal:  # scripts/stacks.py: where every rank is, from now on, even when it hangs
             stacks.register(self.run_dir, stacks_signal)
-        if str(cfg.trainer.get("accelerator")) in allocated.GPU_ACCELERATORS:
-            network.flight_recorder_dumps_into(self.run_dir)  # NCCL's record of a timed-out collective
+        if str(cfg.trainer.get("accelerator")) in allocated.GPU_ACCELERATORS or flight_recorder.recording():
+            network.flight_recorder_dumps_into(self.run_dir)  # the record of the collectives of a hang
         console.apply_extras(cfg, self.settings.extras)
         if not training:
             console.quiet_training_callbacks()

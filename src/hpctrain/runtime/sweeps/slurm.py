@@ -13,7 +13,7 @@ What this adds to hydra-submitit-launcher 1.2:
   when each job starts) checkpoint, `scontrol requeue` the array task and resume it in the same run
   dir. submitit's own resubmission is never used: it would start the job over with another job id
   (another run dir) and, with Lightning, the checkpoint would be taken inside a signal handler;
-- srun's `--kill-on-bad-exit=1`, and MASTER_ADDR / a free MASTER_PORT exported on the first node, as
+- srun's `--kill-on-bad-exit=1`, and MASTER_ADDR / the job's MASTER_PORT exported on the first node, as
   slurm/train.sbatch does;
 - the jobs run from a snapshot of the code taken at launch (hpctrain.runtime.snapshot), so a requeued
   job runs what was launched however the working copy changes; `snapshot=false` opts out;
@@ -81,9 +81,9 @@ ConfigStore.instance().store(
 
 def setup_lines(root_dir: str | None) -> list[str]:
     """What slurm/train.sbatch does before srun, from the same file (slurm/job_env.sh): the site's
-    settings, then the first node's name and a port free on it (asked of this interpreter)."""
+    settings, then the first node's name and the job's port (from its id)."""
     job_env = Path(root_dir or ".") / "slurm" / "job_env.sh"
-    return [f"export PYTHON={shlex.quote(sys.executable)}", f"source {shlex.quote(str(job_env))}"]
+    return [f"source {shlex.quote(str(job_env))}"]
 
 
 def _mtime(path: Path) -> int | None:

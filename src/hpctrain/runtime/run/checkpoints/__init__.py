@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from hpctrain.runtime.config.settings import InitFrom
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.run.checkpoints import agreement
 from hpctrain.runtime.run.checkpoints.folders import committed, recover
 from hpctrain.runtime.run.records import read_run_record
 
@@ -42,11 +43,19 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 def newest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint in this run dir, if any: requeue.ckpt or last.ckpt, or the best
     epoch's when a kill fell between saving it and saving last.ckpt again; each a file or a folder, and
-    for a folder whose commit a kill interrupted, the complete one it replaced (`committed`)."""
+    for a folder whose commit a kill interrupted, the complete one it replaced (`committed`). Of two saved
+    within the same tick of the filesystem's clock (a second on Lustre), requeue.ckpt, then last.ckpt, then
+    the later name: the same on every rank and in every process."""
     folder = checkpoint_dir(run_dir)
     saved = sorted(p.name for p in folder.glob("*.ckpt")) if folder.is_dir() else []
-    found = [p for name in {*RESUMABLE, *saved} if (p := committed(folder / name)) is not None]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    names = sorted({*RESUMABLE, *saved})
+    found = [p for name in names if (p := committed(folder / name)) is not None]
+    return max(found, key=_recency) if found else None
+
+
+def _recency(path: Path) -> tuple[int, int, str]:
+    name = path.name.lstrip(".").split(".old-")[0]  # a folder set aside counts under its own name
+    return path.stat().st_mtime_ns, RESUMABLE[::-1].index(name) + 1 if name in RESUMABLE else 0, name
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,7 @@ def start_point(
     runs_root: str | Path,
     env: Mapping[str, str] | None = None,
     init_from: str | None = None,
+    wait_s: float | None = None,
 ) -> StartPoint:
     """What `trainer.fit` starts from; refuses, in one sentence, everything ambiguous.
 
@@ -158,13 +168,40 @@ def start_point(
        `ckpt_path` names one of those very checkpoints (continuing that run, in its dir, on purpose).
     3. `ckpt_path=last`: the newest last.ckpt / requeue.ckpt of this task's earlier runs.
     4. `ckpt_path=<file>`, which must exist; none: a fresh start.
+
+    Global rank 0 chooses, and every other rank of the job uses its choice (`agreement`): the ranks look
+    at the folders at different moments, through different nodes' filesystem caches, while rank 0 tidies
+    what an interrupted save left and other runs write theirs, so a choice of their own could differ.
+    `wait_s`: how long another rank waits for rank 0's (default `AGREE_WAIT_S`).
     """
     run_dir = Path(run_dir)
+    given = None if ckpt_path in (None, "", "null") else str(ckpt_path)
+    shared = agreement.needed(given, env)
+    if not launched.is_rank_zero(env):
+        told = agreement.rank_zeros_choice(run_dir, shared, env, AGREE_WAIT_S if wait_s is None else wait_s)
+        if told is not None:
+            checkpoint, reason = told
+            return StartPoint(Path(checkpoint) if checkpoint else None, reason, run_dir)
+    chosen = _choose(given, run_dir, runs_root, env, init_from)
+    if launched.is_rank_zero(env):
+        agreement.tell(run_dir, chosen.checkpoint, chosen.reason, shared, env)
+    return chosen
+
+
+AGREE_WAIT_S = 300.0  # how long a rank waits for rank 0's choice (its imports and preflight come first)
+
+
+def _choose(
+    given: str | None,
+    run_dir: Path,
+    runs_root: str | Path,
+    env: Mapping[str, str] | None,
+    init_from: str | None,
+) -> StartPoint:
     point = partial(StartPoint, run_dir=run_dir)
     if launched.is_rank_zero(env):
         recover(checkpoint_dir(run_dir), env)  # tidy only: the choice below needs no repair (`committed`)
     own = newest_checkpoint(run_dir)
-    given = None if ckpt_path in (None, "", "null") else str(ckpt_path)
     if given is not None and init_from not in (None, "", "null"):
         raise UserError(
             f"ckpt_path={given} and init_from.path={init_from} are both given: ckpt_path continues a run (its "

@@ -1,8 +1,9 @@
 """`checkpoints.async_save=true` for single-file checkpoints (DDP, one process; FSDP2's folders are
 written asynchronously by its strategy, hpctrain.runtime.distributed.fsdp).
 
-The checkpoint is copied to host memory in the training thread (the only part training waits for), then
-one writer thread saves it as `AtomicCheckpointIO` does: into a temporary file, renamed into place once
+The checkpoint is copied to host memory in the training thread (the only part training waits for: into
+buffers kept from one save to the next, `staging.HostStaging`), then one writer thread saves it as
+`AtomicCheckpointIO` does: into a temporary file, renamed into place once
 written, so a checkpoint appears whole or not at all. One save is in flight at a time; the next save, a
 removal (Lightning removes the previous best right after saving the new one), a requeue, the end of fit
 and the process's end wait for it (`wait_for_saves`), and a failed write stops the run there, in one
@@ -15,9 +16,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
-
+from hpctrain.runtime.run.checkpoints.staging import HostStaging
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 
 
@@ -26,13 +25,14 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
         super().__init__(environment)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-checkpoint-writer")
         self._in_flight: Future[None] | None = None
+        self._staging = HostStaging()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         self.wait_for_saves()
         checkpoint = self._plain(checkpoint)  # its first check refuses here, in the training thread
-        on_host = apply_to_collection(checkpoint, Tensor, lambda t: t.detach().to("cpu", copy=True))
+        on_host = self._staging.stage(checkpoint)  # the buffers of the previous save, written by now
         self._in_flight = self._writer.submit(
             AtomicCheckpointIO.save_checkpoint, self, on_host, path, storage_options
         )
@@ -50,4 +50,5 @@ class AsyncAtomicCheckpointIO(AtomicCheckpointIO):
 
     def teardown(self) -> None:
         self.wait_for_saves()
+        self._staging.close()
         super().teardown()

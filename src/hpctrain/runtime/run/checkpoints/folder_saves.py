@@ -2,8 +2,8 @@
 
 Every rank writes its shard into a new folder beside the target; once all have, rank 0 moves the folder
 into place (`folders.commit_folder`): a kill at any moment leaves the old checkpoint or the new one,
-whole. With `checkpoints.async_save`, the state is copied to host memory, training goes on while a
-thread writes it (torch.distributed.checkpoint's `async_save`), and the folder is moved into place
+whole. With `checkpoints.async_save`, the state is copied to host memory (into buffers kept from one
+save to the next, `staging.HostStaging`), training goes on while a thread writes it (torch.distributed.checkpoint's `async_save`), and the folder is moved into place
 when the write completed; one save is in flight at a time. A failed write or commit stops the run in
 one sentence (`CheckpointNotSaved`), every committed checkpoint as it was.
 
@@ -36,6 +36,7 @@ from hpctrain.runtime.run.checkpoints.folders import (
     writer_tag,
 )
 from hpctrain.runtime.run.checkpoints.sharded import META_FILE
+from hpctrain.runtime.run.checkpoints.staging import HostStaging
 from hpctrain.runtime.run.checkpoints.writing import Save
 
 
@@ -47,6 +48,7 @@ class FolderSaves:
         self.last_save: Save | None = None  # the newest save: path, step, at, seconds (the signal's lead)
         self._in_flight: tuple[Any, _Commit] | None = None  # the asynchronous save being written
         self._save_group: Any = None  # its own gloo process group (on the default one, DCP's save hangs)
+        self._staging = HostStaging()  # the host copy of an asynchronous save, reused by the next
 
     def save(
         self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, write: Callable[[Path], None]
@@ -81,7 +83,9 @@ class FolderSaves:
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if rank == 0:
             torch.save(checkpoint, staging / META_FILE)
-        future = dcp.async_save(state, checkpoint_id=staging, process_group=self._save_group)
+        future = dcp.async_save(
+            state, checkpoint_id=staging, process_group=self._save_group, async_stager=self._staging.stager
+        )
         commit = _Commit(path)
         if rank == 0:  # DCP's future ends after every rank's shard and the index are written
             future.add_done_callback(functools.partial(commit.when_written, staging, token))
@@ -103,6 +107,11 @@ class FolderSaves:
         commit.done.wait()  # the callback may still run after result() returned
         if commit.error is not None:
             raise CheckpointNotSaved(commit.path, commit.error) from commit.error
+
+    def close(self) -> None:
+        """The asynchronous save in flight written, and the host buffers freed (the end of fit)."""
+        self.wait()
+        self._staging.close()
 
     def remove(self, rank: int, filepath: Any) -> None:
         """Never before the new checkpoint is committed (an asynchronous save is waited for, and its

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor
 
 from hpctrain.runtime.config import targets
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import sharded
+from hpctrain.runtime.run.checkpoints import sharded, trainable_only
 
 log = logging.getLogger(__package__)
 
@@ -72,8 +73,23 @@ def stored_config(
             "this template, or choose the model and data it holds weights for: model=<option> data=<option>."
         )
     chosen = {group: stored[group] for group in groups if group in stored}
-    targets.check_stored(chosen, f"{what}={path}", trusted_targets, how)
+    searchpath = "" if how else recorded_searchpath(path)  # `how`: hpctrain.load, which no searchpath helps
+    targets.check_stored(chosen, f"{what}={path}", trusted_targets, how, searchpath)
     return targets.literal(chosen)
+
+
+def recorded_searchpath(path: str | Path) -> str:
+    """The `hydra.searchpath=...` override of the training run that wrote the checkpoint at `path`
+    (<run dir>/checkpoints/<file>; Hydra's record of the run, .hydra/hydra.yaml, beside), or "": what to
+    pass again so that the configs it was built from are the project's again. Only named in a refusal:
+    nothing here is trusted."""
+    record = Path(path).parent.parent / ".hydra" / "hydra.yaml"
+    try:
+        overrides = yaml.safe_load(record.read_text())["hydra"]["overrides"]["hydra"] or []
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return ""
+    found = [str(o).lstrip("+") for o in overrides if str(o).lstrip("+").startswith("hydra.searchpath=")]
+    return found[-1] if found else ""
 
 
 def check_matches_model(
@@ -81,9 +97,14 @@ def check_matches_model(
 ) -> None:
     """Refuse a checkpoint whose weights do not fit `module` (another model, or other sizes); `content`:
     the checkpoint already read, if the caller has it."""
-    stored: dict[str, Tensor] = (content or read(path, what))["state_dict"]
+    content = content or read(path, what)
+    stored: dict[str, Tensor] = content["state_dict"]
     expected = module.state_dict()
     missing = sorted(set(expected) - set(stored))
+    if (
+        trainable_only.stored(content) is not None
+    ):  # its frozen part is the model's own, built from its source
+        missing = sorted(set(missing) - set(trainable_only.frozen_names(module)))
     unexpected = sorted(set(stored) - set(expected))
     resized = sorted(
         k for k in set(expected) & set(stored) if tuple(expected[k].shape) != tuple(stored[k].shape)

@@ -1,0 +1,122 @@
+"""Hugging Face folders of a fine-tuned causal language model (export.format=peft and hf_merged).
+
+    export.format  folder         holds                                    loads with
+    peft           <run>/adapter  the adapters (adapter_config.json,       PeftModel.from_pretrained(base,
+                                  adapter_model.safetensors), tokenizer     folder) on the base model
+    hf_merged      <run>/merged   the base with the adapters merged in:     AutoModelForCausalLM.from_pretrained
+                                  config, safetensors, tokenizer            (folder) alone, and generates
+
+They need a LightningModule holding a PEFT model (`peft.PeftModel`, e.g. model=causal_lm_lora); the
+tokenizer's files are copied from the data's `tokenizer` folder. Each export is loaded back as a user
+loads it (transformers and peft alone, no template code) and its logits compared with the checkpoint
+model's; a merged one also generates a few tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpctrain.runtime.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from hpctrain.runtime.inference.loaded import Predictor
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+)
+
+
+def peft_model(predictor: Predictor, name: str) -> Any:
+    """The PEFT model inside the checkpoint's LightningModule."""
+    from peft import PeftModel
+
+    found = next((m for m in predictor.model.modules() if isinstance(m, PeftModel)), None)
+    if found is None:
+        raise UserError(
+            f"export.format={name} writes a PEFT model's folder, but {type(predictor.model).__name__} holds none "
+            "(no peft.PeftModel inside); export it with export.format=torch_export, onnx or safetensors."
+        )
+    return found
+
+
+def _copy_tokenizer(predictor: Predictor, folder: Path) -> None:
+    source = (predictor.config.get("data") or {}).get("tokenizer")
+    if not source:
+        return
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, folder / name)
+
+
+def write_peft(predictor: Predictor, example: Tensor, path: Path) -> None:
+    net = peft_model(predictor, "peft")
+    path.mkdir(parents=True, exist_ok=True)
+    net.save_pretrained(str(path))
+    _copy_tokenizer(predictor, path)
+
+
+def write_merged(predictor: Predictor, example: Tensor, path: Path) -> None:
+    merged = copy.deepcopy(peft_model(predictor, "hf_merged")).merge_and_unload()
+    merged.config.use_cache = True  # for generation, the user's next step
+    path.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(str(path))
+    _copy_tokenizer(predictor, path)
+
+
+def run_peft(path: Path, inputs: Tensor, predictor: Predictor, rebuild: Any) -> Any:
+    """As a user loads it: the base from its folder (as the adapter's config names it), the adapters on it."""
+    import torch
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = PeftConfig.from_pretrained(str(path)).base_model_name_or_path
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(path)).eval()
+    with torch.no_grad():
+        return model(input_ids=inputs).logits
+
+
+def run_merged(path: Path, inputs: Tensor, predictor: Predictor, rebuild: Any) -> Any:
+    """As a user loads it: transformers alone; it must also generate."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+        model.generate(input_ids=inputs[:1], max_new_tokens=4, do_sample=False)
+    return logits
+
+
+def peft_card(exported: Any, predictor: Predictor) -> list[str]:
+    return [
+        "from peft import PeftConfig, PeftModel",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'base = PeftConfig.from_pretrained("{exported.path.name}").base_model_name_or_path  # the base folder',
+        f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "{exported.path.name}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{exported.path.name}")',
+        'prompt = tokenizer.apply_chat_template([{"role": "user", "content": "..."}], add_generation_prompt=True,'
+        ' return_tensors="pt", return_dict=True)',
+        "answer = model.generate(**prompt, max_new_tokens=64)",
+    ]
+
+
+def merged_card(exported: Any, predictor: Predictor) -> list[str]:
+    return [
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{exported.path.name}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{exported.path.name}")',
+        'prompt = tokenizer.apply_chat_template([{"role": "user", "content": "..."}], add_generation_prompt=True,'
+        ' return_tensors="pt", return_dict=True)',
+        "answer = model.generate(**prompt, max_new_tokens=64)",
+    ]

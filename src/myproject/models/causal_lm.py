@@ -1,0 +1,208 @@
+"""A Hugging Face causal language model fine-tuned with LoRA adapters (PEFT): `model=causal_lm_lora`.
+
+The base is a local Hugging Face folder (`base.path`: config.json, *.safetensors, the tokenizer; with
+`base.stage_dir`, copied to node-local disk once per node first), or a new architecture from its config
+(`base.config`, random weights: tests and benchmarks). A base from a
+folder is built empty (`hpctrain.empty_weights`) and its files named in `pretrained_files()`: hpctrain
+reads them once the model is built, or under FSDP2 each rank its own shards once it is sharded, so no
+process ever holds a whole large base it does not need. The base is frozen; only the adapters train
+(the optimizer gets them alone), and with `checkpoints.trainable_only` (auto: when most parameters are
+frozen) checkpoints store the adapters and their optimizer state only.
+
+Batches are those of `data=instructions` (`hpctrain.data.TokenizedDataModule`): the loss is taken on the
+tokens whose label is not -100 (the assistant's, or all), next-token shifted. With the data's
+`packing=concat` (`packing`), the examples packed in a row (their positions restart at 0 where each
+begins) attend only inside themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pytorch_lightning import LightningModule
+from torch import Tensor
+from torch.optim import Optimizer
+
+from hpctrain import UserError, empty_weights
+from hpctrain.data import stage_folder
+from myproject.models import optim
+from myproject.models.metrics import Mean
+
+IGNORE = -100
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class CausalLMLoRA(LightningModule):
+    def __init__(
+        self,
+        base: dict[str, Any],
+        lora: dict[str, Any],
+        optimizer: Callable[..., Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        scheduler_interval: str = "step",
+        packing: str = "none",
+    ) -> None:
+        super().__init__()
+        # imported here: the llm extra is optional, and the quick tier composes every model
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.base_path = _base_folder(base)
+        dtype = getattr(torch, str(base.get("dtype") or "float32"))
+        if self.base_path is not None:
+            source = self.base_path
+            if base.get("stage_dir"):  # read from node-local disk: copied there once per node
+                self.base_path = str(stage_folder(source, base["stage_dir"]))
+            config = AutoConfig.from_pretrained(self.base_path)
+            config.name_or_path = source  # what an exported adapter names as its base: the shared folder
+            with empty_weights():  # read from its files by hpctrain (pretrained_files)
+                network = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        else:
+            fields = dict(base["config"])
+            config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+            network = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        network.config.use_cache = False  # training: no key/value cache (generate turns it on for itself)
+        targets = lora.get("target_modules", "all-linear")
+        self.net = get_peft_model(
+            network,
+            LoraConfig(
+                r=int(lora.get("r", 8)),
+                lora_alpha=int(lora.get("alpha", 16)),
+                lora_dropout=float(lora.get("dropout", 0.0)),
+                target_modules=targets if isinstance(targets, str) else list(targets),
+                task_type="CAUSAL_LM",
+            ),
+        )
+        _initialise_adapters(self.net)
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.scheduler_interval = scheduler_interval
+        self.packed = packing == "concat"  # rows of several examples: attention kept inside each
+        self.val_loss = Mean()
+
+    def pretrained_files(self) -> dict[str, tuple[str, str]]:
+        """{parameter: (safetensors file, tensor name)} of the base's weights (read by hpctrain)."""
+        if self.base_path is None:
+            return {}
+        folder = Path(self.base_path)
+        index = folder / SAFETENSORS_INDEX
+        if index.is_file():
+            where = {k: str(folder / f) for k, f in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            from safetensors import safe_open
+
+            single = folder / "model.safetensors"
+            with safe_open(str(single), framework="pt") as stored:
+                where = {k: str(single) for k in stored.keys()}  # noqa: SIM118 (a safetensors handle)
+        files = {}
+        for name, _ in self.named_parameters():
+            key = name.removeprefix("net.base_model.model.").replace(".base_layer.", ".")
+            if key in where:
+                files[name] = (where[key], key)
+        return files
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """Logits (B, T, vocab)."""
+        mask = attention_mask
+        if self.packed and position_ids is not None and attention_mask is not None:
+            mask = _inside_examples(position_ids, attention_mask)
+        return self.net(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
+
+    def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The mean next-token cross-entropy over the tokens that count, and how many count."""
+        logits = self(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
+        targets = batch["labels"][:, 1:]
+        count = (targets != IGNORE).sum()
+        total = F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
+        )
+        return total / count.clamp(min=1), count
+
+    def flops_per_batch(self, batch: dict[str, Tensor]) -> float:
+        """A training step's FLOPs on `batch` (read by the performance callback for the MFU), as PaLM counts
+        a transformer's: per token, 2 per weight forward and 2 backward (to the inputs), 2 more for the
+        weights that train (the adapters; the frozen base gets no weight gradient), and 12 * layers * width
+        * context for attention; the tokens are those of the batch that are not padding."""
+        config = self.net.get_base_model().config
+        weights = [p for n, p in self.named_parameters() if "embed_tokens" not in n]  # a lookup, no FLOPs
+        every = sum(p.numel() for p in weights)
+        trainable = sum(p.numel() for p in weights if p.requires_grad)
+        tokens = int(batch["attention_mask"].sum())
+        context = batch["input_ids"].shape[1]
+        attention = 12 * config.num_hidden_layers * config.hidden_size * context
+        return float(tokens * (4 * every + 2 * trainable + attention))
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, _ = self.loss(batch)
+        self.log("train/loss", loss)  # written every trainer.log_every_n_steps steps
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss, count = self.loss(batch)
+        self.val_loss.update(loss, count)  # weighted by the tokens that count
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/perplexity", math.exp(min(float(self.val_loss.compute()), 50.0)), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        trainable = [p for p in self.parameters() if p.requires_grad]  # the adapters: the base is frozen
+        return optim.configure(
+            self, trainable, self.optimizer_factory, self.scheduler_factory, self.scheduler_interval
+        )
+
+
+def _base_folder(base: dict[str, Any]) -> str | None:
+    path, config = base.get("path"), base.get("config")
+    if (path is None) == (config is None):
+        raise UserError(
+            f"model.base.path={path} and model.base.config={'set' if config else None}: give exactly one, "
+            "a local Hugging Face folder (config.json, *.safetensors, the tokenizer) or an architecture's config."
+        )
+    if path is None:
+        return None
+    folder = Path(str(path)).expanduser()
+    if not (folder / "config.json").is_file():
+        raise UserError(
+            f"model.base.path={folder} holds no config.json; pass a local Hugging Face model folder (config.json, "
+            "*.safetensors and the tokenizer files, e.g. as huggingface-cli download writes it)."
+        )
+    return str(folder)
+
+
+def _initialise_adapters(network: torch.nn.Module) -> None:
+    """PEFT puts each adapter on its base layer's device; a base built empty (the meta device) leaves the
+    adapters empty too, so they get memory here and PEFT's own initialisation (A random, B zero)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in network.modules():
+        if isinstance(module, LoraLayer):
+            for name in module.active_adapters:
+                layers = [layer[name] for layer in (module.lora_A, module.lora_B) if name in layer]
+                if any(p.is_meta for layer in layers for p in layer.parameters()):
+                    for layer in layers:
+                        layer.to_empty(
+                            device=torch.empty(0).device
+                        )  # the default device (meta in a meta copy)
+                    module.reset_lora_parameters(name, True)
+
+
+def _inside_examples(position_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """A (B, 1, T, T) mask: each token attends to the earlier tokens of its own example (and to itself)."""
+    example = torch.cumsum((position_ids == 0).long(), dim=1)
+    same = example[:, :, None] == example[:, None, :]
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    valid = attention_mask.bool()[:, None, :]
+    itself = torch.eye(length, dtype=torch.bool, device=position_ids.device)
+    return ((same & causal & valid) | itself)[:, None]

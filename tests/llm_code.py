@@ -1,0 +1,58 @@
+"""Callbacks the fine-tuning tests (tests/test_llm.py) add to a run of experiment=lora_sft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pytorch_lightning import Callback
+
+
+class GenerateAtStart(Callback):
+    """The first call to the sharded model is a generation, on every rank, each rank stopping at another
+    step (3 + 4 * rank new tokens, no end token): FSDP2 must gather the root for generate, and every rank
+    must keep stepping until the last one is done. Writes <dir>/generated-<rank>.txt (the new tokens)."""
+
+    def __init__(self, dir: str) -> None:
+        self.dir = Path(dir)
+
+    def on_train_start(self, trainer, pl_module):
+        prompt = torch.tensor([[4, 20, 21, 22, 5]], device=pl_module.device)
+        with torch.no_grad():
+            out = pl_module.net.generate(
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=3 + 4 * trainer.global_rank,
+                do_sample=False,
+                use_cache=True,
+                synced_gpus=trainer.world_size > 1,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / f"generated-{trainer.global_rank}.txt").write_text(str(out.shape[1] - prompt.shape[1]))
+
+
+class SaveBothAtStep(Callback):
+    """At one step boundary, a checkpoint as the run stores them and one with everything (the frozen base
+    too): the same state, the two ways (checkpoints.trainable_only=true and false); and one with everything
+    when training ends."""
+
+    def __init__(self, step: int, path: str, full_path: str, full_at_end: str) -> None:
+        self.step, self.path, self.full_path, self.full_at_end = step, path, full_path, full_at_end
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            self._save_whole(trainer, self.full_path)
+
+    def on_train_end(self, trainer, pl_module):
+        self._save_whole(trainer, self.full_at_end)
+
+    def _save_whole(self, trainer, path: str) -> None:
+        trainable = next(c for c in trainer.callbacks if type(c).__name__ == "TrainableOnly")
+        trainable.active = False
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            trainable.active = True
