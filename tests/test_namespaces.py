@@ -26,7 +26,7 @@ from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import LIGHTNING, PYTORCH_LIGHTNING, MixedNamespaces
 from hpctrain.runtime.run import build
 from tests.differential import user_code, user_code_lightning
-from tests.helpers import ROOT, assert_ok, read_metrics, run_dirs, run_entry, train
+from tests.helpers import EXAMPLES, ROOT, assert_ok, compose_train, read_metrics, run_dirs, run_entry, train
 
 SRC = ROOT / "src"
 
@@ -146,6 +146,19 @@ def test_a_part_is_made_of_the_namespace_being_built_and_pickles_as_such():
     assert namespaces.namespace_of(data) is LIGHTNING
     again = pickle.loads(pickle.dumps(inside))  # a class made at run time pickles by its neutral class
     assert type(again) is type(inside) and again.monitor == "val_loss"
+
+
+@pytest.mark.skipif(not EXAMPLES, reason="the project was generated without the examples")
+def test_the_shipped_experiments_train_under_the_package_their_code_imports(tmp_path: Path):
+    """The language-model fine-tuning example (its model and sample callback) is written with `import
+    lightning as L`: its runs are of the lightning package, with the template's data and callbacks
+    following; the other examples' runs, the character model's with its own sample callback, are of
+    pytorch_lightning (tests/test_llm.py trains the first, tests/test_beyond_mnist.py the second)."""
+    chosen = {
+        experiment: build.run_namespace(compose_train(tmp_path, tmp_path, f"experiment={experiment}"))
+        for experiment in ("lora_sft", "char_transformer")
+    }
+    assert chosen == {"lora_sft": LIGHTNING, "char_transformer": PYTORCH_LIGHTNING}
 
 
 def test_a_model_or_datamodule_built_alone_is_of_the_namespace_its_config_chooses():
