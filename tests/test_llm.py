@@ -422,7 +422,7 @@ def test_tied_embeddings_and_mixed_dtypes_under_fsdp2(tmp_path: Path):
                         p.data = p.data.to(dtype_of_v)
 
         tied = Holder()
-        sharded_blocks = fsdp.apply_fsdp(tied, mesh, {"shard": ["LlamaDecoderLayer", "Embedding"]})
+        sharded_blocks, _ = fsdp.apply_fsdp(tied, mesh, {"shard": ["LlamaDecoderLayer", "Embedding"]})
         assert [type(b).__name__ for b in sharded_blocks] == ["FSDPLlamaDecoderLayer"] * 2
         ids = torch.tensor([[1, 2, 3]])
         tied.net.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # the first call
