@@ -1,14 +1,15 @@
-"""Callbacks the fine-tuning tests (tests/test_llm.py) add to a run of experiment=lora_sft."""
+"""Callbacks the fine-tuning tests (tests/test_llm.py) add to a run of experiment=lora_sft: written with
+`import lightning as L`, as its model is (one run's classes are of one Lightning package)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import lightning as L
 import torch
-from pytorch_lightning import Callback
 
 
-class GenerateAtStart(Callback):
+class GenerateAtStart(L.Callback):
     """The first call to the sharded model is a generation, on every rank, each rank stopping at another
     step (3 + 4 * rank new tokens, no end token): FSDP2 must gather the root for generate, and every rank
     must keep stepping until the last one is done. Writes <dir>/generated-<rank>.txt (the new tokens)."""
@@ -33,7 +34,7 @@ class GenerateAtStart(Callback):
         (self.dir / f"generated-{trainer.global_rank}.txt").write_text(str(out.shape[1] - prompt.shape[1]))
 
 
-class SaveBothAtStep(Callback):
+class SaveBothAtStep(L.Callback):
     """At one step boundary, a checkpoint as the run stores them and one with everything (the frozen base
     too): the same state, the two ways (checkpoints.trainable_only=true and false); and one with everything
     when training ends."""

@@ -34,7 +34,17 @@ from multiprocessing import process as mp_process
 from pathlib import Path
 
 # What every entry point imports first and longest; a module missing here is imported by the run.
-PRELOAD = ("numpy", "torch", "torchmetrics", "pytorch_lightning", "hydra", "omegaconf", "yaml", "rich")
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torchmetrics",
+    "pytorch_lightning",
+    "lightning",
+    "hydra",
+    "omegaconf",
+    "yaml",
+    "rich",
+)
 FRESH = os.environ.get("HPCTRAIN_TEST_FRESH", "") not in ("", "0")
 
 _context: multiprocessing.context.ForkServerContext | None = None

@@ -1,6 +1,6 @@
 """The guide "Your model" (docs/guides/your-model.md): each worked case (src/myproject/examples/) trains with DDP on CPU,
 resumes from ckpt_path and is evaluated by eval.py, with exactly the commands the guide shows; a
-misnamed monitored metric and a module from the `lightning` namespace each stop with one sentence."""
+misnamed monitored metric and classes of both Lightning namespaces in one run each stop with one sentence."""
 
 from __future__ import annotations
 
@@ -134,16 +134,21 @@ def test_a_run_that_ends_before_its_first_validation_completes_with_last_ckpt(tm
     assert outcome["status"] == "completed" and outcome["value"] is None and outcome["test"], outcome
 
 
-def test_a_module_from_the_lightning_namespace_is_one_sentence(tmp_path: Path):
+def test_classes_of_both_lightning_namespaces_in_one_run_are_one_sentence_before_anything_is_built(
+    tmp_path: Path,
+):
+    """A module written with `import lightning as L` runs (tests/test_namespaces.py); with the guide's case (c),
+    a datamodule written with `import pytorch_lightning as pl`, it is one sentence naming both files, before
+    any data is read or process started."""
     package = tmp_path / "user_code"
     package.mkdir()
     (package / "lit_user.py").write_text(
         textwrap.dedent(
             """
-            import lightning.pytorch as pl
+            import lightning as L
             import torch
 
-            class LitUser(pl.LightningModule):  # written as the `lightning` package's docs write it
+            class LitUser(L.LightningModule):  # written as the `lightning` package's docs write it
                 def __init__(self):
                     super().__init__()
                     self.layer = torch.nn.Linear(784, 10)
@@ -153,16 +158,24 @@ def test_a_module_from_the_lightning_namespace_is_one_sentence(tmp_path: Path):
     conf = tmp_path / "conf" / "model"
     conf.mkdir(parents=True)
     (conf / "lit_user.yaml").write_text("_target_: lit_user.LitUser\n")
+    started = time.monotonic()
     result = train(
         tmp_path,
         f"--config-dir={tmp_path / 'conf'}",
         "model=lit_user",
-        "data=digits",
+        "data=plain_digits",
+        "trainer=ddp_cpu",
         env={"PYTHONPATH": str(package)},
     )
     message = _one_sentence_error(result)
-    assert "model: lit_user.LitUser is a lightning.pytorch.LightningModule" in message
-    assert "import pytorch_lightning as pl" in message
+    assert message.startswith(
+        f"error: model: lit_user.LitUser is written with lightning.pytorch (`import lightning as L`, in "
+        f"{package / 'lit_user.py'}), but data: myproject.examples.plain_digits.PlainDigitsDataModule is written "
+        f"with pytorch_lightning (`import pytorch_lightning as pl`, in {ROOT / 'src/myproject/examples/plain_digits.py'})"
+    ), message
+    assert "GPU available" not in result.stdout and "rank" not in message  # no trainer, no second process
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "train" / "runs").exists() or not run_dirs(tmp_path)  # refused: no run dir left
 
 
 def test_a_plain_dataloader_resumes_from_the_last_step_and_says_so(tmp_path: Path):

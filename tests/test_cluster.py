@@ -9,6 +9,7 @@ import torch
 from hpctrain.runtime.distributed import launch
 from hpctrain.runtime.environment import allocated, launch_checks, launched, network
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import PYTORCH_LIGHTNING
 
 TORCHRUN = {
     "RANK": "1",
@@ -105,7 +106,7 @@ def test_one_gpu_bound_to_each_task_is_used_whatever_its_local_id(monkeypatch):
     assert allocated.one_gpu_per_task(env)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    environment = launch.lightning_cluster_environment(env)
+    environment = launch.lightning_cluster_environment(PYTORCH_LIGHTNING, env)
     # the local rank stays SLURM_LOCALID: prepare_data (Lightning runs it where local_rank == 0) and the
     # GPU sampler run on one task of the node, not on all eight at once into one data directory
     assert environment.local_rank() == 5

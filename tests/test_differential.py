@@ -5,6 +5,10 @@ that last.ckpt holds. Values are compared with a relative tolerance of 1e-6 (the
 
 Where the template deliberately differs, the test says so: its run dir and progress output, and
 last.ckpt, which here always holds the newest state (bare Lightning 2.6 may leave the best epoch's there).
+
+The user code is written with `import pytorch_lightning as pl`, and for the cases of WRITTEN_WITH_LIGHTNING
+also with `import lightning as L` (tests/differential/user_code_lightning.py), compared with a bare Trainer
+of the `lightning` package: every object the Trainer runs with is of the user code's package, on both sides.
 """
 
 from __future__ import annotations
@@ -32,15 +36,19 @@ OWN_TEST = (
     "best_before_resume",
 )
 SINGLE_RUN = [name for name in CASES if name not in OWN_TEST]
+# written with `import lightning as L` too: a module, a datamodule, a callback of the user's and one of
+# Lightning's (DDP under the lightning package: tests/test_namespaces.py runs quickstart's model so)
+WRITTEN_WITH_LIGHTNING = ["lambda_callback"]
 
 
 def _env(out: Path) -> dict[str, str]:
     return {"PYTHONPATH": str(ROOT), "DIFF_OUT": str(out)}
 
 
-def run_bare(case: str, out: Path, *args: str) -> Path:
+def run_bare(case: str, out: Path, *args: str, package: str = "pytorch_lightning") -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    assert_ok(run_script("tests/differential/bare.py", case, str(out), *args, env=_env(out)))
+    command = ("tests/differential/bare.py", case, str(out), *args, "--package", package)
+    assert_ok(run_script(*command, env=_env(out)))
     return out
 
 
@@ -84,14 +92,19 @@ def last_checkpoint(run_or_out: Path) -> tuple[int, int, dict]:
     return checkpoint["epoch"], checkpoint["global_step"], checkpoint
 
 
-def trained_as_under_bare_lightning(name: str, tmp_path: Path) -> tuple[Path, Path]:
-    """Train the case both ways and compare; returns the bare run's output and the template's run dir."""
-    bare = run_bare(name, tmp_path / "bare")
+def trained_as_under_bare_lightning(
+    name: str, tmp_path: Path, package: str = "pytorch_lightning"
+) -> tuple[Path, Path]:
+    """Train the case both ways and compare; returns the bare run's output and the template's run dir.
+    `package`: the one the user code imports Lightning from."""
+    bare = run_bare(name, tmp_path / "bare", package=package)
     mine = tmp_path / "template"
-    run = run_template(name, mine)
+    run = run_template(name, mine, package=package)
 
     assert hooks(mine) == hooks(bare)  # every hook, every rank, as often (and where training ended)
     assert len(hooks(bare)) == CASES[name].processes
+    for rank in hooks(mine).values():  # the Trainer and all it runs with: of the user code's package
+        assert rank["notes"]["packages"] == [package]
     assert_same_rows(rows(run / "metrics.csv"), rows(bare / "metrics.csv"))
     # Deliberate difference: last.ckpt holds where training ended (the bare run's last epoch end),
     # whether or not the monitored metric improved there.
@@ -109,6 +122,14 @@ def trained_as_under_bare_lightning(name: str, tmp_path: Path) -> tuple[Path, Pa
 @pytest.mark.parametrize("name", SINGLE_RUN)
 def test_user_code_behaves_as_under_bare_lightning(name: str, tmp_path: Path):
     trained_as_under_bare_lightning(name, tmp_path)
+
+
+@pytest.mark.parametrize("name", WRITTEN_WITH_LIGHTNING)
+def test_user_code_written_with_import_lightning_behaves_as_under_its_bare_trainer(name: str, tmp_path: Path):
+    """The same user code written with `import lightning as L` runs under the `lightning` package's
+    Trainer, with hpctrain's callbacks, strategy, launcher, cluster environment, checkpoint IO and logger
+    of that package, and observes what it observes under a bare `L.Trainer`."""
+    trained_as_under_bare_lightning(name, tmp_path, package="lightning")
 
 
 def outcome(run: Path) -> dict:

@@ -3,7 +3,7 @@ the machinery, and entry points that repeat no code.
 
     the user's package   src/<yours>/ (here myproject): models, networks, datasets   (yours to edit)
     the machinery        src/hpctrain/, carried untouched:
-                         errors, environment < config < distributed < report, data
+                         errors, environment, namespaces < config < distributed < report, data
                          < run, callbacks, loggers < sweeps, inference (what comes after training)
                          < testing
 
@@ -41,6 +41,7 @@ LAYERS = [
         "hpctrain.runtime.run_state",
         "hpctrain.runtime.secrets",
         "hpctrain.runtime.confined",
+        "hpctrain.runtime.namespaces",
         "hpctrain.conf",
     },
     {"hpctrain.runtime.config"},

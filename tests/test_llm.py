@@ -580,7 +580,8 @@ def test_a_lora_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupted_o
         f"paths.data_dir={llm_data}",
         *SHORT,
         "callbacks.progress.log_every_n_s=0",
-        "+callbacks.slow._target_=tests.differential.user_code.SlowRankCallback",
+        # written with `import lightning as L`, as the experiment's model is
+        "+callbacks.slow._target_=tests.differential.user_code_lightning.SlowRankCallback",
         f"paths.log_dir={tmp_path}",
         "extras.print_config=false",
     )
@@ -589,8 +590,8 @@ def test_a_lora_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupted_o
     interrupted = slurm_cluster.sbatch(*submit, cwd=ROOT, env=slow)
     reference = slurm_cluster.sbatch(*submit, cwd=ROOT, env=slow)
     deadline = time.monotonic() + 400
-    while "epoch 0/1  step 3/" not in _output(tmp_path, interrupted):
-        assert time.monotonic() < deadline, _output(tmp_path, interrupted)[-3000:]
+    while "epoch 0/1  step 3/" not in (out := _output(tmp_path, interrupted)):
+        assert time.monotonic() < deadline and "\nerror: " not in out, out[-3000:]  # a refusal: at once
         time.sleep(0.2)
     assert slurm_cluster.run("scancel", "--signal=USR1", interrupted).returncode == 0
     for job in (interrupted, reference):

@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pytorch_lightning.loggers import CSVLogger, MLFlowLogger, WandbLogger
-from pytorch_lightning.loggers.csv_logs import ExperimentWriter
-from pytorch_lightning.loggers.logger import rank_zero_experiment
+from pytorch_lightning.loggers.logger import rank_zero_experiment  # namespace-free: rank 0 or not
 
+from hpctrain.runtime import namespaces
 from hpctrain.runtime.environment import allocated, launched
+from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.run.records import read_run_record
 
 
@@ -53,7 +53,9 @@ def tag_runs(loggers: list[Any], metadata: dict[str, Any]) -> None:
     if metadata.get("git_commit"):
         tags["mlflow.source.git.commit"] = str(metadata["git_commit"])
     for logger in loggers:
-        if isinstance(logger, MLFlowLogger) and tags:
+        namespace = namespaces.namespace_of(logger)
+        mlflow_class = namespace.get("pytorch_lightning.loggers.MLFlowLogger") if namespace else None
+        if mlflow_class is not None and isinstance(logger, mlflow_class) and tags:
             from mlflow.entities import RunTag
 
             logger.experiment.log_batch(logger.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
@@ -74,7 +76,7 @@ def stable_run_key(run_dir: str | os.PathLike[str]) -> str:
     return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
 
 
-class _AppendingWriter(ExperimentWriter):
+class _AppendingWriter(LightningPart, lightning="pytorch_lightning.loggers.csv_logs.ExperimentWriter"):
     """Lightning's CSV writer deletes an existing metrics.csv; this one keeps it and appends."""
 
     def _check_log_dir_exists(self) -> None:
@@ -83,7 +85,7 @@ class _AppendingWriter(ExperimentWriter):
                 self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
 
 
-class ResumableCSVLogger(CSVLogger):
+class ResumableCSVLogger(LightningPart, lightning="pytorch_lightning.loggers.CSVLogger"):
     """Writes metrics.csv (and hparams.yaml) directly in `save_dir`, appending on resume."""
 
     def __init__(self, save_dir: str, flush_logs_every_n_steps: int = 100) -> None:
@@ -93,10 +95,10 @@ class ResumableCSVLogger(CSVLogger):
 
     @property
     @rank_zero_experiment
-    def experiment(self) -> ExperimentWriter:
+    def experiment(self) -> _AppendingWriter:
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+            self._experiment = self.namespace.part(_AppendingWriter)(log_dir=self.log_dir)
         return self._experiment
 
 
@@ -122,7 +124,7 @@ def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, tags: A
         run_id = runs[0].info.run_id if runs else None
     labels = dict(tags) if isinstance(tags, dict) else {str(tag): "true" for tag in tags or []}
     kwargs.setdefault("run_name", Path(run_dir).name)
-    return MLFlowLogger(
+    return namespaces.current().get("pytorch_lightning.loggers.MLFlowLogger")(  # the run's namespace's
         experiment_name=experiment_name,
         tracking_uri=tracking_uri,
         run_id=run_id,
@@ -136,4 +138,4 @@ def wandb_logger(save_dir: str, run_dir: str, **kwargs: Any):
 
     kwargs.setdefault("id", stable_run_key(run_dir))
     kwargs.setdefault("resume", "allow")
-    return WandbLogger(save_dir=save_dir, **kwargs)
+    return namespaces.current().get("pytorch_lightning.loggers.WandbLogger")(save_dir=save_dir, **kwargs)

@@ -1,14 +1,17 @@
 """The oracle: a case trained by a plain `pl.Trainer` script, as a user of bare Lightning would write it.
 
     python tests/differential/bare.py CASE OUT_DIR [--max-epochs N] [--ckpt-path FILE] [--save-at STEP FILE]
+        [--package pytorch_lightning|lightning]
 
 Writes OUT_DIR/metrics.csv (Lightning's CSVLogger), OUT_DIR/checkpoints/, OUT_DIR/hooks-rank<R>.json
-(the recorder) and OUT_DIR/final.pt (the weights when fit ended).
+(the recorder) and OUT_DIR/final.pt (the weights when fit ended). `--package lightning`: the user code
+written with `import lightning as L`, under the `lightning` package's Trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -16,15 +19,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
-from pytorch_lightning.loggers import CSVLogger  # noqa: E402
-from pytorch_lightning.strategies import DDPStrategy  # noqa: E402
-from pytorch_lightning.utilities.model_helpers import is_overridden  # noqa: E402
 
-from tests.differential import user_code  # noqa: E402
-from tests.differential.cases import CASES, SEED, TRAINER, callback_configs, target  # noqa: E402
+from tests.differential.cases import (  # noqa: E402
+    CASES,
+    SEED,
+    TRAINER,
+    WRITTEN_WITH,
+    callback_configs,
+    target,
+    written_with,
+)
+
+TRAINER_PACKAGE = {"pytorch_lightning": "pytorch_lightning", "lightning": "lightning.pytorch"}
 
 
 def main() -> None:
@@ -34,17 +42,24 @@ def main() -> None:
     parser.add_argument("--max-epochs", type=int)
     parser.add_argument("--ckpt-path")
     parser.add_argument("--save-at", nargs=2)
+    parser.add_argument("--package", choices=sorted(WRITTEN_WITH), default="pytorch_lightning")
     args = parser.parse_args()
     case = CASES[args.case]
+    # the Trainer, logger and strategy of the package the user code imports, as its user would write them
+    pl = importlib.import_module(TRAINER_PACKAGE[args.package])
+    user_code = importlib.import_module(WRITTEN_WITH[args.package])
+    is_overridden = importlib.import_module(f"{pl.__name__}.utilities.model_helpers").is_overridden
     os.environ["DIFF_OUT"] = str(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
 
     pl.seed_everything(SEED, workers=True)
-    data = instantiate({"_target_": target(case.data)})
-    model = instantiate({"_target_": target(case.module), **case.model}, _convert_="all")
+    data = instantiate(written_with(args.package, {"_target_": target(case.data)}))
+    model = instantiate(
+        written_with(args.package, {"_target_": target(case.module), **case.model}), _convert_="all"
+    )
     callbacks = [
         instantiate(c, _convert_="all")
-        for c in callback_configs(case, str(args.out / "checkpoints")).values()
+        for c in callback_configs(case, str(args.out / "checkpoints"), args.package).values()
     ]
     if args.save_at:
         callbacks.append(user_code.SaveAtStep(int(args.save_at[0]), args.save_at[1]))
@@ -52,11 +67,11 @@ def main() -> None:
     if args.max_epochs:
         options["max_epochs"] = args.max_epochs
     if case.processes > 1:
-        options["strategy"] = DDPStrategy(find_unused_parameters=case.find_unused_parameters)
+        options["strategy"] = pl.strategies.DDPStrategy(find_unused_parameters=case.find_unused_parameters)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=case.processes,
-        logger=CSVLogger(args.out, name="", version=""),
+        logger=pl.loggers.CSVLogger(args.out, name="", version=""),
         callbacks=callbacks,
         enable_model_summary=False,
         **options,

@@ -1,5 +1,8 @@
 """The differential cases: one user setup, built the same way by a plain `pl.Trainer` script
-(tests/differential/bare.py) and by `python src/train.py` (the overrides below)."""
+(tests/differential/bare.py) and by `python src/train.py` (the overrides below).
+
+The user code is written with `import pytorch_lightning as pl` (user_code.py) or with `import lightning
+as L` (user_code_lightning.py, the same code): `written_with` turns a case's configs into the latter's."""
 
 from __future__ import annotations
 
@@ -27,6 +30,23 @@ class Case:
     early_stopping_patience: int | None = None
     find_unused_parameters: bool = False
     bare_test_weights_only: bool | None = None  # bare Lightning's trainer.test(weights_only=...)
+
+
+# The package the user code imports Lightning from -> the module holding that code
+WRITTEN_WITH = {"pytorch_lightning": USER, "lightning": "tests.differential.user_code_lightning"}
+
+
+def written_with(package: str, value: Any) -> Any:
+    """`value` (a config, an override, a list of them) for the user code written with `package`: the
+    classes of its module, and Lightning's own classes from the same package (as that user writes them)."""
+    if isinstance(value, dict):
+        return {key: written_with(package, v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [written_with(package, v) for v in value]
+    if package == "lightning" and isinstance(value, str):
+        value = value.replace(f"{USER}.", f"{WRITTEN_WITH[package]}.")
+        return value.replace("pytorch_lightning.", "lightning.pytorch.")
+    return value
 
 
 def user_classes() -> list[str]:
@@ -128,7 +148,9 @@ CASES: dict[str, Case] = {
 }
 
 
-def callback_configs(case: Case, ckpt_dir: str) -> dict[str, dict[str, Any]]:
+def callback_configs(
+    case: Case, ckpt_dir: str, package: str = "pytorch_lightning"
+) -> dict[str, dict[str, Any]]:
     """Every callback of the case as Hydra configs: the checkpoint (and early stopping), the case's
     own, and the harness's recorder. The template side gets the checkpoint from its own config."""
     metric, mode = case.monitor or (None, "min")
@@ -153,7 +175,7 @@ def callback_configs(case: Case, ckpt_dir: str) -> dict[str, dict[str, Any]]:
         }
     chosen.update(case.callbacks)
     chosen["recorder"] = {"_target_": f"{USER}.Recorder"}
-    return chosen
+    return written_with(package, chosen)
 
 
 def _overrides(prefix: str, node: Any) -> list[str]:
@@ -164,9 +186,12 @@ def _overrides(prefix: str, node: Any) -> list[str]:
 
 
 def template_overrides(
-    case: Case, trainer: dict[str, Any] | None = None, extra_callbacks: dict | None = None
+    case: Case,
+    trainer: dict[str, Any] | None = None,
+    extra_callbacks: dict | None = None,
+    package: str = "pytorch_lightning",
 ) -> list[str]:
-    """The `python src/train.py` overrides that build the case."""
+    """The `python src/train.py` overrides that build the case, of the user code written with `package`."""
     options = {**TRAINER, **case.trainer, **(trainer or {})}
     overrides = [
         f"hydra.searchpath=[file://{CONF}]",
@@ -201,7 +226,7 @@ def template_overrides(
     own = {**case.callbacks, "recorder": {"_target_": f"{USER}.Recorder"}, **(extra_callbacks or {})}
     for name, config in own.items():
         overrides += _overrides(f"+callbacks.{name}", config)
-    return overrides
+    return written_with(package, overrides)
 
 
 def user_overrides(

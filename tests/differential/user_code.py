@@ -34,8 +34,26 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
+def _package(obj: object) -> str:
+    """The Lightning package an object's class comes from: `pytorch_lightning` (with lightning_fabric) or
+    `lightning` (lightning.pytorch, lightning.fabric)."""
+    for cls in type(obj).__mro__:
+        if cls.__module__.startswith(("pytorch_lightning", "lightning_fabric")):
+            return "pytorch_lightning"
+        if cls.__module__.startswith("lightning."):
+            return "lightning"
+    return "neither"
+
+
 class Recorder(Callback):
-    """The harness's probe (on both sides): hook counts, custom notes, and where training ended."""
+    """The harness's probe (on both sides): hook counts, custom notes, where training ended, and which
+    Lightning package the Trainer and everything it runs with come from (the same as this file's)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        strategy = trainer.strategy
+        parts = [trainer, strategy, getattr(strategy, "cluster_environment", None), strategy.checkpoint_io]
+        parts += [pl_module, trainer.datamodule, *trainer.callbacks, *trainer.loggers]
+        NOTES["packages"] = sorted({_package(part) for part in parts if part is not None})
 
     def on_train_epoch_end(self, trainer, pl_module):
         NOTES["last_epoch_end"] = [trainer.current_epoch, trainer.global_step]

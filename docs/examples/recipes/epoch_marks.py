@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
-from pytorch_lightning import Callback
+from hpctrain.runtime.namespaces import LightningPart
 
 
-class EpochMarks(Callback):
+class EpochMarks(LightningPart, lightning="pytorch_lightning.Callback"):  # a Callback of the run's package
     def __init__(self, path: str) -> None:
         self.path = Path(path)
 

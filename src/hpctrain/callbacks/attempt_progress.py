@@ -6,17 +6,19 @@ import logging
 import statistics
 import time
 from collections import deque
-from typing import Any
-
-from pytorch_lightning import Callback, LightningModule, Trainer
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
+from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.run import attempts
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain.runtime.run")
 
 
-class AttemptProgress(Callback):
+class AttemptProgress(LightningPart, lightning="pytorch_lightning.Callback"):
     """Rank 0 records this attempt's progress in run.yaml (`attempts`): when training started, the last
     checkpoint saved (timed by the checkpoint writer), a sign of life every `attempts.HEARTBEAT_S`. With
     requeue on, it warns once when the slowest save plus the wait for the next signal check does not fit

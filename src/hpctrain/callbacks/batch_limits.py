@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytorch_lightning import Callback, LightningModule, Trainer
-from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch.utils.data import DistributedSampler
+
+from hpctrain.runtime.namespaces import LightningPart, is_overridden
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain.runtime.run")
 
 SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
 
-class BatchLimits(Callback):
+class BatchLimits(LightningPart, lightning="pytorch_lightning.Callback"):
     """Turns a `trainer.limit_<split>_batches` fraction that would select no batch of its split into 1."""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

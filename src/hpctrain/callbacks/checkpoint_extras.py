@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from pytorch_lightning import Callback, LightningModule, Trainer
 
+from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.run.checkpoints.extras import (
     capture_metric_states,
     capture_rng_state,
@@ -19,10 +19,13 @@ from hpctrain.runtime.run.checkpoints.extras import (
 )
 from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY
 
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
+
 log = logging.getLogger("hpctrain.runtime.run.checkpoints")
 
 
-class CheckpointExtras(Callback):
+class CheckpointExtras(LightningPart, lightning="pytorch_lightning.Callback"):
     """Adds each rank's RNG and (mid-epoch) metric states and the config to every checkpoint, and
     restores this rank's share when training starts, before the first resumed batch.
 

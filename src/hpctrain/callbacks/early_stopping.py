@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytorch_lightning as pl
-from pytorch_lightning import LightningModule, Trainer
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing, metric_is_due
 from hpctrain.callbacks.state_key import CachedStateKey
+from hpctrain.runtime.namespaces import LightningPart
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 
-class EarlyStopping(CachedStateKey, pl.callbacks.EarlyStopping):
+class EarlyStopping(CachedStateKey, LightningPart, lightning="pytorch_lightning.callbacks.EarlyStopping"):
     """Lightning's EarlyStopping; a monitored metric that is missing is one sentence. With no monitored
     metric (`monitor: null`, or a model that logs none) it never stops a run, and before the first
     validation of a run that validates (a short run's only epoch, cut by max_steps) it has nothing to

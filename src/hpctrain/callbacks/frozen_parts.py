@@ -5,17 +5,20 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytorch_lightning import Callback, LightningModule, Trainer
 from torch import nn
 
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain")
 
 
-class FrozenParts(Callback):
+class FrozenParts(LightningPart, lightning="pytorch_lightning.Callback"):
     """Parameters matching `patterns` are not trained; BatchNorm layers whose parameters are all frozen
     are in eval mode while frozen, so their running statistics stay as loaded.
 

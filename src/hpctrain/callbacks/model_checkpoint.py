@@ -10,16 +10,18 @@ import logging
 import numbers
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning import LightningModule, Trainer
 
 from hpctrain.callbacks.monitored_metric import MonitoredMetricMissing, metric_is_due
 from hpctrain.callbacks.state_key import CachedStateKey
 from hpctrain.runtime.confined import inside
 from hpctrain.runtime.environment import launched
+from hpctrain.runtime.namespaces import LightningPart
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain")
 _PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
@@ -34,7 +36,7 @@ def _score(value: Any) -> bool:
     )
 
 
-class ModelCheckpoint(CachedStateKey, pl.callbacks.ModelCheckpoint):
+class ModelCheckpoint(CachedStateKey, LightningPart, lightning="pytorch_lightning.callbacks.ModelCheckpoint"):
     """Lightning's ModelCheckpoint, with `last.ckpt` always the newest state, and a monitored metric that
     is missing after validation as one sentence. With no monitored metric (`monitor: null`) and the
     default `save_top_k: 1`, it keeps last.ckpt only: Lightning's newest-epoch copy would be the same

@@ -19,12 +19,13 @@ import difflib
 import logging
 import math
 from collections.abc import Iterable
-from typing import Any
-
-from pytorch_lightning import Callback, LightningModule, Trainer
-from pytorch_lightning.utilities.model_helpers import is_overridden
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart, is_overridden
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain.runtime.run")
 
@@ -106,7 +107,7 @@ def no_monitor_note(metric: str | None) -> str:
     )
 
 
-class MonitoredMetric(Callback):
+class MonitoredMetric(LightningPart, lightning="pytorch_lightning.Callback"):
     """Checks once that `metric` is logged and keeps its best value under `mode` (what train.py returns).
 
     A model that logs no metric at all (Lightning's demo BoringModel) trains as under bare Lightning

@@ -10,18 +10,21 @@ the newest checkpoint is the last good one. Rank 0 posts the sentence as a notif
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pytorch_lightning import Callback, LightningModule, Trainer
 from torch import Tensor
 
 from hpctrain.runtime.distributed import notify
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.run.checkpoints import newest_checkpoint
 
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
-class NonFiniteLoss(Callback):
+
+class NonFiniteLoss(LightningPart, lightning="pytorch_lightning.Callback"):
     def __init__(self, run_dir: str | Path, check_every_n_steps: int = 50) -> None:
         self.run_dir = Path(run_dir)
         self.every = max(1, int(check_every_n_steps))

@@ -19,13 +19,16 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from pytorch_lightning import Callback, LightningModule, Trainer
 
 from hpctrain.runtime.distributed.job_store import rank, store
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart
+
+if TYPE_CHECKING:
+    from pytorch_lightning import Callback, LightningModule, Trainer
 
 WAIT_S = 10.0
 KEY = "hpctrain/one-rank-call"  # a key of the job store
@@ -35,7 +38,7 @@ class OneRankCall(UserError):
     pass
 
 
-class OneRankCalls(Callback):
+class OneRankCalls(LightningPart, lightning="pytorch_lightning.Callback"):
     """See the module docstring. `names`: the config name of each of the run's callbacks (by id)."""
 
     def __init__(self, names: dict[int, str] | None = None, wait_s: float = WAIT_S) -> None:
@@ -63,9 +66,10 @@ class OneRankCalls(Callback):
 
     def _wrap(self, callback: Callback) -> None:
         name = self.names.get(id(callback), type(callback).__name__)
-        for hook in [h for h in dir(Callback) if h.startswith("on_")]:
+        base = self.namespace.get("pytorch_lightning.Callback")  # Lightning's, of this run's namespace
+        for hook in [h for h in dir(base) if h.startswith("on_")]:
             own = getattr(type(callback), hook, None)
-            if own is None or own is getattr(Callback, hook) or getattr(own, "_one_rank_watched", False):
+            if own is None or own is getattr(base, hook) or getattr(own, "_one_rank_watched", False):
                 continue
             bound = getattr(callback, hook)
             if getattr(bound, "_one_rank_watched", False):

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
-
-from pytorch_lightning import Callback, LightningModule, Trainer
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.runtime.distributed import job_store
+from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.report import flops as flop_count
 from hpctrain.runtime.report import gpus
 from hpctrain.runtime.report.performance import (
@@ -29,10 +28,13 @@ from hpctrain.runtime.report.performance import (
 )
 from hpctrain.runtime.report.progress import batch_size_of
 
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
+
 log = logging.getLogger("hpctrain")
 
 
-class PerformanceLog(Callback):
+class PerformanceLog(LightningPart, lightning="pytorch_lightning.Callback"):
     """See the module docstring. `peak_flops`: the device's peak FLOP/s for the MFU, where Lightning's
     table does not know it (or to override it); `flops=false` skips counting the FLOPs of a step;
     `gpu_every_s`: how often local rank 0 samples its node's GPUs through NVML (0: never)."""

@@ -10,13 +10,15 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytorch_lightning import LightningModule, Trainer
-from pytorch_lightning.callbacks import ProgressBar, RichProgressBar
-
+from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.report.performance import tensor_parallel
 from hpctrain.runtime.report.progress import batch_size_of
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
+    from pytorch_lightning.callbacks import ProgressBar
 
 log = logging.getLogger("hpctrain")
 
@@ -33,14 +35,14 @@ def shown_metrics(trainer: Trainer, shown: dict[str, Any]) -> dict[str, Any]:
     return {**shown, **logged}
 
 
-class RichProgress(RichProgressBar):
+class RichProgress(LightningPart, lightning="pytorch_lightning.callbacks.RichProgressBar"):
     """Lightning's rich bar, showing what the loggers have (see `shown_metrics`)."""
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         return shown_metrics(trainer, super().get_metrics(trainer, pl_module))
 
 
-class LogProgress(ProgressBar):
+class LogProgress(LightningPart, lightning="pytorch_lightning.callbacks.ProgressBar"):
     """One log line every `every_n_s` seconds during training and one after each validation, on rank 0."""
 
     def __init__(self, every_n_s: float = 30.0) -> None:

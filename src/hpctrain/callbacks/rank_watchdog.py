@@ -5,19 +5,22 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from pytorch_lightning import Callback, LightningModule, Trainer
 
 from hpctrain.runtime.distributed import failures, launch, positions, signals, watchdog
 from hpctrain.runtime.distributed.stragglers import StepClock, StragglerReport
 from hpctrain.runtime.distributed.streams import shares_itself_out
+from hpctrain.runtime.namespaces import LightningPart
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain.runtime.run")
 
 
-class RankWatchdog(Callback):
+class RankWatchdog(LightningPart, lightning="pytorch_lightning.Callback"):
     """Starts `hpctrain.runtime.distributed.watchdog` once the process group exists; Lightning's exception path (which
     ends local child ranks itself) is an orderly stop, not a rank failure. It tells the watchdog where this
     rank is within its step (two plain assignments per step), for the sentence that names a rank that

@@ -7,11 +7,10 @@ import logging
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning import Callback, LightningModule, Trainer
 
 from hpctrain.runtime.distributed import signals
 from hpctrain.runtime.distributed.requeue import (
@@ -20,11 +19,15 @@ from hpctrain.runtime.distributed.requeue import (
     TEST_CHECK_EVERY,
     wait_for_saves,
 )
+from hpctrain.runtime.namespaces import LightningPart
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain.runtime.distributed")
 
 
-class RequeueOnSignal(Callback):
+class RequeueOnSignal(LightningPart, lightning="pytorch_lightning.Callback"):
     def __init__(
         self, checkpoint_path: str | Path, check_every_n_steps: int | str = "auto", timeout_min: float = 30
     ) -> None:

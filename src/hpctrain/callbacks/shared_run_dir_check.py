@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-from pytorch_lightning import Callback, LightningModule, Trainer
 
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 
-class SharedRunDirCheck(Callback):
+class SharedRunDirCheck(LightningPart, lightning="pytorch_lightning.Callback"):
     """When fit starts on several nodes, check that every rank writes to the same, shared run dir: a
     node-local log dir would leave checkpoints where a requeued job, or another node, cannot find them."""
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytorch_lightning import Callback, LightningModule, Trainer
-
+from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.report.performance import tensor_parallel
 from hpctrain.runtime.report.progress import batch_size_of, seconds_since_process_start, tokens_of
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain")
 
 
-class ThroughputLog(Callback):
+class ThroughputLog(LightningPart, lightning="pytorch_lightning.Callback"):
     """Logs `train/samples_per_s` once per epoch: the samples all ranks trained on per second of
     training steps (validation, and the checkpointing that follows it, are not counted; the ranks of a
     tensor-parallel group share their samples, counted once), and once per run how long after the

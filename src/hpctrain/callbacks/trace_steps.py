@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pytorch_lightning import Callback, LightningModule, Trainer
 from torch.profiler import ProfilerActivity, profile, schedule
+
+from hpctrain.runtime.namespaces import LightningPart
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain")
 
@@ -34,7 +38,7 @@ def chosen(ranks: Any, rank: int) -> bool:
     return rank in [int(r) for r in ranks]
 
 
-class TraceSteps(Callback):
+class TraceSteps(LightningPart, lightning="pytorch_lightning.Callback"):
     def __init__(
         self, dirpath: str, wait: int = 1, warmup: int = 1, active: int = 3, ranks: Any = "all", top: int = 15
     ) -> None:

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pytorch_lightning import Callback, LightningModule, Trainer
 
+from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.run.checkpoints import trainable_only
 from hpctrain.runtime.run.checkpoints.sharded import META_FILE
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger("hpctrain.runtime.run.checkpoints")
 
 
-class TrainableOnly(Callback):
+class TrainableOnly(LightningPart, lightning="pytorch_lightning.Callback"):
     """With `setting` true (or auto, where most parameters are frozen and the module reads them from their
     files, `pretrained_files()`), the module's state dict leaves its
     frozen parameters out for the whole run, so every checkpoint stores the trainable part only, with the

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from pytorch_lightning import LightningDataModule
 from torch import Tensor, nn
 
 from hpctrain.data.kfold import check_folds, folds
@@ -20,6 +19,7 @@ from hpctrain.data.loading import (
     tensors_to_device,
 )
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart
 
 log = logging.getLogger("hpctrain")
 
@@ -35,7 +35,7 @@ def split(dataset: TensorDataset, holdout: int, seed: int = 0) -> tuple[TensorDa
     return TensorDataset(*dataset[keep]), TensorDataset(*dataset[held])
 
 
-class ImageDataModule(LightningDataModule):
+class ImageDataModule(LightningPart, lightning="pytorch_lightning.LightningDataModule"):
     """Subclasses implement `load` (and, if they read files, `check_available` and `prepare_data`).
 
     Images stay uint8 (N, C, H, W) on the host, are indexed a batch at a time, and become normalised
@@ -55,6 +55,10 @@ class ImageDataModule(LightningDataModule):
     `num_classes` and `image_shape` are what models read from the config (`${data.num_classes}`); they
     are checked against the loaded data, so a model can never be built for the wrong sizes. `mean` and
     `std` (per channel, of pixels in [0, 1]) default to the dataset's own (`default_mean`, `default_std`).
+
+    A LightningDataModule of the Lightning package the run's model is written with (`import lightning as L`
+    or `import pytorch_lightning as pl`), made so when constructed (`hpctrain.runtime.namespaces`); outside
+    a run, pytorch_lightning's.
     """
 
     default_mean: tuple[float, ...] = (0.5,)

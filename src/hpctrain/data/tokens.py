@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from pytorch_lightning import LightningDataModule
 from torch import Tensor
 
 from hpctrain.data.loading import ResumableDataLoader, make_loader, pin_memory_default
@@ -44,6 +43,7 @@ from hpctrain.data.shards import MANIFEST, manifest_files, read_manifest, write_
 from hpctrain.data.staging import POLL_S, stage
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart
 
 log = logging.getLogger("hpctrain")
 IGNORE = -100  # the label of a token no loss is taken on (torch's cross_entropy ignore_index)
@@ -224,9 +224,13 @@ def _read(lock: Path) -> str:
         return ""
 
 
-class TokenizedDataModule(LightningDataModule):
+class TokenizedDataModule(LightningPart, lightning="pytorch_lightning.LightningDataModule"):
     """Token sequences, tokenized once into shards and read as the module docstring says. Subclasses
-    implement `sources()`, `settings()`, `tokenize()` ({split: examples}; train and val) and `pad_id`."""
+    implement `sources()`, `settings()`, `tokenize()` ({split: examples}; train and val) and `pad_id`.
+
+    A LightningDataModule of the Lightning package the run's model is written with (`import lightning as L`
+    or `import pytorch_lightning as pl`), made so when constructed (`hpctrain.runtime.namespaces`); outside
+    a run, pytorch_lightning's."""
 
     can_stage = True
     name = "tokens"

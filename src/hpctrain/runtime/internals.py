@@ -3,7 +3,8 @@
 A library's private names can change in any release. Each entry says where the template uses the name
 and why no public API does the job, and `tests/test_internals.py` resolves every one of them, so an
 upgrade that moves or renames one fails that test (and the behaviour test named here) at once, instead
-of silently changing a run. Pinned versions: pyproject.toml / uv.lock.
+of silently changing a run. Pinned versions: pyproject.toml / uv.lock. Lightning's names are written as
+pytorch_lightning spells them and resolved in both of its namespaces (`hpctrain.runtime.namespaces`).
 """
 
 from __future__ import annotations

@@ -29,14 +29,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
-import pytorch_lightning as pl
 import torch
+from lightning_fabric.utilities.seed import seed_everything  # namespace-free
 from omegaconf import DictConfig
-from pytorch_lightning import Callback, LightningModule, Trainer
-from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torchmetrics import Metric
 
@@ -45,10 +43,16 @@ from hpctrain.runtime.config.compose import CODE_ROOT, compose
 from hpctrain.runtime.config.hydra_errors import describe_hydra_error
 from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart, namespace_of
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import build
 from hpctrain.runtime.run.checkpoints import reading
 from hpctrain.runtime.run.checkpoints.extras import resumes_mid_epoch
+
+if TYPE_CHECKING:
+    from pytorch_lightning import Callback, LightningModule, Trainer
+
+T = TypeVar("T")
 
 __all__ = [
     "pytestmark",
@@ -126,6 +130,10 @@ class Contract:
         with template_errors_fail(self.pair):
             return build.trainer(cfg, cfg.paths.output_dir, training=training)
 
+    def callback(self, cfg: DictConfig, cls: type[T], *args: Any) -> T:
+        """One of these tests' callbacks (`cls`), of the Lightning namespace the pair is written with."""
+        return build.run_namespace(cfg).part(cls)(*args)
+
     def fit(
         self, cfg: DictConfig, callbacks: Sequence[Callback] = (), ckpt_path: Path | None = None
     ) -> build.Run:
@@ -149,7 +157,7 @@ def _pair(config: pytest.Config) -> Pair:
     )
 
 
-class SaveAtStep(Callback):
+class SaveAtStep(LightningPart, lightning="pytorch_lightning.Callback"):
     """Saves a checkpoint at one step boundary inside fit (as a preemption would), then goes on."""
 
     def __init__(self, step: int, path: str) -> None:
@@ -202,7 +210,7 @@ def _class_name(module: LightningModule) -> str:
 # ------------------------------------------------------------------------------------ 1. one batch
 
 
-class GradientProbe(Callback):
+class GradientProbe(LightningPart, lightning="pytorch_lightning.Callback"):
     """Records, over every backward pass of the run (one batch here; several with manual
     optimization), which trainable parameters got a gradient and which got a non-finite one."""
 
@@ -228,7 +236,7 @@ class GradientProbe(Callback):
 
 def test_one_batch_trains_with_finite_gradients(contract: Contract, pair: Pair):
     cfg = contract.compose("debug=fdr")
-    probe = GradientProbe()
+    probe = contract.callback(cfg, GradientProbe)
     run = contract.fit(cfg, callbacks=[probe])
     contract.test(run)
     module = _class_name(run.model)
@@ -319,7 +327,7 @@ def _eval_outputs(
     a trainer built as src/eval.py builds one (the random state reset first, for modules that sample)."""
     trainer = contract.trainer(cfg, training=False)
     loop = trainer.validate if stage == "validation" else trainer.test
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    seed_everything(cfg.seed, workers=True, verbose=False)
     with first_outputs(module) as outputs:
         (metrics,) = loop(module, datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)
     return outputs, metrics
@@ -353,6 +361,7 @@ def test_checkpoint_loads_weights_only_and_gives_the_same_outputs(contract: Cont
         )
 
     module, data = trained.model, trained.datamodule
+    is_overridden = namespace_of(module).is_overridden  # Lightning's, of the pair's namespace
     if is_overridden("validation_step", module) and is_overridden("val_dataloader", data):
         stage = "validation"
     elif build.can_test(module, data):
@@ -433,8 +442,9 @@ def test_resumes_mid_epoch_exactly_or_says_it_cannot(
         "trainer.check_val_every_n_epoch=1",
     )
     checkpoint = contract.tmp_path / "mid_epoch.ckpt"
+    first = contract.compose(*shape, run="uninterrupted")
     uninterrupted = contract.fit(
-        contract.compose(*shape, run="uninterrupted"), callbacks=[SaveAtStep(save_at, str(checkpoint))]
+        first, callbacks=[contract.callback(first, SaveAtStep, save_at, str(checkpoint))]
     )
     if not checkpoint.is_file():
         fail(

@@ -13,6 +13,11 @@ Batches are those of `data=instructions` (`hpctrain.data.TokenizedDataModule`): 
 tokens whose label is not -100 (the assistant's, or all), next-token shifted. With the data's
 `packing=concat` (`packing`), the examples packed in a row (their positions restart at 0 where each
 begins) attend only inside themselves.
+
+Written with `import lightning as L`, as Lightning's documentation and most language-model code write it:
+its runs train under the `lightning` package's Trainer, and everything hpctrain adds to them (FSDP2, the
+checkpoint callbacks, `data=instructions`) is of that package (the image examples are written with
+`import pytorch_lightning as pl`; either runs).
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 import torch.nn.functional as F
-from pytorch_lightning import LightningModule
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -38,7 +43,7 @@ IGNORE = -100
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-class CausalLMLoRA(LightningModule):
+class CausalLMLoRA(L.LightningModule):
     def __init__(
         self,
         base: dict[str, Any],

@@ -1,5 +1,5 @@
-"""What a `_target_` that cannot be imported most likely misspells (`myproject.models.mymodl.MyModel`:
-`myproject.models.mymodel.MyModel`), for the sentence that reports it.
+"""What a `_target_` that cannot be imported most likely misspells (`mylab.models.mymodl.MyModel`:
+`mylab.models.mymodel.MyModel`), for the sentence that reports it.
 
 Each dotted part is looked up among the names the part before it holds: the project's own packages first
 (src/<package>/), then a package's modules and the names a module's source defines or imports at its top

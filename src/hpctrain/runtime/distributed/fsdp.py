@@ -47,8 +47,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning.strategies import ModelParallelStrategy
-from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -70,6 +68,7 @@ from hpctrain.runtime.distributed.job_store import set_data_parallel
 from hpctrain.runtime.distributed.launch import _HydraLaunched
 from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import LightningPart
 
 log = logging.getLogger(__package__)
 
@@ -393,7 +392,10 @@ def _holders(unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         ]
 
 
-class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
+MODEL_PARALLEL = "pytorch_lightning.strategies.ModelParallelStrategy"
+
+
+class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_PARALLEL):
     """Lightning's ModelParallelStrategy (FSDP2, DTensor) with the Hydra-aware launcher, the template's
     sharding for modules without `configure_model`, and checkpoints committed atomically."""
 
@@ -413,7 +415,7 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
 
     @property
     def precision_plugin(self) -> Any:
-        return ModelParallelStrategy.precision_plugin.fget(self)  # type: ignore[attr-defined]
+        return self.namespace.get(MODEL_PARALLEL).precision_plugin.fget(self)  # Lightning's getter
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Any) -> None:
@@ -441,7 +443,8 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return ModelParallelStrategy.distributed_sampler_kwargs.fget(self)  # type: ignore[attr-defined]
+        # Lightning's ModelParallelStrategy's (of this strategy's namespace), not _HydraLaunched's
+        return self.namespace.get(MODEL_PARALLEL).distributed_sampler_kwargs.fget(self)
 
     def _setup_distributed(self) -> None:
         super()._setup_distributed()
@@ -468,7 +471,7 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
         if (
             self._tensor_parallel_size > 1
             and not self.tensor_parallel_plan
-            and not is_overridden("configure_model", module)
+            and not self.namespace.is_overridden("configure_model", module)
         ):
             raise FSDPOptionsError(
                 f"dist.tensor_parallel={self._tensor_parallel_size}: the model's config ships no tensor-parallel plan "
@@ -476,7 +479,7 @@ class HydraModelParallelStrategy(_HydraLaunched, ModelParallelStrategy):
             )
         if getattr(module.configure_model, SHARDS_FROM_CONFIG, False):
             return  # ours, installed at fit's setup: Lightning calls setup again for the test after fit
-        if is_overridden("configure_model", module):
+        if self.namespace.is_overridden("configure_model", module):
             if shard not in (None, "auto"):
                 raise FSDPOptionsError(
                     f"{type(module).__name__} shards itself in configure_model, and dist.fsdp.shard={shard} would "

@@ -19,13 +19,6 @@ from typing import Any
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd, to_absolute_path
-from lightning_fabric.plugins.environments import (
-    LightningEnvironment,
-    SLURMEnvironment,
-    TorchElasticEnvironment,
-)
-from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 import __main__
 
@@ -35,6 +28,7 @@ from hpctrain.runtime.config.compose import task_overrides
 # Hydra flags that are not overrides but choose the config; children need them too.
 from hpctrain.runtime.distributed import failures, watchdog
 from hpctrain.runtime.environment import allocated, launched
+from hpctrain.runtime.namespaces import LightningPart, Namespace
 
 # Hydra flags that are not overrides but choose the config; children need them too.
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
@@ -81,7 +75,11 @@ def child_command() -> tuple[list[str], str]:
     return command, get_original_cwd()
 
 
-class HydraJobLauncher(_SubprocessScriptLauncher):
+# Lightning's launcher for local ranks (private: hpctrain.runtime.internals)
+SUBPROCESS_LAUNCHER = "pytorch_lightning.strategies.launchers.subprocess_script._SubprocessScriptLauncher"
+
+
+class HydraJobLauncher(LightningPart, lightning=SUBPROCESS_LAUNCHER):
     """Lightning's subprocess launcher, with the child command from `child_command`."""
 
     def _call_children_scripts(self) -> None:
@@ -102,7 +100,9 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         failures.watch_children(self.procs)
 
 
-class OneGPUPerTaskSLURMEnvironment(SLURMEnvironment):
+class OneGPUPerTaskSLURMEnvironment(
+    LightningPart, lightning="lightning_fabric.plugins.environments.SLURMEnvironment"
+):
     """SLURM with one GPU bound to each task (--gpus-per-task=1, --gpu-bind=...): every process sees a
     single GPU, index 0, whatever its SLURM_LOCALID. The trainer then runs with devices=1 per process
     (see build.trainer) and the strategy's device is that one GPU (`_HydraLaunched.root_device`); the
@@ -119,8 +119,10 @@ class _HydraLaunched:
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()  # type: ignore[misc]
-        if type(self._launcher) is _SubprocessScriptLauncher:  # type: ignore[has-type]
-            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)  # type: ignore[attr-defined]
+        namespace = self.namespace  # type: ignore[attr-defined]
+        if type(self._launcher) is namespace.get(SUBPROCESS_LAUNCHER):  # type: ignore[has-type]
+            launcher = namespace.part(HydraJobLauncher)
+            self._launcher = launcher(self.cluster_environment, self.num_processes, self.num_nodes)  # type: ignore[attr-defined]
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
@@ -135,7 +137,7 @@ class _HydraLaunched:
         return super().root_device  # type: ignore[misc]
 
 
-class HydraDDPStrategy(_HydraLaunched, DDPStrategy):
+class HydraDDPStrategy(_HydraLaunched, LightningPart, lightning="pytorch_lightning.strategies.DDPStrategy"):
     """Lightning's DDP ("ddp", not "ddp_spawn") with a Hydra-aware launcher for local ranks."""
 
 
@@ -177,20 +179,21 @@ def leave_children_to_the_watchdog() -> None:
             thread._child_processes = []  # an empty list reads as "all ended well": the thread stops
 
 
-def lightning_cluster_environment(env: Mapping[str, str] | None = None):
+def lightning_cluster_environment(namespace: Namespace, env: Mapping[str, str] | None = None):
     """The Lightning cluster environment for this launcher, chosen here rather than auto-detected.
 
     SLURM gets `auto_requeue=False`: requeue on the time-limit signal is `hpctrain.runtime.distributed.requeue`'s job
     (Lightning's own handler saves a checkpoint inside the signal handler and deadlocks multi-node DDP),
     and a version that uses the task's one GPU when SLURM binds one GPU to each task.
-    A bare sbatch script or salloc shell is treated as a plain local run.
+    A bare sbatch script or salloc shell is treated as a plain local run. Of the run's Lightning `namespace`.
     """
 
     kind = launched.launcher(env)
+    environments = "lightning_fabric.plugins.environments"
     if kind == launched.TORCHRUN:
-        return TorchElasticEnvironment()
+        return namespace.get(f"{environments}.TorchElasticEnvironment")()
     if kind == launched.SLURM and allocated.one_gpu_per_task(env):
-        return OneGPUPerTaskSLURMEnvironment(auto_requeue=False)
+        return namespace.part(OneGPUPerTaskSLURMEnvironment)(auto_requeue=False)
     if kind == launched.SLURM:
-        return SLURMEnvironment(auto_requeue=False)
-    return LightningEnvironment()
+        return namespace.get(f"{environments}.SLURMEnvironment")(auto_requeue=False)
+    return namespace.get(f"{environments}.LightningEnvironment")()

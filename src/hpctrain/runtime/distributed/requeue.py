@@ -23,12 +23,14 @@ import logging
 import signal as signal_module
 import sys
 import time
-
-from pytorch_lightning import Trainer
+from typing import TYPE_CHECKING
 
 from hpctrain.runtime.distributed import signals, watchdog
 from hpctrain.runtime.environment import launched, slurm_job
 from hpctrain.runtime.moved import moved_names
+
+if TYPE_CHECKING:
+    from pytorch_lightning import Trainer
 
 log = logging.getLogger(__package__)
 

@@ -38,6 +38,7 @@ from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference import hf_formats
 from hpctrain.runtime.inference.describe import describe, describe_tensor, file_size, input_name, tensors
 from hpctrain.runtime.inference.exporter_errors import reason, reported
+from hpctrain.runtime.namespaces import is_overridden
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -128,7 +129,6 @@ def sample_inputs(predictor: Predictor, data_dir: str, rows: int) -> Tensor:
 
 def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
     """The inputs of the first batch of the checkpoint's data: its test split, else validation, else train."""
-    from pytorch_lightning.utilities.model_helpers import is_overridden
     from torch import Tensor
 
     from hpctrain.runtime.run.build import built_from_file, check_data_available

@@ -16,14 +16,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytorch_lightning import LightningModule
 from torch import Tensor, nn
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.build import built_from_file
 from hpctrain.runtime.run.checkpoints import reading, trainable_only
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule
 
 MAX_SAMPLE_ELEMENTS = (
     1 << 28

@@ -25,16 +25,13 @@ import io
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from lightning_fabric.utilities.apply_func import move_data_to_device
+from lightning_fabric.utilities.apply_func import move_data_to_device  # namespace-free
 from lightning_utilities.core.apply_func import apply_to_collection
 from omegaconf import DictConfig
-from pytorch_lightning import LightningDataModule, LightningModule, Trainer
-from pytorch_lightning.callbacks import BasePredictionWriter
-from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -42,9 +39,13 @@ from hpctrain.data import decode
 from hpctrain.data.loading import ResumableDataLoader, TensorDataset
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.export import tensors
+from hpctrain.runtime.namespaces import LightningPart, is_overridden, namespace_of
 from hpctrain.runtime.run.checkpoints import reading, trainable_only
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
 from hpctrain.runtime.run.records import write_atomically
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningDataModule, LightningModule, Trainer
 
 log = logging.getLogger("hpctrain")
 
@@ -65,7 +66,9 @@ def predict(
     if run.trainer.is_global_zero:
         log.info("predicting %s", source)
     output = Path(str(settings.output)).expanduser() if settings.get("output") else None
-    writer = PredictionWriter(run_dir, output, paths)
+    writer = namespace_of(run.trainer).part(PredictionWriter)(
+        run_dir, output, paths
+    )  # the trainer's namespace
     run.trainer.callbacks.append(writer)
     # The weights only (as trainer.predict(ckpt_path=...) would load), without Lightning's warning that
     # the training callbacks stored in the checkpoint are missing: prediction needs none of them.
@@ -178,7 +181,7 @@ def read_tensor_file(path: Path, image_shape: Sequence[int]) -> Tensor:
 # ---------------------------------------------------------------------------------------------- writing
 
 
-class PredictionWriter(BasePredictionWriter):
+class PredictionWriter(LightningPart, lightning="pytorch_lightning.callbacks.BasePredictionWriter"):
     """Keeps this rank's predictions with their sample indices; at the end, rank 0 merges every rank's
     part into one output in input order (see the module docstring)."""
 

@@ -4,6 +4,7 @@ at the start, where the outputs went at the end."""
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from rich.tree import Tree
 from hpctrain.runtime.config import redact
 from hpctrain.runtime.config.settings import Extras
 from hpctrain.runtime.environment import launched
+from hpctrain.runtime.namespaces import DECLARED, NAMESPACES, namespace_of
 from hpctrain.runtime.report.plots import plot_run
 
 log = logging.getLogger("hpctrain")
@@ -90,19 +92,21 @@ def emulated_bf16_gpu_note(
 
 def warn_if_bf16_is_emulated(trainer: Any, precision: Any) -> None:
     """Say once, at the start, when the trainer's CPU or GPU would emulate the configured bf16 precision."""
-    from pytorch_lightning.accelerators import CPUAccelerator, CUDAAccelerator
-
-    note = emulated_bf16_note(str(precision), isinstance(trainer.accelerator, CPUAccelerator), cpu_flags())
-    if note is None and isinstance(trainer.accelerator, CUDAAccelerator):
+    namespace = namespace_of(trainer) or DECLARED  # the trainer's: its classes are what it holds
+    accelerators = namespace.get("pytorch_lightning.accelerators")
+    note = emulated_bf16_note(
+        str(precision), isinstance(trainer.accelerator, accelerators.CPUAccelerator), cpu_flags()
+    )
+    if note is None and isinstance(trainer.accelerator, accelerators.CUDAAccelerator):
         import torch
-        from pytorch_lightning.strategies import ModelParallelStrategy
 
+        model_parallel = namespace.get("pytorch_lightning.strategies.ModelParallelStrategy")
         device = trainer.strategy.root_device
         note = emulated_bf16_gpu_note(
             str(precision),
             torch.cuda.get_device_name(device),
             torch.cuda.get_device_capability(device),
-            sharded=isinstance(trainer.strategy, ModelParallelStrategy),
+            sharded=isinstance(trainer.strategy, model_parallel),
         )
     if note is not None:
         log.warning(note)
@@ -213,6 +217,18 @@ class _DropMessages(logging.Filter):
         return not str(record.msg).startswith(self.prefixes)
 
 
+def lightning_logs_once() -> None:
+    """The `lightning` package gives its logger a console handler of its own (`INFO: ...`) whatever the
+    process has configured, so under Hydra's handlers every line of a `lightning.pytorch` run would be
+    printed twice. Its records go to the root's handlers (the console and <task>.log) as pytorch_lightning's
+    do (pytorch_lightning adds its handler only when the root has none). Nothing else of its logging changes."""
+    if "lightning" not in sys.modules or not logging.getLogger().hasHandlers():
+        return
+    logger = logging.getLogger("lightning")
+    for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+        logger.removeHandler(handler)
+
+
 def quiet_lightning() -> None:
     """Drop Lightning's advertising and the notices that do not apply here.
 
@@ -220,9 +236,10 @@ def quiet_lightning() -> None:
     of hinting; the non-resumable dataloader notice by `hpctrain.runtime.run.checkpoints`, which says what
     it means here.
     """
-    logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(
-        _DropMessages(("💡 Tip", "Trainer already configured with model summary"))
-    )
+    for namespace in NAMESPACES:  # whichever the run trains with
+        logging.getLogger(f"{namespace.package}.utilities.rank_zero").addFilter(
+            _DropMessages(("💡 Tip", "Trainer already configured with model summary"))
+        )
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings(

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning_fabric.utilities.throughput import get_available_flops, measure_flops
-from pytorch_lightning import LightningModule
+from lightning_fabric.utilities.throughput import get_available_flops, measure_flops  # namespace-free
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpctrain.runtime.config.targets import instantiate
+from hpctrain.runtime.namespaces import namespace_of
 from hpctrain.runtime.report import gpu_peaks
 
 log = logging.getLogger("hpctrain")
@@ -81,12 +81,14 @@ def _loss_of(module: Any, batch: Any) -> Callable[[], Any]:
         first = batch[0] if isinstance(batch, (list, tuple)) else batch
         return module(first).float().sum()
 
-    has_step = type(module).training_step is not getattr(_lightning_base(), "training_step", None)
+    has_step = type(module).training_step is not getattr(_lightning_base(module), "training_step", None)
     return step if has_step else forward
 
 
-def _lightning_base() -> Any:
-    return LightningModule
+def _lightning_base(module: Any) -> Any:
+    """The LightningModule class of the module's namespace (None for a module of neither)."""
+    namespace = namespace_of(module)
+    return namespace.get("pytorch_lightning.LightningModule") if namespace else None
 
 
 def _measure(module: Any, batch: Any) -> int:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pytorch_lightning.utilities.data import extract_batch_size
+from pytorch_lightning.utilities.data import extract_batch_size  # namespace-free
 from torch import Tensor
 
 from hpctrain.runtime.moved import moved_names

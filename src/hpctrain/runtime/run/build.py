@@ -12,6 +12,8 @@ the trainer always gets:
   `NonFiniteLoss` (`nan.*`), `TrainableOnly` (`checkpoints.trainable_only`), `AttemptProgress` (run.yaml;
   a save too slow for `requeue.signal_lead_s`)
   and, when `requeue.enabled`, `RequeueOnSignal`.
+All of it of the Lightning namespace the run's classes are written with (`run_namespace`: pytorch_lightning
+or lightning.pytorch, `hpctrain.runtime.namespaces`), chosen before anything is built.
 """
 
 from __future__ import annotations
@@ -21,23 +23,19 @@ import importlib.util
 import logging
 import os
 import re
-import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_class
+from lightning_fabric.utilities.seed import seed_everything  # namespace-free: seeds and environment variables
 from omegaconf import DictConfig, OmegaConf
-from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer
-from pytorch_lightning.callbacks import LearningRateMonitor
-from pytorch_lightning.loggers import Logger
-from pytorch_lightning.strategies import ModelParallelStrategy
-from pytorch_lightning.utilities.model_helpers import is_overridden
 from torchmetrics import Metric
 
 from hpctrain.callbacks.attempt_progress import AttemptProgress
@@ -53,6 +51,7 @@ from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
 from hpctrain.callbacks.trainable_only import TrainableOnly
 from hpctrain.loggers import job_metadata, tag_runs
+from hpctrain.runtime import namespaces
 from hpctrain.runtime.config import redact, target_spelling, targets
 from hpctrain.runtime.config.arguments import check_arguments
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
@@ -62,11 +61,17 @@ from hpctrain.runtime.distributed.launch import HydraDDPStrategy
 from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
 from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.errors import UserError
+from hpctrain.runtime.namespaces import Namespace
+from hpctrain.runtime.report import console
 from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
 from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpointIO
 from hpctrain.runtime.run.checkpoints.folder_saves import FolderSaves
 from hpctrain.runtime.run.checkpoints.sharded import consolidate
 from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+
+if TYPE_CHECKING:
+    from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer
+    from pytorch_lightning.loggers import Logger
 
 log = logging.getLogger(__package__)
 STORED_GROUPS = ("model", "data", "monitor")  # the config a checkpoint keeps (CheckpointExtras)
@@ -81,6 +86,7 @@ class Run:
     trainer: Trainer
     monitor: MonitoredMetric | None  # the best value of monitor.metric, returned to sweepers
     requeue: RequeueOnSignal | None  # checkpoints and stops where every rank agrees, on a signal
+    namespace: Namespace  # the Lightning namespace all of it is of (`run_namespace`)
 
     def fit(self, checkpoint: str | Path | None) -> None:
         if checkpoint is not None and Path(checkpoint).is_dir() and not _sharded_strategy(self.trainer):
@@ -89,11 +95,13 @@ class Run:
                 "trainer=fsdp_cpu only; to train it with another strategy, start a new run from its weights: "
                 f"init_from.path={checkpoint}."
             )
+        self.check_namespace()
         self.trainer.fit(self.model, self.datamodule, ckpt_path=checkpoint, weights_only=True)
         if self.requeue is not None:
             self.requeue.after_fit(self.trainer)  # a signal during the last validation
 
     def test(self, checkpoint: str | Path | None) -> None:
+        self.check_namespace()
         if checkpoint is not None and Path(checkpoint).is_dir() and not _sharded_strategy(self.trainer):
             with tempfile.TemporaryDirectory() as tmp:  # a sharded checkpoint tested on one process, whole
                 single = consolidate(checkpoint, Path(tmp) / "model.ckpt", safetensors=False)[0]
@@ -104,6 +112,12 @@ class Run:
     def best_checkpoint(self) -> str | None:
         return best_checkpoint(self.trainer)
 
+    def check_namespace(self) -> None:
+        """Every callback added since the build (a user's, the template's) is of the run's namespace: one
+        of the other would be ignored by Lightning's checks, or refused with an error that does not say why."""
+        for callback in self.trainer.callbacks:
+            namespaces.check_built(f"callback {type(callback).__name__}", callback, self.namespace)
+
     def can_test(self) -> bool:
         return can_test(self.model, self.datamodule)
 
@@ -113,7 +127,10 @@ class Run:
 
 
 def _sharded_strategy(trainer: Trainer) -> bool:
-    return isinstance(trainer.strategy, ModelParallelStrategy)
+    model_parallel = namespaces.namespace_of(trainer).get(
+        "pytorch_lightning.strategies.ModelParallelStrategy"
+    )
+    return isinstance(trainer.strategy, model_parallel)
 
 
 def configure_process(cfg: DictConfig, settings: Settings | None = None) -> None:
@@ -121,7 +138,7 @@ def configure_process(cfg: DictConfig, settings: Settings | None = None) -> None
     workers, float32 matmul precision."""
     settings = settings or Settings.of(cfg)
     # Seeds torch, numpy, python and (through PL_SEED_WORKERS) every dataloader worker.
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    seed_everything(cfg.seed, workers=True, verbose=False)
     threads, _, why = cpu_plan(cfg)  # the workers are the datamodule's (`datamodule`)
     # Set before the trainer exists: Lightning's DDP launcher sets its own (CPUs / processes) only when
     # OMP_NUM_THREADS is unset, and its child ranks inherit the variable.
@@ -179,18 +196,64 @@ def run_objects(
     preflight); with `training=False` (eval) no training-only callbacks; `sweep`: a point of a sweep,
     which needs the monitored value."""
     settings = settings or Settings.of(cfg)
-    data = datamodule(cfg, settings)
-    check_data_available(data)
-    module = tune_model(model(cfg), cfg)
-    built = trainer(cfg, run_dir, training=training, sweep=sweep, settings=settings)
+    with namespace_of_run(cfg) as namespace:  # before anything is built: mixed imports are one sentence
+        data = datamodule(cfg, settings)
+        check_data_available(data)
+        module = tune_model(model(cfg), cfg)
+        built = trainer(cfg, run_dir, training=training, sweep=sweep, settings=settings)
     monitor = next((c for c in built.callbacks if isinstance(c, MonitoredMetric)), None)
     requeue = next((c for c in built.callbacks if isinstance(c, RequeueOnSignal)), None)
-    return Run(data, module, built, monitor, requeue)
+    return Run(data, module, built, monitor, requeue, namespace)
+
+
+# The config entries whose classes choose the run's namespace; in the groups, Lightning's own classes
+# (`pytorch_lightning.Trainer`, a LearningRateMonitor) follow it instead
+DECIDING = ("model", "data")
+FOLLOWING_LIGHTNINGS_OWN = ("trainer", "callbacks", "logger")
+
+
+@contextmanager
+def namespace_of_run(cfg: DictConfig) -> Iterator[Namespace]:
+    """Within the block, what is built is of the run's Lightning namespace: the one being built already
+    (`run_objects` building its parts), else the one `cfg`'s classes choose (`model(cfg)` alone, for eval's
+    check or `hpctrain.load`)."""
+    namespace = namespaces.being_built()
+    if namespace is not None:
+        yield namespace
+        return
+    namespace = run_namespace(cfg)
+    console.lightning_logs_once()
+    with namespaces.building(namespace):
+        yield namespace
+
+
+def run_namespace(cfg: DictConfig) -> Namespace:
+    """The Lightning namespace of the run (`hpctrain.runtime.namespaces`), from the classes the config
+    names: the model's and the datamodule's, and those of the trainer, callbacks and loggers that are not
+    Lightning's own. Each is imported, none is built. Classes written with both namespaces are one sentence."""
+    named: dict[str, type] = {}
+    entries = [(key, cfg.get(key)) for key in (*DECIDING, "trainer")]
+    for group in ("callbacks", "logger"):
+        entries += [(f"{group}.{name}", entry) for name, entry in (cfg.get(group) or {}).items()]
+    for key, entry in entries:
+        target = entry.get("_target_") if isinstance(entry, DictConfig) else None
+        if not isinstance(target, str):
+            continue
+        if key.split(".")[0] in FOLLOWING_LIGHTNINGS_OWN and namespaces.owner(target) is not None:
+            continue  # Lightning's own class: built from the run's namespace, whichever it is
+        try:
+            found = namespaces.located(target)
+        except Exception:  # not importable: said in one sentence when it is built
+            continue
+        if isinstance(found, type):  # a factory's result is checked once it is built (`_of_the_run`)
+            named[key] = found
+    return namespaces.choose(named)
 
 
 def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
     # _convert_="all": user classes receive plain lists and dicts, not OmegaConf containers, which
     # would be pickled into checkpoints by save_hyperparameters() and then refused by weights_only loading.
+    node = _in_namespace(node, namespaces.current())
     try:
         return targets.instantiate(node, _convert_="all", **kwargs)  # Hydra 1.4: its targets, whitelisted
     except InstantiationException as err:
@@ -205,18 +268,20 @@ def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
 def built_from_file(node: Any, key: str) -> Any:
     """A model or data config read from a file (already admitted by `targets.check_stored`), built from
     its plain values (`targets.build_stored`: no interpolation on a file's strings), and checked as the
-    project's own are."""
+    project's own are, in the Lightning namespace of the run being built, else of the class it names."""
+    target = node.get(targets.TARGET) if isinstance(node, dict) else None
+    named = targets.resolve(target) if isinstance(target, str) else None
+    namespace = namespaces.being_built() or namespaces.choose({key: named} if isinstance(named, type) else {})
     try:
-        built = _checked_lightning_object(targets.build_stored(_not_staged(node)), key)
+        with namespaces.building(namespace):
+            built = _of_the_run(targets.build_stored(_not_staged(node)), key)
     except TypeError as err:  # arguments the class does not take: the file was written for other code
         raise UserError(
             f"{key}: the stored config does not fit the class it names ({err}); build this project's own with "
             f"{key}=<option>, or use a checkpoint of this version of the code."
         ) from err
-    if isinstance(built, torch.nn.Module) and has_empty_parameters(
-        built
-    ):  # a pretrained base built empty (`hpctrain.empty_weights`): read it now
-        materialize(built, "cpu")
+    if isinstance(built, torch.nn.Module) and has_empty_parameters(built):
+        materialize(built, "cpu")  # a pretrained base built empty (`hpctrain.empty_weights`): read it now
     return built
 
 
@@ -227,6 +292,30 @@ def _not_staged(node: Any) -> Any:
         return {k: None if k == "stage_dir" else _not_staged(v) for k, v in node.items()}
     if isinstance(node, list):
         return [_not_staged(v) for v in node]
+    return node
+
+
+def _in_namespace(node: DictConfig, namespace: Namespace) -> Any:
+    """`node` with Lightning's own classes named as `namespace` spells them (`pytorch_lightning.Trainer`
+    is `lightning.pytorch.Trainer` in a run of the `lightning` package's classes); unchanged if none differ."""
+    try:
+        plain = OmegaConf.to_container(node, resolve=True)
+    except Exception:  # an interpolation that fails: Hydra says so when it instantiates
+        return node
+    named = [t for _, t in targets.targets_in(plain) if isinstance(t, str)]
+    if all(namespace.spell(t) == t for t in named):
+        return node
+    return _respelled(plain, namespace)
+
+
+def _respelled(node: Any, namespace: Namespace) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: namespace.spell(v) if k == targets.TARGET and isinstance(v, str) else _respelled(v, namespace)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_respelled(v, namespace) for v in node]
     return node
 
 
@@ -244,6 +333,12 @@ def _import_failure(err: InstantiationException) -> str | None:
         module_found = bool(module_name) and importlib.util.find_spec(module_name) is not None
     except (ImportError, ValueError):
         module_found = False
+    if (missing.name or "").split(".")[0] == "lightning":  # written with `import lightning as L`
+        return (
+            f"_target_: {target} cannot be imported: it is written with the `lightning` package ({missing}), "
+            "which is not installed here; install it beside pytorch-lightning, the same version "
+            "(pip install 'lightning>=2.6,<2.7', as pyproject.toml lists it), or import pytorch_lightning instead."
+        )
     close = target_spelling.closest_target(target)  # a misspelt path: the name it most likely means
     if module_found and (missing.name or "").startswith(target):
         fix = (
@@ -262,6 +357,11 @@ def _import_failure(err: InstantiationException) -> str | None:
 
 
 def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDataModule:
+    with namespace_of_run(cfg):
+        return _datamodule(cfg, settings)
+
+
+def _datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDataModule:
     node = cfg.data
     if node.get("num_workers") == "auto":
         node = OmegaConf.merge(node, {"num_workers": cpu_plan(cfg)[1]})
@@ -283,16 +383,16 @@ def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDa
                 scratch,
             )
     check_arguments(node, "data")
-    return _checked_lightning_object(_instantiate(node), "data")
+    return _of_the_run(_instantiate(node), "data")
 
 
 def model(cfg: DictConfig) -> LightningModule:
     """The LightningModule; a pretrained base it built empty (`hpctrain.empty_weights`) is read from its
     files now, except under FSDP2, where each rank reads its shards once the model is sharded."""
-    check_arguments(
-        cfg.model, "model"
-    )  # an optimizer's key it does not take: one sentence, not a TypeError later
-    module = _checked_lightning_object(_instantiate(cfg.model), "model")
+    # an optimizer's key it does not take: one sentence, not a TypeError later
+    check_arguments(cfg.model, "model")
+    with namespace_of_run(cfg):
+        module = _of_the_run(_instantiate(cfg.model), "model")
     if has_empty_parameters(module) and (cfg.get("trainer") or {}).get("strategy") != "fsdp":
         materialize(module, "cpu")
     return module
@@ -305,31 +405,9 @@ def check_data_available(data: LightningDataModule) -> None:
         check()
 
 
-_LIGHTNING_BASES = ("LightningModule", "LightningDataModule", "Callback")
-
-
-def _checked_lightning_object(obj: Any, key: str) -> Any:
-    """Refuse an object built on the `lightning` package's classes: pytorch_lightning's Trainer (this
-    template's) does not accept them, and its own error does not say why."""
-    other = sys.modules.get("lightning.pytorch")
-    if other is None:
-        return obj
-    for base in _LIGHTNING_BASES:
-        theirs, ours = getattr(other, base, None), getattr(pl, base)
-        if (
-            theirs is not None
-            and theirs is not ours
-            and isinstance(obj, theirs)
-            and not isinstance(obj, ours)
-        ):
-            cls = type(obj)
-            where = getattr(sys.modules.get(cls.__module__), "__file__", None) or cls.__module__
-            raise UserError(
-                f"{key}: {cls.__module__}.{cls.__qualname__} is a lightning.pytorch.{base} (`import lightning.pytorch "
-                f"as pl` or `import lightning as L`), but this template trains with the pytorch_lightning package, "
-                f"whose Trainer does not accept it; import from pytorch_lightning instead in {where} "
-                "(`import pytorch_lightning as pl`: the same API under the package name this template uses)."
-            )
+def _of_the_run(obj: Any, key: str) -> Any:
+    """What a config entry built is of the namespace being built (a factory's result is known only now)."""
+    namespaces.check_built(key, obj, namespaces.current())
     return obj
 
 
@@ -343,7 +421,7 @@ def _instantiate_named(group: DictConfig | None, key: str) -> dict[str, Any]:
     if not group:
         return {}
     built = {
-        str(name): _checked_lightning_object(_instantiate(entry), f"{key}.{name}")
+        str(name): _of_the_run(_instantiate(entry), f"{key}.{name}")
         for name, entry in group.items()
         if entry is not None and "_target_" in entry
     }
@@ -405,7 +483,8 @@ def callbacks(
     if cfg.trainer.get("strategy") == "fsdp":  # a callback that runs the model on one rank: one sentence
         chosen.append(OneRankCalls({id(obj): name for name, obj in named.items()}))
     if not has_logger:
-        chosen = [c for c in chosen if not isinstance(c, LearningRateMonitor)]
+        lr_monitor = namespaces.current().get("pytorch_lightning.callbacks.LearningRateMonitor")
+        chosen = [c for c in chosen if not isinstance(c, lr_monitor)]
     for performance in (c for c in chosen if isinstance(c, PerformanceLog)):
         performance.model_config = cfg.get("model")  # its FLOPs are counted on a meta copy built from it
     chosen.append(TrainableOnly(settings.checkpoints.trainable_only))  # also how eval reads such checkpoints
@@ -534,7 +613,8 @@ def tune_model(module: LightningModule, cfg: DictConfig) -> LightningModule:
         module.to(memory_format=torch.channels_last)
         for net in nets:
             net.register_forward_pre_hook(_channels_last_inputs)
-    sharded_here = cfg.trainer.get("strategy") == "fsdp" and not is_overridden("configure_model", module)
+    sharded_here = cfg.trainer.get("strategy") == "fsdp"
+    sharded_here = sharded_here and not namespaces.is_overridden("configure_model", module)
     if cfg.get("compile") and not sharded_here:
         for net in nets:
             net.compile(backend=cfg.get("compile_backend") or "inductor")
@@ -557,6 +637,18 @@ def trainer(
     **overrides: Any,
 ) -> Trainer:
     """The Trainer for `cfg.trainer`; keyword arguments replace config entries (e.g. logger=False)."""
+    with namespace_of_run(cfg):
+        return _trainer(cfg, run_dir, training, sweep, settings, **overrides)
+
+
+def _trainer(
+    cfg: DictConfig,
+    run_dir: str | Path,
+    training: bool,
+    sweep: bool,
+    settings: Settings | None,
+    **overrides: Any,
+) -> Trainer:
     settings = settings or Settings.of(cfg)
     asynchronous = settings.checkpoints.async_save
     chosen_loggers = overrides.pop("logger", None)
@@ -572,14 +664,14 @@ def trainer(
             (cfg.get("compile_backend") or "inductor") if cfg.get("compile") else None,
         ),
         "plugins": [
-            launch.lightning_cluster_environment(),
+            launch.lightning_cluster_environment(namespaces.current()),
             (AsyncAtomicCheckpointIO if asynchronous else AtomicCheckpointIO)(redact.environment_values(cfg)),
         ],
     }
     if allocated.one_gpu_per_task() and str(cfg.trainer.get("accelerator")) in allocated.GPU_ACCELERATORS:
         kwargs["devices"] = 1  # each task drives the one GPU SLURM bound to it (allocated.one_gpu_per_task)
     kwargs.update(overrides)
-    built = _instantiate(cfg.trainer, **kwargs)
+    built = _of_the_run(_instantiate(cfg.trainer, **kwargs), "trainer")
     signals.take_over_from_lightning(built)
     return built
 
@@ -601,7 +693,7 @@ def can_test(module: LightningModule, data: LightningDataModule) -> bool:
     """Whether `test=true` can test this model on this data: a module without a test_step (a GAN, say)
     or data without a test split is not an error, it is said once and the run completes."""
     for owner, what, hook in ((module, "model", "test_step"), (data, "datamodule", "test_dataloader")):
-        if not is_overridden(hook, owner):
+        if not namespaces.is_overridden(hook, owner):
             if launched.is_rank_zero():
                 log.info("no test: the %s has no %s (pass test=false to skip it silently)", what, hook)
             return False

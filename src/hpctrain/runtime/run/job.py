@@ -42,6 +42,7 @@ from hpctrain.runtime.distributed import (
     stacks,
     watchdog,
 )
+from hpctrain.runtime.distributed.requeue import requeue_and_wait
 from hpctrain.runtime.environment import allocated, launch_checks, launched, network
 from hpctrain.runtime.environment.reading import int_or_none
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
@@ -208,7 +209,6 @@ class Job:
         requeue budget is spent, stop with its sentence (`attempts`); then end the process group and the
         local ranks, in order, however the block ended."""
         from hpctrain.runtime.distributed import launch
-        from hpctrain.runtime.distributed.requeue import requeue_and_wait
 
         completed = False
         try:

@@ -39,7 +39,15 @@ from hpctrain.runtime.distributed.stacks import STACKS_DIR
 from hpctrain.runtime.environment import allocated, launched, slurm_job
 from hpctrain.runtime.errors import UserError
 
-RECORDED_PACKAGES = ("torch", "torchvision", "pytorch-lightning", "torchmetrics", "hydra-core", "omegaconf")
+RECORDED_PACKAGES = (
+    "torch",
+    "torchvision",
+    "pytorch-lightning",
+    "lightning",  # the same code, for classes written with `import lightning as L`
+    "torchmetrics",
+    "hydra-core",
+    "omegaconf",
+)
 
 
 def read_run_record(run_dir: str | Path) -> dict[str, Any]:

@@ -132,7 +132,7 @@ def _freeze(run: Any, init: InitFrom) -> str:
     from hpctrain.callbacks.frozen_parts import FrozenParts
 
     until = init.unfreeze_at_epoch
-    frozen = FrozenParts(run.model, list(init.freeze), until)
+    frozen = run.namespace.part(FrozenParts)(run.model, list(init.freeze), until)  # of the run's namespace
     run.trainer.callbacks.append(frozen)
     return (
         f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"

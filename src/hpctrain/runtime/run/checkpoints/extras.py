@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from lightning_fabric.utilities.types import _Stateful
-from pytorch_lightning import LightningModule, Trainer
+from lightning_fabric.utilities.types import _Stateful  # a structural protocol: any namespace's loader
 from torch import Tensor
 from torchmetrics import Metric
 
 from hpctrain.runtime.moved import moved_names
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger(__package__)
 

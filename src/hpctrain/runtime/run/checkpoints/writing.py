@@ -27,12 +27,12 @@ from pathlib import Path, PurePath
 from typing import Any
 
 import torch
-from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from pytorch_lightning import LightningDataModule, LightningModule
+from pytorch_lightning import LightningDataModule, LightningModule  # key names, as in lightning.pytorch
 from torch import Tensor
 
 from hpctrain.runtime.config import redact
+from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.run.checkpoints.folders import CheckpointNotSaved, temporary_file
 from hpctrain.runtime.run.checkpoints.reading import UnreadableCheckpoint
 
@@ -50,7 +50,7 @@ class Save:
     seconds: float
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
+class AtomicCheckpointIO(LightningPart, lightning="lightning_fabric.plugins.io.torch_io.TorchCheckpointIO"):
     """torch.save into `.<name>.tmp-<writer>` beside the target, fsync, then an atomic rename; a failure is
     `CheckpointNotSaved` (one sentence), the previous file untouched."""
 
