@@ -6,6 +6,7 @@ Everything that composes a config goes through `compose`, so scripts and tests s
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -96,3 +97,19 @@ def task_overrides(hydra_cfg: DictConfig) -> list[str]:
     """The command line's overrides as typed. Read without resolving: in Hydra's config an override such as
     `model.num_classes=${data.n_classes}` is a string OmegaConf would try to resolve there, and fail."""
     return [str(o) for o in OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)]
+
+
+@functools.cache
+def project_packages() -> tuple[str, ...]:
+    """The project's own packages (src/<package>/, hpctrain and Hydra's plugins aside): what Hydra 1.4's
+    allowlists admit for results and for what Hydra itself builds (`entry.main_args`)."""
+    src = CONF_DIR.parent / "src"
+    if not src.is_dir():
+        return ()
+    return tuple(
+        sorted(
+            p.name
+            for p in src.iterdir()
+            if (p / "__init__.py").is_file() and p.name not in ("hpctrain", "hydra_plugins")
+        )
+    )

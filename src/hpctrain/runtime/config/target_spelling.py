@@ -16,7 +16,7 @@ import importlib.util
 import pkgutil
 from pathlib import Path
 
-from hpctrain.runtime.config.targets import project_packages
+from hpctrain.runtime.config.compose import project_packages
 
 
 def _spec(dotted: str) -> importlib.machinery.ModuleSpec | None:

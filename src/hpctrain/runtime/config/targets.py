@@ -39,7 +39,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from hpctrain.runtime.config.compose import CONF_DIR, config_dirs
+from hpctrain.runtime.config import target_spelling
+from hpctrain.runtime.config.compose import config_dirs, project_packages
 from hpctrain.runtime.errors import UserError
 
 TARGET = "_target_"
@@ -172,7 +173,21 @@ def check_stored(
 # --------------------------------------------------------------------------- rule 2: one attribute
 
 
-def _cannot_import(target: str, missing: BaseException) -> UserError:
+def cannot_import(target: str, missing: BaseException) -> UserError:
+    """The one sentence for a `_target_` whose module cannot be imported: written with the `lightning`
+    package where it is not installed, a misspelt path (the name it most likely means), or a package
+    that is not on the path."""
+    if (getattr(missing, "name", None) or "").split(".")[0] == "lightning":  # `import lightning as L`
+        return UserError(
+            f"_target_: {target} cannot be imported: it is written with the `lightning` package ({missing}), "
+            "which is not installed here; install it beside pytorch-lightning, the same version "
+            "(pip install 'lightning>=2.6,<2.7', as pyproject.toml lists it), or import pytorch_lightning instead."
+        )
+    close = target_spelling.closest_target(target)
+    if close:
+        return UserError(
+            f"_target_: {target} cannot be imported ({type(missing).__name__}: {missing}); did you mean {close}?"
+        )
     return UserError(
         f"_target_: {target} cannot be imported ({type(missing).__name__}: {missing}); put the package that "
         "holds it on PYTHONPATH (PYTHONPATH=/path/to/its/parent python src/train.py ...), install it "
@@ -228,14 +243,19 @@ def resolve(target: str) -> Any:
         try:
             module = _module(module_name)
         except ModuleNotFoundError as err:
-            raise _cannot_import(target, err) from err
+            raise cannot_import(target, err) from err
         if module is None:
             continue
         name, rest = parts[cut], parts[cut + 1 :]
         if not hasattr(module, name):
+            close = target_spelling.closest_target(target)
             raise UserError(
                 f"_target_: {target} cannot be imported: module {module_name} has no {name}; "
-                "check the spelling of the class or function name in the config."
+                + (
+                    f"did you mean {close}?"
+                    if close
+                    else "check the spelling of the class or function name in the config."
+                )
             )
         obj = getattr(module, name)
         if isinstance(obj, types.ModuleType) or not (
@@ -255,9 +275,9 @@ def resolve(target: str) -> Any:
     try:
         top = _module(parts[0])
     except ModuleNotFoundError as err:
-        raise _cannot_import(target, err) from err
+        raise cannot_import(target, err) from err
     if top is None:
-        raise _cannot_import(target, ModuleNotFoundError(f"No module named {parts[0]!r}", name=parts[0]))
+        raise cannot_import(target, ModuleNotFoundError(f"No module named {parts[0]!r}", name=parts[0]))
     raise _not_a_module_attribute(target, parts)
 
 
@@ -318,22 +338,6 @@ def build_stored(node: Any) -> Any:
     if isinstance(node, list | tuple):
         return [build_stored(value) for value in node]
     return copy.deepcopy(node)
-
-
-@functools.cache
-def project_packages() -> tuple[str, ...]:
-    """The project's own packages (src/<package>/, hpctrain and Hydra's plugins aside): what Hydra 1.4's
-    allowlists admit for results and for what Hydra itself builds (`entry.main_args`)."""
-    src = CONF_DIR.parent / "src"
-    if not src.is_dir():
-        return ()
-    return tuple(
-        sorted(
-            p.name
-            for p in src.iterdir()
-            if (p / "__init__.py").is_file() and p.name not in ("hpctrain", "hydra_plugins")
-        )
-    )
 
 
 # What the template's factories return (modules, metrics): Hydra 1.4 checks a callable result by its class

@@ -19,7 +19,6 @@ or lightning.pytorch, `hpctrain.runtime.namespaces`), chosen before anything is 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import os
 import re
@@ -52,7 +51,7 @@ from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
 from hpctrain.callbacks.trainable_only import TrainableOnly
 from hpctrain.loggers import job_metadata, tag_runs
 from hpctrain.runtime import namespaces
-from hpctrain.runtime.config import redact, target_spelling, targets
+from hpctrain.runtime.config import redact, targets
 from hpctrain.runtime.config.arguments import check_arguments
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
 from hpctrain.runtime.distributed import launch, signals
@@ -320,40 +319,15 @@ def _respelled(node: Any, namespace: Namespace) -> Any:
 
 
 def _import_failure(err: InstantiationException) -> str | None:
-    """One sentence for a `_target_` that cannot be imported (the usual case: a user's package that
-    is not on the path), instead of Hydra's three chained tracebacks."""
+    """One sentence for a `_target_` that cannot be imported when Hydra builds it (a module that imports
+    something missing as the class is built; a path is checked before, by `targets.resolve`), instead of
+    Hydra's three chained tracebacks."""
     cause = err.__cause__
     found = re.search(r"target '([^']+)'", str(err))
     if not isinstance(cause, ImportError) or found is None:
         return None
-    target = found.group(1)
-    module_name, _, name = target.rpartition(".")
     missing = cause.__cause__ if isinstance(cause.__cause__, ImportError) else cause
-    try:
-        module_found = bool(module_name) and importlib.util.find_spec(module_name) is not None
-    except (ImportError, ValueError):
-        module_found = False
-    if (missing.name or "").split(".")[0] == "lightning":  # written with `import lightning as L`
-        return (
-            f"_target_: {target} cannot be imported: it is written with the `lightning` package ({missing}), "
-            "which is not installed here; install it beside pytorch-lightning, the same version "
-            "(pip install 'lightning>=2.6,<2.7', as pyproject.toml lists it), or import pytorch_lightning instead."
-        )
-    close = target_spelling.closest_target(target)  # a misspelt path: the name it most likely means
-    if module_found and (missing.name or "").startswith(target):
-        fix = (
-            f"did you mean {close}?"
-            if close
-            else "check the spelling of the class or function name in the config."
-        )
-        return f"_target_: {target} cannot be imported: module {module_name} has no {name}; {fix}"
-    if close:
-        return f"_target_: {target} cannot be imported ({type(missing).__name__}: {missing}); did you mean {close}?"
-    return (
-        f"_target_: {target} cannot be imported ({type(missing).__name__}: {missing}); put the package that "
-        "holds it on PYTHONPATH (PYTHONPATH=/path/to/its/parent python src/train.py ...), install it "
-        "(pip install -e <its project>), or move it into this project's src/ (the docs' guide: Your model)."
-    )
+    return str(targets.cannot_import(found.group(1), missing))
 
 
 def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDataModule:

@@ -6,7 +6,7 @@ import sys
 from typing import Any
 
 from hpctrain.runtime.config import answers, checks, command_line, versions
-from hpctrain.runtime.config.targets import project_packages
+from hpctrain.runtime.config.compose import project_packages
 from hpctrain.runtime.distributed import signals
 from hpctrain.runtime.errors import reported_as_one_sentence
 
