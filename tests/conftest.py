@@ -5,7 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import write_cifar10_batches, write_mnist_raw, write_small_image_data
+from tests.helpers import (
+    assert_ok,
+    run_dirs,
+    train,
+    write_cifar10_batches,
+    write_mnist_raw,
+    write_small_image_data,
+)
+from tests.once import made_once
 
 pytest_plugins = ["hpctrain.testing.plugin"]  # the contract tests' options and fixtures, slurm_cluster
 
@@ -69,3 +77,17 @@ def digit_shards(image_folder: Path, tmp_path_factory: pytest.TempPathFactory) -
     made = make_shards(image_folder, out, "--shard-mb", "0.1", "--workers", "2")
     assert made.returncode == 0, made.stdout[-3000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run dir of `python src/train.py experiment=quickstart`, the README's first run, whole (25
+    epochs), made once for the session whichever worker asks first; what it printed is in its train.log.
+    The tests that read it (its accuracy, its checkpoints for eval, fine-tuning and export) write
+    nowhere in it."""
+
+    def quickstart(log_dir: Path) -> None:
+        assert_ok(train(log_dir, "experiment=quickstart"))
+
+    (run,) = run_dirs(made_once(tmp_path_factory, "quickstart", quickstart))
+    return run

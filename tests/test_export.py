@@ -119,20 +119,9 @@ def assert_same_predictions(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.fixture(scope="session")
-def quickstart_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One small quickstart checkpoint (the classic CNN on the bundled digits), trained once."""
-    log_dir = tmp_path_factory.mktemp("export_quickstart")
-    assert_ok(
-        train(
-            log_dir,
-            "experiment=quickstart",
-            "trainer.max_epochs=1",
-            "trainer.limit_train_batches=5",
-            "trainer.limit_val_batches=2",
-        )
-    )
-    (run,) = run_dirs(log_dir)
-    return run / "checkpoints" / "last.ckpt"
+def quickstart_checkpoint(quickstart_run: Path) -> Path:
+    """The quickstart's checkpoint (the classic CNN on the bundled digits), trained once per session."""
+    return quickstart_run / "checkpoints" / "last.ckpt"
 
 
 # ------------------------------------------------------------------------------------------ round trips
