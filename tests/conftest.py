@@ -17,6 +17,14 @@ from tests.once import made_once
 
 pytest_plugins = ["hpctrain.testing.plugin"]  # the contract tests' options and fixtures, slurm_cluster
 
+# Two workers on two cores run two processes at once, each with as many intra-op threads as the machine
+# has CPUs (num_threads: auto). OpenMP's threads spin while they wait for each other, and a spinning
+# thread takes the core from the other worker's process: a training step took 3 to 10 times its time
+# (the char Transformer's test: 27 s of CPU instead of 4). Waiting threads that sleep lose nothing of
+# the numbers, only the spin. Set before any process or OpenMP runtime starts; every process the tests
+# start inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
