@@ -5,9 +5,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import write_cifar10_batches, write_mnist_raw, write_small_image_data
+from tests.helpers import (
+    assert_ok,
+    run_dirs,
+    train,
+    write_cifar10_batches,
+    write_mnist_raw,
+    write_small_image_data,
+)
+from tests.once import made_once
 
 pytest_plugins = ["hpctrain.testing.plugin"]  # the contract tests' options and fixtures, slurm_cluster
+
+# Two workers on two cores run two processes at once, each with as many intra-op threads as the machine
+# has CPUs (num_threads: auto). OpenMP's threads spin while they wait for each other, and a spinning
+# thread takes the core from the other worker's process: a training step took 3 to 10 times its time
+# (the char Transformer's test: 27 s of CPU instead of 4). Waiting threads that sleep lose nothing of
+# the numbers, only the spin. Set before any process or OpenMP runtime starts; every process the tests
+# start inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +106,17 @@ def digit_shards(image_folder: Path, tmp_path_factory: pytest.TempPathFactory) -
     made = make_shards(image_folder, out, "--shard-mb", "0.1", "--workers", "2")
     assert made.returncode == 0, made.stdout[-3000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run dir of `python src/train.py experiment=quickstart`, the README's first run, whole (25
+    epochs), made once for the session whichever worker asks first; what it printed is in its train.log.
+    The tests that read it (its accuracy, its checkpoints for eval, fine-tuning and export) write
+    nowhere in it."""
+
+    def quickstart(log_dir: Path) -> None:
+        assert_ok(train(log_dir, "experiment=quickstart"))
+
+    (run,) = run_dirs(made_once(tmp_path_factory, "quickstart", quickstart))
+    return run

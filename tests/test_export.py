@@ -23,9 +23,7 @@ from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY
 from tests.differential.cases import trust_user_code, user_classes, user_overrides
 from tests.helpers import PYTHON, ROOT, assert_ok, local_env, require_modules, run_dirs, run_entry, train
 
-SUFFIX = {"torch_export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors", "peft": "", "hf_merged": ""}
-# the formats of any model; peft and hf_merged (folders, a PEFT model's) are tested in tests/test_llm.py
-ANY_MODEL = ("torch_export", "onnx", "safetensors")
+SUFFIX = {"torch_export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors"}
 TRACED, CHECKED = 2, 5  # export.batch_size (the default), and the batch the tests run the artifact on
 
 # Loads an artifact as its model card says, in a fresh process where what it must not need cannot be
@@ -121,16 +119,16 @@ def assert_same_predictions(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.fixture(scope="session")
-def quickstart_checkpoint(trained_run: Path) -> Path:
-    """One small quickstart checkpoint (the classic CNN on the bundled digits), trained once a session."""
-    return trained_run / "checkpoints" / "last.ckpt"
+def quickstart_checkpoint(quickstart_run: Path) -> Path:
+    """The quickstart's checkpoint (the classic CNN on the bundled digits), trained once per session."""
+    return quickstart_run / "checkpoints" / "last.ckpt"
 
 
 # ------------------------------------------------------------------------------------------ round trips
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ANY_MODEL)
+@pytest.mark.parametrize("fmt", EXPORT_FORMATS)
 def test_an_export_runs_without_the_template_at_another_batch_size(
     fmt: str, quickstart_checkpoint: Path, tmp_path
 ):

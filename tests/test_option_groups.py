@@ -140,11 +140,9 @@ def test_the_combinations_page_lists_the_cells():
 
 
 @pytest.fixture(scope="module")
-def digits_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A quickstart checkpoint for finetune_digits' init_from (two steps)."""
-    logs = tmp_path_factory.mktemp("digits")
-    assert_ok(train(logs, "experiment=quickstart", "trainer.max_steps=2", "test=false"))
-    return run_dirs(logs)[0] / "checkpoints" / "last.ckpt"
+def digits_checkpoint(quickstart_run: Path) -> Path:
+    """A quickstart checkpoint for finetune_digits' init_from (the session's)."""
+    return quickstart_run / "checkpoints" / "last.ckpt"
 
 
 @pytest.mark.slow

@@ -26,9 +26,9 @@ def _checkpoint(run_dir: Path, *overrides: str, env: dict[str, str] | None = Non
 
 
 @pytest.fixture(scope="module")
-def digits_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The template's classifier (quickstart's CNN on digits), trained for two epochs."""
-    return _checkpoint(tmp_path_factory.mktemp("quickstart"), "experiment=quickstart", "trainer.max_epochs=2")
+def digits_checkpoint(quickstart_run: Path) -> Path:
+    """The template's classifier (quickstart's CNN on digits), trained once per session."""
+    return quickstart_run / "checkpoints" / "last.ckpt"
 
 
 @pytest.fixture(scope="module")

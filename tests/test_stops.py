@@ -4,6 +4,8 @@ callback that runs the model on one rank under FSDP2, which would hang the job, 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -41,12 +43,34 @@ def _hung_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
         text=True,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # the start of two ranks on a loaded machine
     while not mark.exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0][-3000:]
+        if process.poll() is not None or time.monotonic() > deadline:
+            # The run hangs by design once it gets there: end its session before reading what it printed,
+            # or reading would wait for a process that never ends.
+            _end_session(process)
+            output = process.communicate(timeout=30)[0]
+            pytest.fail(f"no rank reached the hang (exit {process.returncode}):\n{output[-3000:]}")
         time.sleep(0.2)
     time.sleep(1.0)  # the other rank is in its next collective by now
     return process, run_dirs(tmp_path)[0]
+
+
+@pytest.fixture
+def hung_run(tmp_path: Path):
+    """The hung run; whatever the test asserts, nothing of it outlives the test."""
+    process, run = _hung_run(tmp_path)
+    try:
+        yield process, run
+    finally:
+        _end_session(process)
+        process.communicate(timeout=30)
+
+
+def _end_session(process: subprocess.Popen) -> None:
+    """SIGKILL the run and every rank it started (they share its session, start_new_session=True)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _pids(run: Path) -> list[int]:
@@ -63,8 +87,8 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_nothing_answers_ends_every_rank_naming_where_each_stood(sent: int, tmp_path: Path):
-    process, run = _hung_run(tmp_path)
+def test_a_signal_nothing_answers_ends_every_rank_naming_where_each_stood(sent: int, hung_run):
+    process, run = hung_run
     ranks = _pids(run)
     sent_at = time.monotonic()
     process.send_signal(sent)
@@ -85,8 +109,8 @@ def test_a_signal_nothing_answers_ends_every_rank_naming_where_each_stood(sent: 
     assert (run / "stacks" / "rank1.txt").read_text().count("not answered") == 1  # its stacks were written
 
 
-def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path: Path):
-    process, run = _hung_run(tmp_path)
+def test_a_second_ctrl_c_ends_the_run_at_once(hung_run):
+    process, run = hung_run
     ranks = _pids(run)
     process.send_signal(signal.SIGINT)
     time.sleep(0.5)

@@ -104,9 +104,9 @@ def test_bf16_on_a_cpu_that_emulates_it_is_named_at_the_start(tmp_path: Path):
     assert result.stdout.index(note) < result.stdout.index("first training step")
 
 
-def test_quickstart_reaches_90_percent_test_accuracy(tmp_path: Path):
-    assert_ok(train(tmp_path, "experiment=quickstart"))
-    (run,) = run_dirs(tmp_path)
+def test_quickstart_reaches_90_percent_test_accuracy(quickstart_run: Path):
+    """The README's first run (the session's `quickstart_run`, whole): its accuracy and its files."""
+    run = quickstart_run
     assert last_value(read_metrics(run), "test/acc") >= 0.90
     for name in ("config.yaml", "run.yaml", "metrics.csv", ".hydra/overrides.yaml", "checkpoints/last.ckpt"):
         assert (run / name).is_file(), name
@@ -116,18 +116,18 @@ def test_quickstart_reaches_90_percent_test_accuracy(tmp_path: Path):
 
 def test_same_command_gives_the_same_metrics(tmp_path: Path):
     """Run once in a fresh interpreter and once forked from the tests' preloaded one (tests/preload.py):
-    the same metrics, so a run does not depend on which of the two started it."""
+    the same metrics, so a run does not depend on which of the two started it (two short epochs, every
+    step logged)."""
+    short = ("trainer.max_epochs=2", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2")
     for attempt, fresh in (("a", True), ("b", False)):
-        assert_ok(train(tmp_path / attempt, *DIGITS, "trainer.max_epochs=2", fresh=fresh))
+        assert_ok(train(tmp_path / attempt, *DIGITS, *short, "trainer.log_every_n_steps=1", fresh=fresh))
     a, b = (metrics_without_timing(run_dirs(tmp_path / x)[0]) for x in ("a", "b"))
     assert a == b and len(a) > 3
 
 
-def test_train_then_eval_the_checkpoint(tmp_path: Path):
-    assert_ok(train(tmp_path, *DIGITS, "trainer.max_epochs=3"))
-    (run,) = run_dirs(tmp_path)
-    trained_acc = last_value(read_metrics(run), "test/acc")
-    best = next((run / "checkpoints").glob("epoch_*.ckpt"))
+def test_train_then_eval_the_checkpoint(quickstart_run: Path, tmp_path: Path):
+    trained_acc = last_value(read_metrics(quickstart_run), "test/acc")  # the test after fit, on the best
+    best = next((quickstart_run / "checkpoints").glob("epoch_*.ckpt"))
     # eval rebuilds model and data from the checkpoint: no model=/data= needed
     result = run_entry(
         "eval.py", f"paths.log_dir={tmp_path}", f"ckpt_path={best}", "extras.print_config=false"
@@ -138,8 +138,9 @@ def test_train_then_eval_the_checkpoint(tmp_path: Path):
 
 
 def test_resume_from_last_checkpoint(tmp_path: Path):
-    assert_ok(train(tmp_path, *DIGITS, "trainer.max_epochs=2"))
-    result = train(tmp_path, *DIGITS, "trainer.max_epochs=4", "ckpt_path=last")
+    short = ("trainer.limit_train_batches=3", "trainer.limit_val_batches=2", "test=false")
+    assert_ok(train(tmp_path, *DIGITS, *short, "trainer.max_epochs=2"))
+    result = train(tmp_path, *DIGITS, *short, "trainer.max_epochs=4", "ckpt_path=last")
     assert_ok(result)
     first, second = run_dirs(tmp_path)
     assert (

@@ -2,9 +2,9 @@
 
 The tests that iterate over conf/ judge only what every option must satisfy (it composes, it builds, a
 datamodule gives a batch, a model fits some data, an experiment runs a batch); what the template's own
-batches hold is checked on its options by name. Here a copy of the project gets three pairs whose batches
-are not `(inputs, targets)` (tests/batch_shapes.py, as src/myproject/batch_shapes.py), and those tests
-run in the copy."""
+batches hold is checked on its options by name. Here a clone of the project gets an option of the user's
+in every group a user extends, among them three pairs whose batches are not `(inputs, targets)`
+(tests/batch_shapes.py, as src/myproject/batch_shapes.py), and those tests run in the clone."""
 
 from __future__ import annotations
 
@@ -71,43 +71,6 @@ BY_OPTION = [
 ]
 
 
-def _project_with_users_configs(project: Path) -> Path:
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "local")
-    for part in ("conf", "src", "tests", "docs"):
-        shutil.copytree(ROOT / part, project / part, ignore=ignore)
-    shutil.copy(ROOT / "pyproject.toml", project)
-    shutil.copy(ROOT / "tests" / "batch_shapes.py", project / "src" / "myproject" / "batch_shapes.py")
-    for name, text in USERS_CONFIGS.items():
-        (project / "conf" / name).write_text(text)
-    return project
-
-
-def test_the_template_tests_that_iterate_conf_pass_beside_users_configs_of_three_batch_shapes(tmp_path: Path):
-    project = _project_with_users_configs(tmp_path / "project")
-    env = {
-        **local_env(),
-        "PYTHONPATH": str(project / "src"),  # the copy's hpctrain and myproject, not this checkout's
-        "HPCTRAIN_CODE_ROOT": str(project),
-        "XDG_CACHE_HOME": str(tmp_path / "cache"),
-    }
-    by_option = " or ".join(test.split("::")[1] for test in BY_OPTION)
-    keyword = f"not ({by_option}) or {' or '.join(USERS_OPTIONS)}"
-    result = subprocess.run(
-        [PYTHON, "-m", "pytest", *AT_ONCE, *BY_OPTION, "-k", keyword, "-v", "-p", "no:cacheprovider"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    report = result.stdout + result.stderr
-    assert result.returncode == 0, report[-6000:]
-    passed = set(re.findall(r"^(tests/\S+) PASSED", report, re.MULTILINE))
-    assert set(AT_ONCE) <= passed, report[-3000:]
-    for option in USERS_OPTIONS:  # each of the user's options was judged, and passed
-        assert any(re.search(rf"[\[=]{option}\]", test) for test in passed), (option, report[-3000:])
-
-
 # A user's option in every group a user extends, beside the batch shapes' model, data and experiment
 OPTION_IN_EVERY_GROUP = {
     **USERS_CONFIGS,
@@ -159,8 +122,9 @@ def _clone_with_an_option_in_every_group(project: Path) -> Path:
 
 def test_the_quick_tier_passes_in_a_clone_with_a_users_option_in_every_group(tmp_path: Path):
     """The whole quick tier, in a clone whose conf/ has an option of the user's in each group a user
-    extends: nothing the template compares (a reference page, a list of options) turns red, and each
-    test that iterates over conf/ judges the user's options too."""
+    extends, three of them pairs whose batches are not `(inputs, targets)`: nothing the template
+    compares (a reference page, a list of options) turns red, each test that iterates over conf/ judges
+    the user's options too, and so do those of the slow tier that look at every option at once."""
     assert {name.split("/")[0] for name in OPTION_IN_EVERY_GROUP} == EXTENDED_GROUPS
     project = _clone_with_an_option_in_every_group(tmp_path / "clone")
     env = {
@@ -168,17 +132,31 @@ def test_the_quick_tier_passes_in_a_clone_with_a_users_option_in_every_group(tmp
         "PYTHONPATH": str(project / "src"),  # the clone's hpctrain and myproject, not this checkout's
         "XDG_CACHE_HOME": str(tmp_path / "cache"),  # (its code root: the clone that carries that hpctrain)
     }
-    result = subprocess.run(
-        [PYTHON, "-m", "pytest", "-m", "not slow", "-v", "-p", "no:cacheprovider"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    report = result.stdout + result.stderr
-    failed = [line for line in report.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    assert result.returncode == 0, "\n".join(failed) or report[-6000:]
+    # The quick tier whole, then the slow tier's tests among those that iterate over conf/: those that look
+    # at every option at once whole, those parametrized by option on the user's options.
+    by_option = " or ".join(test.split("::")[1] for test in BY_OPTION)
+    keyword = f"not ({by_option}) or {' or '.join(USERS_OPTIONS)}"
+    tiers = {"quick": ["-m", "not slow"], "slow": [*AT_ONCE, *BY_OPTION, "-m", "slow", "-k", keyword]}
+    report = ""
+    for tier, selection in tiers.items():
+        result = subprocess.run(
+            [PYTHON, "-m", "pytest", *selection, "-v", "-p", "no:cacheprovider"],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        report += result.stdout + result.stderr
+        failed = [line for line in report.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        none_slow = tier == "slow" and result.returncode == 5  # none of them is in the slow tier any more
+        assert result.returncode == 0 or none_slow, "\n".join(failed) or report[-6000:]
+    passed = set(re.findall(r"^(tests/\S+) PASSED", report, re.MULTILINE))
+    assert set(AT_ONCE) <= passed, report[-3000:]
+    for test in BY_OPTION:  # each ran on every option, the user's too
+        assert any(name.startswith(f"{test}[") for name in passed), (test, report[-3000:])
     for name in OPTION_IN_EVERY_GROUP:  # each of the user's options was judged, and passed
         group, option = name.removesuffix(".yaml").split("/")
         assert re.search(rf"\[{re.escape(group)}={option}\] PASSED", report), (name, report[-2000:])
+    for option in USERS_OPTIONS:  # the batch shapes' options, by each test parametrized by option
+        assert any(re.search(rf"[\[=]{option}\]", test) for test in passed), (option, report[-3000:])

@@ -208,6 +208,11 @@ SlurmdLogFile={root}/log/slurmd.%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
+# A job that becomes eligible by the clock (a requeued job, once its credential expired) starts at the next
+# scheduling pass, not at an event: every 60 s by default (backfill: 30 s). A requeued job started again
+# 27 s after it stopped, now 11 s (cred_expire + 1). Two nodes and a few jobs make a pass cheap. (Starting
+# it at once, `scontrol update StartTime=now`, failed one two-node job in three: the revoked credential.)
+SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
