@@ -4,6 +4,7 @@ and write datasets in torchvision's raw MNIST format (no download needed)."""
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import struct
 import subprocess
@@ -145,6 +146,21 @@ def compose_train(output_dir: Path, data_dir: Path, *overrides: str):
 
     paths = [f"paths.output_dir={output_dir}", f"paths.log_dir={output_dir}", f"paths.data_dir={data_dir}"]
     return compose("train", [*paths, *overrides])
+
+
+@functools.cache
+def composed(config_name: str, *overrides: str):
+    """The config `python src/<config_name>.py <overrides>` would run with, composed once per test worker and
+    shared by the tests that only read it (a composition costs about 0.1 s of CPU, and the quick tier asks
+    some of the same ones many times). Read-only, so that no test changes what another reads: a test that
+    changes its config, or conf/, composes its own (`compose`, `compose_train`)."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.runtime.config.compose import compose
+
+    cfg = compose(config_name, list(overrides))
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
 
 
 def _idx_images(images: np.ndarray) -> bytes:

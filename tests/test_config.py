@@ -13,7 +13,6 @@ itself (tests/test_users_configs.py adds three of other batch shapes).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import re
 import shutil
@@ -30,7 +29,7 @@ from hpctrain.runtime.config.schema import PRECISIONS
 from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import build
-from tests.helpers import EXAMPLES, IMAGE_DATA, PYTHON, ROOT, compose_train, local_env
+from tests.helpers import EXAMPLES, IMAGE_DATA, PYTHON, ROOT, compose_train, composed, local_env
 
 GROUPS = (
     "data",
@@ -70,16 +69,15 @@ TEMPLATE_MODELS = ("autoencoder", "char_transformer", "mlp", "mnist_cnn", "resne
 OPTIONS = [(group, option) for group in GROUPS for option in options(group)]
 
 
-@functools.cache  # asked at collection and again by a test: compose each model once per worker
 def data_keys(model_option: str) -> frozenset[str]:
     """The `data.<key>`s a model option's config refers to (its declared needs)."""
-    cfg = compose("train", [f"model={model_option}"])
+    cfg = composed("train", f"model={model_option}")  # at collection, and again by tests: once per worker
     text = str(OmegaConf.to_container(cfg.model, resolve=False))
     return frozenset(re.findall(r"\$\{data\.([A-Za-z_]\w*)", text))
 
 
 def provided_keys(data_option: str) -> set[str]:
-    return set(compose("train", [f"data={data_option}"]).data.keys())
+    return set(composed("train", f"data={data_option}").data.keys())
 
 
 def compatible_pairs() -> list[tuple[str, str]]:
@@ -94,9 +92,9 @@ def compatible_pairs() -> list[tuple[str, str]]:
 PAIRS = compatible_pairs()
 
 
-@functools.cache  # each net option asks about every model: compose each once per worker
 def _net(*overrides: str) -> str | None:
-    return OmegaConf.select(compose("train", list(overrides)), "model.net._target_")
+    """The net a composition builds (each net option asks about every model: each composed once per worker)."""
+    return OmegaConf.select(composed("train", *overrides), "model.net._target_")
 
 
 # Data of the user's: a root to read (written into the session's data dir) and its classes and shape.
@@ -356,7 +354,7 @@ DEFAULT_CALLBACKS = {
 
 
 def _callbacks(*overrides: str) -> dict:
-    return OmegaConf.to_container(compose("train", list(overrides)).callbacks, resolve=False)
+    return OmegaConf.to_container(composed("train", *overrides).callbacks, resolve=False)
 
 
 def test_default_callbacks_are_one_file_each():
