@@ -419,6 +419,7 @@ def _help(script: str, flag: str = "--help") -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # six runs of the entry points: what `--help` prints is the command line's
 @pytest.mark.parametrize("script", ["train", "eval", "export"])
 def test_help_lists_every_config_group_and_option(script: str):
     """A group or option added under conf/ shows in `--help`; the groups under conf/hydra (the
@@ -453,6 +454,7 @@ finally:
 """
 
 
+@pytest.mark.slow  # a run of the entry point, counted from inside
 def test_help_builds_one_config_repository():
     result = subprocess.run(
         [PYTHON, "-c", COUNT_REPOSITORIES],
@@ -602,6 +604,7 @@ def test_a_checkpoint_entry_that_resume_could_not_find_is_refused(
     assert [c._every_n_train_steps for c in mine] == [5]
 
 
+@pytest.mark.slow  # a copy of the project and two runs of its entry point
 def test_help_names_both_config_sources_and_an_option_the_project_replaces(tmp_path: Path):
     """A file of hpctrain's group and name in the project's conf/ wins, and --help says it replaces one."""
     project = tmp_path / "project"
