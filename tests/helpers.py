@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +102,34 @@ def train(log_dir: Path, *overrides: str, **kwargs) -> subprocess.CompletedProce
     return run_entry(
         "train.py", *flags, f"paths.log_dir={log_dir}", "extras.print_config=false", *rest, **kwargs
     )
+
+
+@functools.cache
+def submit_script() -> types.ModuleType:
+    """scripts/submit.py as a module, loaded once per test worker (it keeps no state between calls)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("submit", ROOT / "scripts" / "submit.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def submit_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python scripts/submit.py args...` run by its `main` in this process: its exit status (argparse's
+    too) and what it printed. For what runs nothing (`--dry-run`, `--help`), so that a quick test starts no
+    interpreter; the Slurm tests submit with the script itself."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = submit_script().main(list(args))
+        except SystemExit as exit:  # argparse: --help, or a bad flag
+            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+    return subprocess.CompletedProcess(["scripts/submit.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
