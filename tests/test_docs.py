@@ -292,6 +292,7 @@ def _dev_script(name: str):
     return _import(ROOT / "scripts" / "dev" / f"{name}.py", name)
 
 
+@functools.cache  # two tests read them: each page composes every entry point's config
 def built_reference_pages() -> dict[str, str]:
     """The reference pages the site's build writes from the project's configs, as it writes them."""
     docs_reference = _dev_script("docs_reference")
