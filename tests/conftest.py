@@ -5,9 +5,17 @@ from pathlib import Path
 
 import pytest
 
+from tests import loaded_configs
 from tests.helpers import write_cifar10_batches, write_mnist_raw, write_small_image_data
 
 pytest_plugins = ["hpctrain.testing.plugin"]  # the contract tests' options and fixtures, slurm_cluster
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Where tests run (not in the process that only hands them to `pytest -n`'s workers), each config
+    file Hydra reads is read once (tests/loaded_configs.py), before collection composes the first."""
+    if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        loaded_configs.install()
 
 
 @pytest.fixture(scope="session")
