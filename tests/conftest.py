@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import loaded_configs
 from tests.helpers import (
     assert_ok,
     run_dirs,
@@ -24,6 +25,13 @@ pytest_plugins = ["hpctrain.testing.plugin"]  # the contract tests' options and 
 # the numbers, only the spin. Set before any process or OpenMP runtime starts; every process the tests
 # start inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Where tests run (not in the process that only hands them to `pytest -n`'s workers), each config
+    file Hydra reads is read once (tests/loaded_configs.py), before collection composes the first."""
+    if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        loaded_configs.install()
 
 
 @pytest.fixture(scope="session")

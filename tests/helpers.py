@@ -4,10 +4,12 @@ and write datasets in torchvision's raw MNIST format (no download needed)."""
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import struct
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +104,34 @@ def train(log_dir: Path, *overrides: str, **kwargs) -> subprocess.CompletedProce
     )
 
 
+@functools.cache
+def submit_script() -> types.ModuleType:
+    """scripts/submit.py as a module, loaded once per test worker (it keeps no state between calls)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("submit", ROOT / "scripts" / "submit.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def submit_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python scripts/submit.py args...` run by its `main` in this process: its exit status (argparse's
+    too) and what it printed. For what runs nothing (`--dry-run`, `--help`), so that a quick test starts no
+    interpreter; the Slurm tests submit with the script itself."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = submit_script().main(list(args))
+        except SystemExit as exit:  # argparse: --help, or a bad flag
+            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+    return subprocess.CompletedProcess(["scripts/submit.py", *args], code, out.getvalue(), err.getvalue())
+
+
 def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-6000:]}"
 
@@ -145,6 +175,21 @@ def compose_train(output_dir: Path, data_dir: Path, *overrides: str):
 
     paths = [f"paths.output_dir={output_dir}", f"paths.log_dir={output_dir}", f"paths.data_dir={data_dir}"]
     return compose("train", [*paths, *overrides])
+
+
+@functools.cache
+def composed(config_name: str, *overrides: str):
+    """The config `python src/<config_name>.py <overrides>` would run with, composed once per test worker and
+    shared by the tests that only read it (a composition costs about 0.1 s of CPU, and the quick tier asks
+    some of the same ones many times). Read-only, so that no test changes what another reads: a test that
+    changes its config, or conf/, composes its own (`compose`, `compose_train`)."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.runtime.config.compose import compose
+
+    cfg = compose(config_name, list(overrides))
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
 
 
 def _idx_images(images: np.ndarray) -> bytes:

@@ -6,25 +6,19 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import EXAMPLES, PYTHON, ROOT
+from tests.helpers import EXAMPLES, PYTHON, ROOT, submit_in_process
 
 QUICK = ("experiment=quickstart", "trainer.max_epochs=1", "test=false", "extras.print_config=false")
 
 
 def _flags(*args: str) -> dict[str, str]:
-    result = subprocess.run(
-        [PYTHON, "scripts/submit.py", "--dry-run", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    result = submit_in_process("--dry-run", *args)
+    assert result.returncode == 0, result.stderr
     command = shlex.split(result.stdout)
     return {a[2:].split("=", 1)[0]: a.split("=", 1)[1] for a in command if a.startswith("--") and "=" in a}
 

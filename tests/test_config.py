@@ -13,7 +13,6 @@ itself (tests/test_users_configs.py adds three of other batch shapes).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import re
 import shutil
@@ -30,7 +29,7 @@ from hpctrain.runtime.config.schema import PRECISIONS
 from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import build
-from tests.helpers import EXAMPLES, IMAGE_DATA, PYTHON, ROOT, compose_train, local_env, require_modules
+from tests.helpers import EXAMPLES, IMAGE_DATA, PYTHON, ROOT, compose_train, composed, local_env, require_modules
 
 GROUPS = (
     "data",
@@ -70,16 +69,15 @@ TEMPLATE_MODELS = ("autoencoder", "char_transformer", "mlp", "mnist_cnn", "resne
 OPTIONS = [(group, option) for group in GROUPS for option in options(group)]
 
 
-@functools.cache  # asked at collection and again by a test: compose each model once per worker
 def data_keys(model_option: str) -> frozenset[str]:
     """The `data.<key>`s a model option's config refers to (its declared needs)."""
-    cfg = compose("train", [f"model={model_option}"])
+    cfg = composed("train", f"model={model_option}")  # at collection, and again by tests: once per worker
     text = str(OmegaConf.to_container(cfg.model, resolve=False))
     return frozenset(re.findall(r"\$\{data\.([A-Za-z_]\w*)", text))
 
 
 def provided_keys(data_option: str) -> set[str]:
-    return set(compose("train", [f"data={data_option}"]).data.keys())
+    return set(composed("train", f"data={data_option}").data.keys())
 
 
 def compatible_pairs() -> list[tuple[str, str]]:
@@ -94,9 +92,9 @@ def compatible_pairs() -> list[tuple[str, str]]:
 PAIRS = compatible_pairs()
 
 
-@functools.cache  # each net option asks about every model: compose each once per worker
 def _net(*overrides: str) -> str | None:
-    return OmegaConf.select(compose("train", list(overrides)), "model.net._target_")
+    """The net a composition builds (each net option asks about every model: each composed once per worker)."""
+    return OmegaConf.select(composed("train", *overrides), "model.net._target_")
 
 
 # Data of the user's: a root to read (written into the session's data dir) and its classes and shape.
@@ -398,7 +396,7 @@ DEFAULT_CALLBACKS = {
 
 
 def _callbacks(*overrides: str) -> dict:
-    return OmegaConf.to_container(compose("train", list(overrides)).callbacks, resolve=False)
+    return OmegaConf.to_container(composed("train", *overrides).callbacks, resolve=False)
 
 
 def test_default_callbacks_are_one_file_each():
@@ -463,6 +461,7 @@ def _help(script: str, flag: str = "--help") -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # six runs of the entry points: what `--help` prints is the command line's
 @pytest.mark.parametrize("script", ["train", "eval", "export"])
 def test_help_lists_every_config_group_and_option(script: str):
     """A group or option added under conf/ shows in `--help`; the groups under conf/hydra (the
@@ -497,6 +496,7 @@ finally:
 """
 
 
+@pytest.mark.slow  # a run of the entry point, counted from inside
 def test_help_builds_one_config_repository():
     result = subprocess.run(
         [PYTHON, "-c", COUNT_REPOSITORIES],
@@ -650,6 +650,7 @@ def test_a_checkpoint_entry_that_resume_could_not_find_is_refused(
     assert [c._every_n_train_steps for c in mine] == [5]
 
 
+@pytest.mark.slow  # a copy of the project and two runs of its entry point
 def test_help_names_both_config_sources_and_an_option_the_project_replaces(tmp_path: Path):
     """A file of hpctrain's group and name in the project's conf/ wins, and --help says it replaces one."""
     project = tmp_path / "project"

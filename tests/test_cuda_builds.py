@@ -168,6 +168,7 @@ def test_a_gpu_older_than_torchs_cuda_compiles_for_is_refused_in_one_sentence():
     cuda.check_gpu_architectures(None, ("2.14.1+cu130", "13.0"))  # no NVML: nothing to say
 
 
+@pytest.mark.slow  # the preflight starts CUDA in a child interpreter that imports torch
 def test_the_preflight_of_a_gpu_run_names_the_driver_when_cuda_fails_to_start(
     monkeypatch: pytest.MonkeyPatch,
 ):

@@ -274,13 +274,14 @@ def readers_files(path: Path) -> dict[str, Path]:
 # ------------------------------------------------------------------------------------- the quick tier
 
 
-def test_the_reference_pages_are_what_the_code_says():
+def test_the_reference_pages_are_what_the_code_says(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
     """The pages read from hpctrain's own code are committed and up to date (those read from the project's
-    configs are written when the site is built: test_the_pages_read_from_the_configs_are_written_as_the_site_builds)."""
-    result = subprocess.run(
-        [PYTHON, "scripts/dev/docs_reference.py", "--check"], cwd=ROOT, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
+    configs are written when the site is built: test_the_pages_read_from_the_configs_are_written_as_the_site_builds):
+    `python scripts/dev/docs_reference.py --check`, run in this process."""
+    monkeypatch.setattr("sys.argv", ["scripts/dev/docs_reference.py", "--check"])
+    assert _dev_script("docs_reference").main() == 0, capsys.readouterr().err
 
 
 @functools.cache
@@ -291,6 +292,7 @@ def _dev_script(name: str):
     return _import(ROOT / "scripts" / "dev" / f"{name}.py", name)
 
 
+@functools.cache  # two tests read them: each page composes every entry point's config
 def built_reference_pages() -> dict[str, str]:
     """The reference pages the site's build writes from the project's configs, as it writes them."""
     docs_reference = _dev_script("docs_reference")

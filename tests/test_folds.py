@@ -209,6 +209,10 @@ def test_the_preflight_checks_the_fold_settings(tmp_path: Path, overrides: list[
     cfg = compose_train(tmp_path, tmp_path, "experiment=quickstart", *overrides)
     with pytest.raises(UserError, match=re.escape(message)):
         check_config(cfg)
+
+
+@pytest.mark.skipif(not EXAMPLES, reason="a project generated without the examples has no digits data config")
+def test_the_preflight_passes_a_fold_of_the_folds(tmp_path: Path):
     check_config(
         compose_train(tmp_path, tmp_path, "experiment=quickstart", "data.num_folds=3", "data.fold=2")
     )

@@ -19,6 +19,7 @@ is imported, so there Hydra is heavy too (tests/test_config.py times it by Hydra
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -87,7 +88,8 @@ def _type_checking(node: ast.If) -> bool:
     return isinstance(node.test, ast.Name | ast.Attribute) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def imports(module: str) -> tuple[set[str], list[tuple[int, str]]]:
+@functools.cache  # each module is asked about many times (every light path, every inner import)
+def imports(module: str) -> tuple[frozenset[str], tuple[tuple[int, str], ...]]:
     """What `module` imports at its top (run when it is imported), and inside functions (line, module)."""
     tree = ast.parse(MODULES[module].read_text())
     top: set[str] = set()
@@ -103,7 +105,7 @@ def imports(module: str) -> tuple[set[str], list[tuple[int, str]]]:
             visit(child, in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda))
 
     visit(tree, False)
-    return top, inner
+    return frozenset(top), tuple(inner)
 
 
 def _package_chain(module: str) -> list[str]:
@@ -114,6 +116,11 @@ def _package_chain(module: str) -> list[str]:
 
 def top_closure(start: set[str]) -> set[str]:
     """Every module importing `start` runs: hpctrain's and third-party top-level packages alike."""
+    return set(_top_closure(frozenset(start)))
+
+
+@functools.cache
+def _top_closure(start: frozenset[str]) -> frozenset[str]:
     seen: set[str] = set()
     todo = [m for s in start for m in _package_chain(s)]
     while todo:
@@ -123,7 +130,7 @@ def top_closure(start: set[str]) -> set[str]:
         seen.add(module)
         if module in MODULES:
             todo.extend(m for target in imports(module)[0] for m in _package_chain(target))
-    return seen
+    return frozenset(seen)
 
 
 def heavy(module: str, heavy_names: set[str] = HEAVY) -> bool:

@@ -209,6 +209,7 @@ def test_bad_input_is_one_sentence_naming_the_file(digits_checkpoint: Path, tmp_
         assert "Traceback" not in result.stdout
 
 
+@pytest.mark.slow  # a fresh `python src/predict.py`: the refusal comes before torch is imported
 def test_an_existing_output_is_refused_before_anything_runs(tmp_path: Path):
     output = tmp_path / "predictions.csv"
     output.write_text("index,path,class\n0,,7\n")

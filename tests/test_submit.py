@@ -1,17 +1,16 @@
-"""scripts/submit.py renders one consistent sbatch command and passes arguments without a shell."""
+"""scripts/submit.py renders one consistent sbatch command and passes arguments without a shell (its `main`,
+in this process: the Slurm tests run the script)."""
 
 from __future__ import annotations
 
 import shlex
 import subprocess
 
-from tests.helpers import PYTHON, ROOT
+from tests.helpers import ROOT, submit_in_process, submit_script
 
 
 def _dry_run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, str(ROOT / "scripts" / "submit.py"), "--dry-run", *args], capture_output=True, text=True
-    )
+    return submit_in_process("--dry-run", *args)
 
 
 def _flags(command: list[str]) -> dict[str, str]:
@@ -55,12 +54,7 @@ def test_counts_cannot_be_overridden_twice():
 
 
 def _submit():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("submit", ROOT / "scripts" / "submit.py")
-    submit = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(submit)
-    return submit
+    return submit_script()
 
 
 def _never_fits(**flags: str) -> str | None:
@@ -125,9 +119,7 @@ def test_help_says_the_job_name_the_sbatch_files_give():
     name, not another."""
     import re
 
-    helped = subprocess.run(
-        [PYTHON, str(ROOT / "scripts" / "submit.py"), "--help"], capture_output=True, text=True
-    )
+    helped = submit_in_process("--help")
     assert helped.returncode == 0, helped.stderr
     said = " ".join(helped.stdout.split())
     for name, option in (("train", ""), ("sweep", " with --sweep"), ("pack", " with --pack")):

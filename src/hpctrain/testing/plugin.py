@@ -36,9 +36,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    from hpctrain.testing.contract import _pair
-
-    return f"contract tests: {_pair(config)}"
+    # The pair's options as given (as `Pair` prints them), without importing hpctrain.testing.contract: it
+    # imports Lightning, which the process that only hands tests to `pytest -n 2`'s workers never needs.
+    options = [f"model={config.getoption('--model')}", f"data={config.getoption('--data')}"]
+    return f"contract tests: {' '.join([*options, *config.getoption('--override')])}"
 
 
 @pytest.fixture(scope="session")
