@@ -36,7 +36,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import hydra.utils
 import yaml
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_object
+from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hpctrain.runtime.config import target_spelling
@@ -89,10 +93,6 @@ def _targets_of(folders: tuple[Path, ...]) -> frozenset[str]:
 
 def _hydra_config() -> Any:
     """The running Hydra app's config (None outside one: hpctrain.load from a notebook)."""
-    from hydra.core.hydra_config import (
-        HydraConfig,  # Hydra waits: a stored answer (answers) is printed before it is imported
-    )
-
     try:
         return HydraConfig.get()
     except Exception:
@@ -300,10 +300,6 @@ def resolved_for_hydra(target: str) -> Any:
     """`resolve(target)`, which Hydra's own lookup of the same string must give too (a package that
     rebinds the name of one of its modules would send Hydra elsewhere)."""
     obj = resolve(target)
-    from hydra.utils import (
-        get_object,  # Hydra waits: a stored answer (answers) is printed before it is imported
-    )
-
     if get_object(target) is not obj:
         raise UntrustedTarget(
             f"_target_: {target} leads Hydra's attribute-by-attribute lookup to another object than the one "
@@ -346,8 +342,6 @@ RESULT_PACKAGES = ("torch", "torchvision", "torchmetrics", "pytorch_lightning", 
 
 def whitelist_supported() -> bool:
     """Whether the installed Hydra takes a call-site execution whitelist (1.4 and later)."""
-    import hydra.utils  # Hydra waits: a stored answer (answers) is printed before it is imported
-
     return hasattr(hydra.utils, "execution_whitelist")
 
 
@@ -355,10 +349,6 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     """hydra.utils.instantiate for a config the project composed (or one `check_stored` admitted): every
     `_target_` in it resolved by rule 2 first, and, where Hydra has one, its exact names as Hydra's
     execution whitelist (with the results' packages, see the module docstring)."""
-    from hydra.utils import (
-        instantiate as hydra_instantiate,  # Hydra waits: a stored answer (answers) is printed before it is imported
-    )
-
     plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig | ListConfig) else node
     names = {t for _, t in targets_in(plain) if isinstance(t, str)}
     names |= {t for _, t in targets_in(kwargs) if isinstance(t, str)}
