@@ -71,7 +71,9 @@ class _CountingCIFAR(CIFAR10DataModule):
     augmented = 0
 
     def augment(self, images):
-        type(self).augmented += len(images)
+        # the class by name: a datamodule of hpctrain's bases is made of the run's Lightning namespace
+        # (hpctrain.runtime.namespaces), a subclass of this class with its name, so type(self) is not it
+        _CountingCIFAR.augmented += len(images)
         return super().augment(images)
 
 

@@ -117,6 +117,37 @@ def test_a_record_keeps_every_value_a_resolver_gives_as_written(monkeypatch: pyt
     assert TOKEN not in repr(recorded) and TOKEN not in redact.yaml_text(cfg)
 
 
+def test_a_record_resolves_hydras_run_dir_and_job_name_but_not_its_environment(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """`${hydra:...}` of where and as what the job runs (paths.output_dir is one) is recorded resolved;
+    the rest of Hydra's config (job.env_set holds API keys) as written."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.utils import setup_globals
+
+    setup_globals()  # Hydra's resolvers, `hydra` among them, as an app registers them
+    hydra = OmegaConf.create(
+        {"hydra": {"runtime": {"output_dir": "/runs/7"}, "job": {"name": "train", "env_set": {"KEY": TOKEN}}}}
+    )
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", hydra)
+    cfg = OmegaConf.create(
+        {
+            "output_dir": "${hydra:runtime.output_dir}",
+            "name": "${hydra:job.name}",
+            "key": "${hydra:job.env_set.KEY}",
+            "keys": "${hydra:job.env_set}",
+        }
+    )
+    recorded = redact.recorded(cfg)
+    assert recorded == {
+        "output_dir": "/runs/7",
+        "name": "train",
+        "key": "${hydra:job.env_set.KEY}",
+        "keys": "${hydra:job.env_set}",
+    }
+    assert TOKEN not in redact.yaml_text(cfg)
+
+
 def test_the_run_dir_records_hold_no_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("HPCTRAIN_TEST_TOKEN", TOKEN)
     cfg = OmegaConf.create({"token": "${oc.env:HPCTRAIN_TEST_TOKEN}", "uri": f"https://a:{PASSWORD}@h"})

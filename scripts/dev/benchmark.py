@@ -161,6 +161,7 @@ def run_lightning(setup: Setup) -> list[float]:
     import pytorch_lightning as pl
     import torch.nn.functional as F
 
+    from hpctrain.runtime import namespaces
     from hpctrain.runtime.distributed import launch
 
     net, make_optimizer = setup.network_and_optimizer()
@@ -216,7 +217,7 @@ def run_lightning(setup: Setup) -> list[float]:
         accelerator="gpu" if setup.gpu else "cpu",
         devices=setup.world,
         strategy="ddp" if setup.world > 1 else "auto",
-        plugins=[launch.lightning_cluster_environment()],
+        plugins=[launch.lightning_cluster_environment(namespaces.PYTORCH_LIGHTNING)],
         max_epochs=setup.epochs,
         logger=False,
         enable_checkpointing=False,

@@ -8,7 +8,8 @@ string), which keep secrets out by construction, not by the names they go under:
 - a value that came from a resolver (`${oc.env:NAME}`, `${hydra:...}`, `${oc.decode:...}`, a project's
   own resolver) is recorded as written, not as its value: whatever a resolver reads (the environment, a
   vault, Hydra's `job.env_set`) never lands in a file; what depends on it shows the interpolation. Only
-  hpctrain's own path and name resolvers, which read nothing secret (`HARMLESS_RESOLVERS`), resolve;
+  hpctrain's own path and name resolvers, which read nothing secret (`HARMLESS_RESOLVERS`), and Hydra's
+  run dir, job name and choices (`HARMLESS_HYDRA_KEYS`) resolve;
 - every URL is parsed (`hpctrain.runtime.secrets`): its userinfo, its query values (but a few harmless
   keys), its fragment and a webhook's path are hidden as `***`;
 - the values of `hydra.job.env_set` (API keys are set that way) are hidden whole.
@@ -28,7 +29,18 @@ from hpctrain.runtime.secrets import HIDDEN, hide
 
 # hpctrain's own resolvers whose values are paths and names it makes itself (hpctrain.runtime.config.resolvers)
 HARMLESS_RESOLVERS = frozenset({"project_root", "project_name", "run_id"})
-_RESOLVER = re.compile(r"\$\{\s*([\w.\-]+)\s*:")
+# Hydra's own keys for where and as what a job runs (its run dir, job name and number, the choices): paths
+# and names it makes itself. Its other keys (`job.env_set` holds API keys) stay as written.
+HARMLESS_HYDRA_KEYS = (
+    "runtime.output_dir",
+    "runtime.choices.",
+    "run.dir",
+    "sweep.",
+    "job.name",
+    "job.num",
+    "mode",
+)
+_RESOLVER = re.compile(r"\$\{\s*([\w.\-]+)\s*:\s*([^}$]*)")
 
 
 def text(value: str) -> str:
@@ -37,8 +49,18 @@ def text(value: str) -> str:
 
 
 def _from_a_resolver(value: str) -> bool:
-    """Whether a config string calls a resolver other than hpctrain's harmless ones."""
-    return any(name not in HARMLESS_RESOLVERS for name in _RESOLVER.findall(value))
+    """Whether a config string calls a resolver other than hpctrain's harmless ones (and Hydra's for its
+    harmless keys)."""
+    return any(not _harmless(name, argument.strip()) for name, argument in _RESOLVER.findall(value))
+
+
+def _harmless(resolver: str, argument: str) -> bool:
+    if resolver == "hydra":
+        return argument == "mode" or any(
+            argument == key.rstrip(".") or (key.endswith(".") and argument.startswith(key))
+            for key in HARMLESS_HYDRA_KEYS
+        )
+    return resolver in HARMLESS_RESOLVERS
 
 
 ENV_SET = "hydra.job.env_set."
