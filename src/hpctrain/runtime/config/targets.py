@@ -234,7 +234,7 @@ def resolve(target: str) -> Any:
     if len(parts) < 2 or not all(part.isidentifier() for part in parts):
         raise UntrustedTarget(
             f"_target_: {target!r} is not the dotted name of a module's class or function "
-            "(<module>.<name>, e.g. myproject.models.classifier.ImageClassifier); write the full path."
+            "(<module>.<name>, e.g. mypackage.models.Net); write the full path."
         )
     for cut in (len(parts) - 1, len(parts) - 2):  # module.name, then module.Class.name
         if cut < 1:
