@@ -282,6 +282,22 @@ def test_a_folder_with_a_link_out_of_it_is_refused_and_hydras_log_goes_nowhere(t
     assert resolvers._rank_zero_file(str(run / "eval.log")) == str(run / "eval.log")
 
 
+def test_the_link_wandb_makes_to_its_service_log_is_the_runs_own_and_no_other_link_out_is(tmp_path: Path):
+    """A run resumed in place with `logger=wandb` holds W&B's link from its run's logs to the service's
+    log in the user's cache: that one link is W&B's, written once and never through again; a link of
+    any other name there leads out of the run dir and is refused."""
+    from hpctrain.runtime import confined
+
+    run = tmp_path / "run"
+    logs = run / "wandb" / "offline-run-20261127_104622-a7103c470a39" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "debug-core.log").symlink_to(tmp_path / "cache" / "core-debug.log")
+    confined.check_no_links_out(run)
+    (logs / "debug.log").symlink_to(tmp_path / "notes.txt")
+    with pytest.raises(UserError, match=r"holds wandb/offline-run-\S+/logs/debug.log, a link to"):
+        confined.check_no_links_out(run)
+
+
 # ---------------------------------------------------------------------------- a checkpoint's config
 
 

@@ -21,6 +21,12 @@ class LinkOutside(UserError):
     pass
 
 
+# Links a logger library makes itself, which neither it nor hpctrain writes or reads through again: W&B
+# links each run's `logs/debug-core.log` to its service's log in the user's cache (~/.cache/wandb/logs);
+# a resumed run gets a new offline-run folder with a link of its own.
+LOGGERS_OWN_LINKS = ("wandb/*/logs/debug-core.log",)
+
+
 def inside(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> bool:
     """Whether `path`, resolved (symlinks followed, `..` removed), lies inside `folder`, resolved."""
     try:
@@ -36,7 +42,11 @@ def links_out(folder: str | os.PathLike[str]) -> list[tuple[Path, Path]]:
     for root, dirs, files in os.walk(folder, followlinks=False):
         for name in (*dirs, *files):
             path = Path(root) / name
-            if path.is_symlink() and not inside(path, folder):
+            if (
+                path.is_symlink()
+                and not inside(path, folder)
+                and not any(path.relative_to(folder).match(own) for own in LOGGERS_OWN_LINKS)
+            ):
                 found.append((path, Path(os.readlink(path))))
     return sorted(found)
 
