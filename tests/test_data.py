@@ -149,7 +149,7 @@ def _fit(callbacks=(), ckpt_path: Path | None = None):
     from pytorch_lightning import Trainer
 
     from hpctrain.callbacks.checkpoint_extras import CheckpointExtras
-    from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+    from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO
     from myproject.models.classifier import ImageClassifier
     from myproject.models.nets import MLP
 

@@ -1,5 +1,5 @@
 """`CheckpointExtras`: what hpctrain adds to every checkpoint (what and why:
-`hpctrain.runtime.run.checkpoints.extras`); every run gets it from `build`."""
+`hpctrain.runtime.storage.checkpoints.extras`); every run gets it from `build`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from hpctrain.runtime.namespaces import LightningPart
-from hpctrain.runtime.run.checkpoints.extras import (
+from hpctrain.runtime.storage.checkpoints.extras import (
     capture_metric_states,
     capture_rng_state,
     mid_epoch,
@@ -17,12 +17,12 @@ from hpctrain.runtime.run.checkpoints.extras import (
     restore_rng_state,
     resumes_mid_epoch,
 )
-from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY
+from hpctrain.runtime.storage.checkpoints.reading import CONFIG_KEY
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule, Trainer
 
-log = logging.getLogger("hpctrain.runtime.run.checkpoints")
+log = logging.getLogger("hpctrain.runtime.storage.checkpoints")
 
 
 class CheckpointExtras(LightningPart, lightning="pytorch_lightning.Callback"):

@@ -212,7 +212,7 @@ INTERNALS = (
     ),
     Internal(
         "lightning_fabric.utilities.types:_Stateful",
-        "runtime/run/checkpoints/extras.py",
+        "runtime/storage/checkpoints/extras.py",
         "the protocol Lightning uses to decide whether a train loader resumes mid-epoch",
         "tests/test_bring_your_own.py::test_a_plain_dataloader_resumes_from_the_last_step_and_says_so",
     ),
@@ -230,14 +230,14 @@ INTERNALS = (
     ),
     Internal(
         "torch.distributed.checkpoint.filesystem:_StorageInfo",
-        "runtime/run/checkpoints/sharded.py",
+        "runtime/storage/checkpoints/sharded.py",
         "what a DCP index says of each stored item (shard file, offset, length, transforms): the index "
         "unpickler admits it by name, and every shard path and size is checked from it before a load",
         "tests/test_checkpoint_trust.py::test_the_index_unpickler_admits_exactly_what_dcp_writes",
     ),
     Internal(
         "torch.distributed.checkpoint.filesystem:FileSystemReader.load_id",
-        "runtime/run/checkpoints/sharded.py",
+        "runtime/storage/checkpoints/sharded.py",
         "the parsed index handed to torch's reader carries the reader's load id, as its own read_metadata sets it",
         "tests/test_checkpoint_trust.py::test_a_sharded_folder_is_read_once_whatever_is_swapped_in_after",
     ),

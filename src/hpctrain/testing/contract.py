@@ -46,8 +46,8 @@ from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import LightningPart, namespace_of
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import build
-from hpctrain.runtime.run.checkpoints import reading
-from hpctrain.runtime.run.checkpoints.extras import resumes_mid_epoch
+from hpctrain.runtime.storage.checkpoints import reading
+from hpctrain.runtime.storage.checkpoints.extras import resumes_mid_epoch
 
 if TYPE_CHECKING:
     from pytorch_lightning import Callback, LightningModule, Trainer

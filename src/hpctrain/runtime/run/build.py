@@ -40,6 +40,7 @@ from torchmetrics import Metric
 from hpctrain.callbacks.attempt_progress import AttemptProgress
 from hpctrain.callbacks.batch_limits import BatchLimits
 from hpctrain.callbacks.checkpoint_extras import CheckpointExtras
+from hpctrain.callbacks.frozen_parts import FrozenParts
 from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
 from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
 from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
@@ -62,11 +63,11 @@ from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import Namespace
 from hpctrain.runtime.report import console
-from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
-from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpointIO
-from hpctrain.runtime.run.checkpoints.folder_saves import FolderSaves
-from hpctrain.runtime.run.checkpoints.sharded import consolidate
-from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+from hpctrain.runtime.storage.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
+from hpctrain.runtime.storage.checkpoints.async_writing import AsyncAtomicCheckpointIO
+from hpctrain.runtime.storage.checkpoints.folder_saves import FolderSaves
+from hpctrain.runtime.storage.checkpoints.sharded import consolidate
+from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO
 
 if TYPE_CHECKING:
     from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer
@@ -119,6 +120,16 @@ class Run:
 
     def can_test(self) -> bool:
         return can_test(self.model, self.datamodule)
+
+    def freeze(self, patterns: list[str], until: int | None) -> str:
+        """Freeze the parameters `patterns` name (`init_from.freeze`; a callback unfreezes them at epoch
+        `until`); the line that says what was frozen."""
+        frozen = self.namespace.part(FrozenParts)(self.model, patterns, until)  # of the run's namespace
+        self.trainer.callbacks.append(frozen)
+        return (
+            f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"
+            + (f", until epoch {until}" if until is not None else "")
+        )
 
     @property
     def best_value(self) -> float | None:

@@ -44,7 +44,7 @@ from hpctrain.runtime import run_state
 from hpctrain.runtime.config.settings import Requeue
 from hpctrain.runtime.distributed.endings import Stopped, ending
 from hpctrain.runtime.environment import launched
-from hpctrain.runtime.run import records
+from hpctrain.runtime.storage import records
 
 log = logging.getLogger("hpctrain")
 

@@ -24,9 +24,9 @@ from omegaconf import OmegaConf
 from hpctrain.runtime.config.settings import InitFrom
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import agreement
-from hpctrain.runtime.run.checkpoints.folders import committed, recover
-from hpctrain.runtime.run.records import read_run_record
+from hpctrain.runtime.storage.checkpoints import agreement
+from hpctrain.runtime.storage.checkpoints.folders import committed, recover
+from hpctrain.runtime.storage.records import read_run_record
 
 log = logging.getLogger("hpctrain")
 
@@ -78,7 +78,7 @@ class StartPoint:
         elif init.path:
             lines.append(_load_init_weights(run, init))
         if init.freeze:
-            lines.append(_freeze(run, init))
+            lines.append(run.freeze(list(init.freeze), init.unfreeze_at_epoch))
         if launched.is_rank_zero():
             if self.run_dir is not None:
                 remove_partial_saves(self.run_dir)
@@ -91,8 +91,8 @@ class StartPoint:
         """The file the run starts from, read as data before anything heavy is built (a checkpoint's
         contents without its weights, or `init_from.path`'s): a hostile or broken file is one sentence
         before the data is prepared."""
-        from hpctrain.runtime.run.checkpoints import init_from as weights
-        from hpctrain.runtime.run.checkpoints import reading
+        from hpctrain.runtime.storage.checkpoints import init_from as weights
+        from hpctrain.runtime.storage.checkpoints import reading
 
         if self.checkpoint is not None:
             reading.read(self.checkpoint, weights=False)
@@ -102,7 +102,7 @@ class StartPoint:
     def _check_checkpoint(self, run: Any, cfg: Any) -> str | None:
         """Refuse weights of another model; the configured optimizer values the checkpoint overrides."""
 
-        from hpctrain.runtime.run.checkpoints import reading
+        from hpctrain.runtime.storage.checkpoints import reading
 
         assert self.checkpoint is not None
         content = reading.read(
@@ -122,22 +122,9 @@ class StartPoint:
 
 def _load_init_weights(run: Any, init: InitFrom) -> str:
     """A fresh run starts from `init_from.path`'s weights; the line that says what was loaded."""
-    from hpctrain.runtime.run.checkpoints import init_from
+    from hpctrain.runtime.storage.checkpoints import init_from
 
     return init_from.apply(run.model, init.path, strict=init.strict, exclude=init.exclude, prefix=init.prefix)
-
-
-def _freeze(run: Any, init: InitFrom) -> str:
-    """Freeze what `init_from.freeze` names (a callback unfreezes it at `unfreeze_at_epoch`)."""
-    from hpctrain.callbacks.frozen_parts import FrozenParts
-
-    until = init.unfreeze_at_epoch
-    frozen = run.namespace.part(FrozenParts)(run.model, list(init.freeze), until)  # of the run's namespace
-    run.trainer.callbacks.append(frozen)
-    return (
-        f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"
-        + (f", until epoch {until}" if until is not None else "")
-    )
 
 
 def is_restart(record: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:
