@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import re
+import sys
 import warnings
 
 import pytest
@@ -13,7 +15,7 @@ from hydra._internal.utils import _locate
 
 from tests.helpers import ROOT
 
-# 0.3's `_target_`s in the shipped YAML -> where they live now (removed in 0.5, as the CHANGELOG says)
+# 0.3's `_target_`s in the shipped YAML, and names of its modules that moved -> where they live now (removed in 0.5, as the CHANGELOG says)
 OLD_TARGETS = {
     "hpctrain.runtime.run.callbacks.ModelCheckpoint": "hpctrain.callbacks.model_checkpoint.ModelCheckpoint",
     "hpctrain.runtime.run.callbacks.EarlyStopping": "hpctrain.callbacks.early_stopping.EarlyStopping",
@@ -25,6 +27,9 @@ OLD_TARGETS = {
     "hpctrain.runtime.run.loggers.mlflow_logger": "hpctrain.loggers.mlflow_logger",
     "hpctrain.runtime.run.loggers.wandb_logger": "hpctrain.loggers.wandb_logger",
     "hpctrain.runtime.sweeps.summary.SweepSummary": "hpctrain.runtime.sweeps.sweep_summary.SweepSummary",
+    "hpctrain.runtime.run.checkpoints.start_point": "hpctrain.runtime.storage.checkpoints.start_point",
+    "hpctrain.runtime.run.records.read_run_record": "hpctrain.runtime.storage.records.read_run_record",
+    "hpctrain.runtime.run.attempts.summed_cost": "hpctrain.runtime.storage.attempts.summed_cost",
 }
 PACKAGE = ROOT / "src" / "hpctrain" / "callbacks"
 # Hydra's callback that ends a sweep sits in the sweeps' layer, above the run (Lightning's sit below it)
@@ -53,6 +58,23 @@ def test_a_new_target_path_does_not_warn():
         warnings.simplefilter("error")
         for new in OLD_TARGETS.values():
             _locate(new)
+
+
+# 0.3's checkpointing modules, which moved whole -> their home now (the same module objects)
+OLD_MODULES = {
+    "hpctrain.runtime.run.checkpoints.sharded": "hpctrain.runtime.storage.checkpoints.sharded",
+    "hpctrain.runtime.run.checkpoints.async_writing": "hpctrain.runtime.storage.checkpoints.async_writing",
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_MODULES))
+def test_an_old_module_path_imports_the_same_module_and_names_the_new_one(old: str, monkeypatch):
+    new = importlib.import_module(OLD_MODULES[old])
+    monkeypatch.delitem(sys.modules, old, raising=False)  # as a project's process imports it the first time
+    with pytest.warns(FutureWarning, match=re.escape(f"moved to {OLD_MODULES[old]}")):
+        assert importlib.import_module(old) is new
+    with pytest.raises(ImportError):
+        importlib.import_module("hpctrain.runtime.run.checkpoints.never_there")
 
 
 def test_a_name_that_never_was_there_is_still_an_attribute_error():
