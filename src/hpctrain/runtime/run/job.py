@@ -44,7 +44,7 @@ from hpctrain.runtime.distributed import (
 )
 from hpctrain.runtime.distributed.requeue import requeue_and_wait
 from hpctrain.runtime.environment import allocated, launch_checks, launched, network
-from hpctrain.runtime.environment.reading import int_or_none
+from hpctrain.runtime.environment.variables import int_or_none
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
 from hpctrain.runtime.storage import attempts, records
