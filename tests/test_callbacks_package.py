@@ -30,6 +30,7 @@ OLD_TARGETS = {
     "hpctrain.runtime.run.checkpoints.start_point": "hpctrain.runtime.storage.checkpoints.start_point",
     "hpctrain.runtime.run.records.read_run_record": "hpctrain.runtime.storage.records.read_run_record",
     "hpctrain.runtime.run.attempts.summed_cost": "hpctrain.runtime.storage.attempts.summed_cost",
+    "hpctrain.runtime.run.checkpoints.extras.CheckpointExtras": "hpctrain.callbacks.resume_state.ResumeState",
 }
 PACKAGE = ROOT / "src" / "hpctrain" / "callbacks"
 # Hydra's callback that ends a sweep sits in the sweeps' layer, above the run (Lightning's sit below it)
@@ -48,8 +49,11 @@ def _targets(node: object) -> list[str]:
 
 @pytest.mark.parametrize("old", sorted(OLD_TARGETS))
 def test_an_old_target_path_still_works_and_names_the_new_one(old: str):
-    with pytest.warns(FutureWarning, match=re.escape(f"moved to {OLD_TARGETS[old]}")):
+    with pytest.warns(FutureWarning) as warned:  # a name in a module that moved: a warning for each
         found = _locate(old)
+    assert any(f"moved to {OLD_TARGETS[old]};" in str(w.message) for w in warned), [
+        str(w.message) for w in warned
+    ]
     assert found is _locate(OLD_TARGETS[old])
 
 
@@ -64,6 +68,7 @@ def test_a_new_target_path_does_not_warn():
 OLD_MODULES = {
     "hpctrain.runtime.run.checkpoints.sharded": "hpctrain.runtime.storage.checkpoints.sharded",
     "hpctrain.runtime.run.checkpoints.async_writing": "hpctrain.runtime.storage.checkpoints.async_writing",
+    "hpctrain.runtime.run.checkpoints.extras": "hpctrain.runtime.storage.checkpoints.resume_state",
 }
 
 
@@ -75,6 +80,14 @@ def test_an_old_module_path_imports_the_same_module_and_names_the_new_one(old: s
         assert importlib.import_module(old) is new
     with pytest.raises(ImportError):
         importlib.import_module("hpctrain.runtime.run.checkpoints.never_there")
+
+
+def test_checkpoints_keep_the_resume_state_under_the_key_they_always_had():
+    """Lightning files a callback's state under its `state_key`: a checkpoint written by CheckpointExtras
+    (its name before 0.4) resumes its RNG and metric states, and one written now resumes under 0.3."""
+    from hpctrain.callbacks.resume_state import ResumeState
+
+    assert ResumeState().state_key == "CheckpointExtras"
 
 
 def test_a_name_that_never_was_there_is_still_an_attribute_error():

@@ -136,21 +136,21 @@ INTERNALS = (
     ),
     Internal(
         "pytorch_lightning.loops.fit_loop:_FitLoop.setup_data",
-        "callbacks/checkpoint_extras.py",
+        "callbacks/resume_state.py",
         "on resume the train loader built early by estimated_stepping_batches (fit_loop._combined_loader, "
         "fit_loop._data_fetcher) is dropped so Lightning rebuilds and restores it (Lightning #20550)",
         "tests/test_differential.py::test_onecycle_resumed_mid_epoch_ends_as_the_uninterrupted_run",
     ),
     Internal(
         "pytorch_lightning.loops.fit_loop:_FitLoop.on_load_checkpoint",
-        "callbacks/checkpoint_extras.py",
+        "callbacks/resume_state.py",
         "under FSDP2 the early train loader is kept (the checkpoint is restored after on_fit_start); its saved "
         "position (fit_loop._combined_loader_states_to_load) is given to it at on_train_start",
         "tests/test_llm.py::test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one",
     ),
     Internal(
         "pytorch_lightning.utilities.combined_loader:CombinedLoader._load_state_dicts",
-        "callbacks/checkpoint_extras.py",
+        "callbacks/resume_state.py",
         "as _FitLoop.on_load_checkpoint: the saved loader position given to the loader built early",
         "tests/test_llm.py::test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one",
     ),
@@ -212,7 +212,7 @@ INTERNALS = (
     ),
     Internal(
         "lightning_fabric.utilities.types:_Stateful",
-        "runtime/storage/checkpoints/extras.py",
+        "runtime/storage/checkpoints/resume_state.py",
         "the protocol Lightning uses to decide whether a train loader resumes mid-epoch",
         "tests/test_bring_your_own.py::test_a_plain_dataloader_resumes_from_the_last_step_and_says_so",
     ),

@@ -7,7 +7,7 @@ the trainer always gets:
 - `HydraDDPStrategy` for `strategy: ddp` (or `auto` with more than one process), with the
   collective timeout from `dist.timeout_min`;
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
-- `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
+- `ResumeState` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
   `BatchLimits` (a `limit_*_batches` fraction of a tiny split is one batch),
   `NonFiniteLoss` (`nan.*`), `TrainableOnly` (`checkpoints.trainable_only`), `AttemptProgress` (run.yaml;
   a save too slow for `requeue.signal_lead_s`)
@@ -39,7 +39,6 @@ from torchmetrics import Metric
 
 from hpctrain.callbacks.attempt_progress import AttemptProgress
 from hpctrain.callbacks.batch_limits import BatchLimits
-from hpctrain.callbacks.checkpoint_extras import CheckpointExtras
 from hpctrain.callbacks.frozen_parts import FrozenParts
 from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
 from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
@@ -48,6 +47,7 @@ from hpctrain.callbacks.one_rank_calls import OneRankCalls
 from hpctrain.callbacks.performance_log import PerformanceLog
 from hpctrain.callbacks.rank_watchdog import RankWatchdog
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
+from hpctrain.callbacks.resume_state import ResumeState
 from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
 from hpctrain.callbacks.trainable_only import TrainableOnly
 from hpctrain.loggers import job_metadata, tag_runs
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from pytorch_lightning.loggers import Logger
 
 log = logging.getLogger(__package__)
-STORED_GROUPS = ("model", "data", "monitor")  # the config a checkpoint keeps (CheckpointExtras)
+STORED_GROUPS = ("model", "data", "monitor")  # the config a checkpoint keeps (ResumeState)
 
 
 @dataclass
@@ -489,7 +489,7 @@ def callbacks(
         recorded = redact.recorded(cfg)  # resolved, but no secret (hpctrain.runtime.config.redact)
         stored = {k: recorded[k] for k in STORED_GROUPS if k in recorded}
         callback_list += [
-            CheckpointExtras(stored),
+            ResumeState(stored),
             SharedRunDirCheck(str(run_dir)),
             _attempt_progress(settings.requeue),
         ]

@@ -3,4 +3,4 @@ and still work."""
 
 from hpctrain.runtime.moved import moved_module
 
-__getattr__ = moved_module(__name__, "hpctrain.runtime.storage.checkpoints")
+__getattr__ = moved_module(__name__, "hpctrain.runtime.storage.checkpoints", {"extras": "resume_state"})

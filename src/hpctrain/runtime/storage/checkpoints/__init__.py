@@ -1,6 +1,6 @@
 """Checkpoints, in one place: their names and folder and which one a run starts from (here, no torch:
 the choice is made in preflight); how they are written (`writing`), what hpctrain adds to them
-(`extras`) and how they are read (`reading`).
+(`resume_state`: what makes a resume exact) and how they are read (`reading`).
 
     <run dir>/checkpoints/last.ckpt       the newest state, at the end of every epoch and of fit
     <run dir>/checkpoints/epoch_NNN.ckpt  the best epoch so far (monitor.metric, monitor.mode)
