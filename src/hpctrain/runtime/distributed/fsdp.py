@@ -408,7 +408,7 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         **kwargs: Any,
     ) -> None:
         super().__init__(save_distributed_checkpoint=True, **kwargs)
-        self.saves = saves  # how checkpoints are committed: run.checkpoints.folder_saves.FolderSaves
+        self.saves = saves  # how checkpoints are committed: storage.checkpoints.folder_saves.FolderSaves
         self.fsdp_options = dict(fsdp or {})
         self.tensor_parallel_plan = dict(tensor_parallel_plan or {})
         self.compile_backend = compile_backend  # compile=true: each block compiled before it is sharded
