@@ -56,10 +56,9 @@ def moved_module(
     sys.meta_path.append(_MovedSubmodules(old_module, new_module, renamed or {}))
 
     def __getattr__(name: str) -> Any:
-        if name.startswith("__"):  # the import system's own questions (__path__, __file__) are not moves
-            raise AttributeError(name)
         new = importlib.import_module(new_module)
-        if not hasattr(new, name):  # a submodule not imported yet: the import system asks the finder next
+        # the import system's own questions (__path__) are no moves; a submodule not imported yet is the finder's
+        if name.startswith("__") or not hasattr(new, name):
             raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
         _warn(f"{old_module}.{name}", f"{new_module}.{name}")
         return getattr(new, name)

@@ -187,7 +187,7 @@ class Outcome:
     signature: str | None = None  # of the composed config, without paths: a re-run sweep skips what matches
     skipped_files: int | None = None  # data.skip_bad=true: files left out as unreadable (rank 0's share)
     test: dict[str, float] | None = None  # the test metrics of a run that tested (sweep summaries group them)
-    cost: dict[str, Any] | None = None  # device-hours per attempt and in total, work redone (storage.attempts)
+    cost: dict[str, Any] | None = None  # device-hours per attempt and in total, work redone (`attempts`)
 
 
 @contextmanager
