@@ -13,6 +13,7 @@ import pytest
 import yaml
 from hydra._internal.utils import _locate
 
+from hpctrain.runtime.config import targets
 from tests.helpers import ROOT
 
 # 0.3's `_target_`s in the shipped YAML, and names of its modules that moved -> where they live now (removed in 0.5, as the CHANGELOG says)
@@ -51,6 +52,7 @@ def _targets(node: object) -> list[str]:
 def test_an_old_target_path_still_works_and_names_the_new_one(old: str):
     with pytest.warns(FutureWarning) as warned:  # a name in a module that moved: a warning for each
         found = _locate(old)
+        assert targets.resolve(old) is found  # the rule for a config's and a checkpoint's targets admits it
     assert any(f"moved to {OLD_TARGETS[old]};" in str(w.message) for w in warned), [
         str(w.message) for w in warned
     ]
