@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python scripts/consolidate.py <checkpoint folder> <output .ckpt>", file=sys.stderr)
         return 2
-    from hpctrain.runtime.run.checkpoints.sharded import consolidate
+    from hpctrain.runtime.storage.checkpoints.sharded import consolidate
 
     try:
         written = consolidate(argv[0], argv[1])

@@ -182,7 +182,7 @@ def missing_points(args: argparse.Namespace) -> list[int]:
     if not args.resume_dir:
         return list(range(len(points)))
     from hpctrain.runtime.config.compose import compose
-    from hpctrain.runtime.run.records import completed_with, config_signature
+    from hpctrain.runtime.storage.records import completed_with, config_signature
 
     todo = [
         number

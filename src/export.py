@@ -21,8 +21,8 @@ from omegaconf import DictConfig  # noqa: E402
 @hydra.main(config_path="../conf", config_name="export", **entry.main_args())  # Hydra 1.3 and 1.4 alike
 def main(cfg: DictConfig) -> str | None:
     from hpctrain.runtime.inference import export, model_card  # here: --help and --cfg never run a job
-    from hpctrain.runtime.run.checkpoints import existing_checkpoint
     from hpctrain.runtime.run.job import Job
+    from hpctrain.runtime.storage.checkpoints import existing_checkpoint
 
     with Job(cfg, one_process=True) as job:  # preflight: config, one process, run dir (one sentence if wrong)
         chosen = export.check_installed(cfg.export.format)  # onnx and safetensors need the `export` extra

@@ -20,8 +20,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 @hydra.main(config_path="../conf", config_name="predict", **entry.main_args())  # Hydra 1.3 and 1.4 alike
 def main(cfg: DictConfig) -> None:
-    from hpctrain.runtime.run.checkpoints import existing_checkpoint  # here: --help and --cfg never run a job
-    from hpctrain.runtime.run.job import Job
+    from hpctrain.runtime.run.job import Job  # here: --help and --cfg never run a job
+    from hpctrain.runtime.storage.checkpoints import existing_checkpoint
 
     with Job(cfg) as job:  # preflight, and an existing predict.output is refused before anything runs
         checkpoint = existing_checkpoint(cfg.get("ckpt_path"))

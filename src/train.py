@@ -26,8 +26,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def train(cfg: DictConfig) -> float | None:
-    from hpctrain.runtime.run.checkpoints import start_point
     from hpctrain.runtime.run.job import Job
+    from hpctrain.runtime.storage.checkpoints import start_point
 
     with Job(cfg) as job:  # preflight: config, launcher vs trainer, run dir (one sentence if wrong)
         # fresh, a checkpoint to continue, or this job's own when SLURM requeued it

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY
+from hpctrain.runtime.storage.checkpoints.reading import CONFIG_KEY
 
 
 def _shell(marker: Path) -> bytes:
@@ -127,7 +127,7 @@ def sharded_folder(folder: Path, content: dict) -> Path:
 
     import torch.distributed.checkpoint as dcp
 
-    from hpctrain.runtime.run.checkpoints.folders import record_shards
+    from hpctrain.runtime.storage.checkpoints.folders import record_shards
 
     state = {"state_dict": content["state_dict"], "optimizer_0": {"lr": 0.1, "betas": (0.9, 0.99)}}
     with warnings.catch_warnings():

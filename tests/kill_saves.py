@@ -30,7 +30,7 @@ from typing import Any
 
 from pytorch_lightning import Callback
 
-from hpctrain.runtime.run.checkpoints import reading
+from hpctrain.runtime.storage.checkpoints import reading
 
 _real = {
     "rename": os.rename,

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hpctrain.runtime.run.attempts import (
+from hpctrain.runtime.storage.attempts import (
     budget_spent,
     cost,
     previous_requeue_step,

@@ -19,7 +19,7 @@ from torch import nn
 import hpctrain
 from hpctrain.runtime.config import targets
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import reading, sharded
+from hpctrain.runtime.storage.checkpoints import reading, sharded
 from tests import hostile
 from tests.helpers import EXAMPLES, require_modules, run_entry, run_script
 
@@ -158,7 +158,7 @@ def _sharded_net_folder(folder: Path) -> tuple[nn.Module, torch.optim.Optimizer]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from hpctrain.runtime.run.checkpoints.folders import record_shards
+    from hpctrain.runtime.storage.checkpoints.folders import record_shards
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
@@ -404,7 +404,7 @@ def test_a_classic_pickle_is_refused_before_it_runs(tmp_path: Path, marker: Path
 def test_the_safetensors_metadata_is_never_built_from(tmp_path: Path, marker: Path):
     """init_from reads a .safetensors file's tensors only: the config in its metadata chooses nothing."""
     require_modules("safetensors")
-    from hpctrain.runtime.run.checkpoints import init_from
+    from hpctrain.runtime.storage.checkpoints import init_from
 
     repo = hostile.hub_repo(tmp_path / "repo", marker)
     path = hostile.safetensors_file(tmp_path / "model.safetensors", repo)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpctrain.runtime.run.checkpoints import checkpoint_dir, reading, start_point
-from hpctrain.runtime.run.checkpoints.folders import committed
+from hpctrain.runtime.storage.checkpoints import checkpoint_dir, reading, start_point
+from hpctrain.runtime.storage.checkpoints.folders import committed
 from tests.helpers import ROOT, assert_ok, train
 
 pytestmark = pytest.mark.slow

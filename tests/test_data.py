@@ -148,8 +148,8 @@ class _SaveAtStep(Callback):
 def _fit(callbacks=(), ckpt_path: Path | None = None):
     from pytorch_lightning import Trainer
 
-    from hpctrain.callbacks.checkpoint_extras import CheckpointExtras
-    from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+    from hpctrain.callbacks.resume_state import ResumeState
+    from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO
     from myproject.models.classifier import ImageClassifier
     from myproject.models.nets import MLP
 
@@ -164,7 +164,7 @@ def _fit(callbacks=(), ckpt_path: Path | None = None):
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[CheckpointExtras(), *callbacks],
+        callbacks=[ResumeState(), *callbacks],
         plugins=[AtomicCheckpointIO()],
     )
     trainer.fit(model, data, ckpt_path=ckpt_path, weights_only=True)

@@ -19,7 +19,7 @@ from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.config.schema import EXPORT_FORMATS
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference import export, exporter_errors
-from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY
+from hpctrain.runtime.storage.checkpoints.reading import CONFIG_KEY
 from tests.differential.cases import trust_user_code, user_classes, user_overrides
 from tests.helpers import PYTHON, ROOT, assert_ok, local_env, require_modules, run_dirs, run_entry, train
 
@@ -40,7 +40,7 @@ from pathlib import Path
 blocked = {
     "torch_export": ["hpctrain", "pytorch_lightning", "lightning"],
     "onnx": ["torch", "hpctrain", "pytorch_lightning", "lightning"],
-    "safetensors": ["hpctrain.runtime.run", "hpctrain.runtime.inference"],
+    "safetensors": ["hpctrain.runtime.run", "hpctrain.runtime.storage", "hpctrain.runtime.inference"],
 }[fmt]
 for name in blocked:
     sys.modules[name] = None  # importing it fails from here on

@@ -15,8 +15,8 @@ from torch import nn
 
 from hpctrain.runtime.distributed import fsdp
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import folders as checkpoint_folders
-from hpctrain.runtime.run.checkpoints import sharded
+from hpctrain.runtime.storage.checkpoints import folders as checkpoint_folders
+from hpctrain.runtime.storage.checkpoints import sharded
 from tests.helpers import ROOT, assert_ok, metrics_without_timing, run_dirs, run_entry, run_script, train
 
 QUICK = ("experiment=quickstart", "trainer=fsdp_cpu", "trainer.max_epochs=3", "trainer.log_every_n_steps=5")
@@ -188,7 +188,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_whole(tmp_path: P
     content = sharded.read_folder(last)
     assert content["global_step"] == 10 and content["epoch"] == 0  # the first epoch's, whole
     assert list((run / "checkpoints").glob(".*.tmp-*"))  # the unfinished save, under its hidden name
-    from hpctrain.runtime.run.checkpoints import remove_partial_saves
+    from hpctrain.runtime.storage.checkpoints import remove_partial_saves
 
     remove_partial_saves(run)  # what the next start does first
     assert not list((run / "checkpoints").glob(".*")) and sharded.read_folder(last)["global_step"] == 10

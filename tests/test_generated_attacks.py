@@ -31,7 +31,7 @@ import yaml
 import hpctrain
 from hpctrain.runtime.config import targets
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import reading
+from hpctrain.runtime.storage.checkpoints import reading
 from tests.helpers import run_entry
 
 PACKAGES = ("hpctrain", *targets.project_packages())
@@ -154,7 +154,7 @@ def test_a_run_folders_files_give_nothing_to_resolve(
     minutes to write and read, and what a reader does with a value does not depend on which it is.)"""
     from hpctrain.runtime.inference import model_card
     from hpctrain.runtime.report import plots
-    from hpctrain.runtime.run import records
+    from hpctrain.runtime.storage import records
     from hpctrain.runtime.sweeps import summary
 
     everything = sorted(candidates.names)

@@ -29,7 +29,7 @@ import pytest
 import hpctrain
 from hpctrain.runtime.config import targets
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import sharded
+from hpctrain.runtime.storage.checkpoints import sharded
 from tests import hostile
 from tests.helpers import require_modules, run_dirs, run_entry, run_script
 

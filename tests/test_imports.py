@@ -30,7 +30,7 @@ TORCH_FREE_ROOTS = {
     "hpctrain": "`import hpctrain` is cheap: hpctrain.load imports torch on its first call",
     "hpctrain.runtime.run.entry": "each entry point's first import: signals recorded, mistakes as one sentence",
     "hpctrain.runtime.run.job": "Job's preflight (config, launcher vs trainer, run dir) runs before torch",
-    "hpctrain.runtime.run.checkpoints": "eval, predict and export find their checkpoint before the preflight",
+    "hpctrain.runtime.storage.checkpoints": "eval, predict and export find their checkpoint before the preflight",
     "hpctrain.runtime.inference.export": "src/export.py imports it before its preflight",
     "hpctrain.runtime.inference.model_card": "src/export.py imports it before its preflight",
     "hpctrain.runtime.sweeps.optuna_sweeper": "a Hydra plugin: loaded at every start of every entry point",
@@ -39,7 +39,7 @@ TORCH_FREE_ROOTS = {
     "hpctrain.runtime.remote": "scripts/submit.py, on a login node",
     "hpctrain.runtime.config.settings": "scripts/submit.py, on a login node",
     "hpctrain.runtime.sweeps.grid": "scripts/submit.py, on a login node",
-    "hpctrain.runtime.run.records": "scripts/submit.py, on a login node",
+    "hpctrain.runtime.storage.records": "scripts/submit.py, on a login node",
     "hpctrain.runtime.distributed.stacks": "scripts/stacks.py asks a hung job's ranks for their stacks",
     "hpctrain.testing.plugin": "pytest loads it at the start of every test session of a project",
 }

@@ -9,8 +9,8 @@ import torch
 
 from hpctrain.callbacks.frozen_parts import FrozenParts
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import init_from, reading
-from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+from hpctrain.runtime.storage.checkpoints import init_from, reading
+from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO
 from tests.helpers import assert_ok, require_modules, run_dirs, train
 
 

@@ -4,8 +4,8 @@ the machinery, and entry points that repeat no code.
     the user's package   src/<yours>/ (here myproject): models, networks, datasets   (yours to edit)
     the machinery        src/hpctrain/, carried untouched:
                          errors, environment, namespaces < config < distributed < report, data
-                         < run, callbacks, loggers < sweeps, inference (what comes after training)
-                         < testing
+                         < storage (checkpoints, records, attempts) < callbacks, loggers < run
+                         < sweeps, inference (what comes after training) < testing
 
 hpctrain imports nothing of the user's package (its extension points take the user's classes from
 config), and the user's package imports hpctrain only through its public API: the names of
@@ -47,8 +47,10 @@ LAYERS = [
     {"hpctrain.runtime.config"},
     {"hpctrain.runtime.distributed"},
     {"hpctrain.runtime.report", "hpctrain.data"},
-    {"hpctrain.runtime.run", "hpctrain.callbacks", "hpctrain.loggers"},
-    {"hpctrain.runtime.sweeps", "hpctrain.runtime.inference", "hpctrain.callbacks.sweep_summary"},
+    {"hpctrain.runtime.storage"},
+    {"hpctrain.callbacks", "hpctrain.loggers"},
+    {"hpctrain.runtime.run"},
+    {"hpctrain.runtime.sweeps", "hpctrain.runtime.inference"},
     {"hpctrain.testing"},
 ]
 # The public API: what the user's package may import from hpctrain, module -> names.
@@ -152,8 +154,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def layer_of(module: str) -> int | None:
-    """The layer of the longest entry that is `module` or a package above it (a module may sit above
-    the rest of its package: hpctrain.callbacks.sweep_summary is a sweep's)."""
+    """The layer of the longest entry that is `module` or a package above it."""
     naming = [
         (len(entry), depth)
         for depth, layer in enumerate(LAYERS)
@@ -210,6 +211,15 @@ def test_the_checks_catch_an_injected_circle_an_upward_import_and_each_crossing(
     graph[launched] = graph[launched] | {"hpctrain.runtime.run.build"}
     assert any(launched in group for group in circles(graph))
     assert f"{launched} -> hpctrain.runtime.run.build" in upward_imports(graph)
+    storage = (
+        "hpctrain.runtime.storage.checkpoints"  # storage below the callbacks, the callbacks below the run
+    )
+    graph[storage] = graph[storage] | {"hpctrain.callbacks.frozen_parts"}
+    graph["hpctrain.callbacks.frozen_parts"] |= {"hpctrain.runtime.run.build"}
+    assert {
+        f"{storage} -> hpctrain.callbacks.frozen_parts",
+        "hpctrain.callbacks.frozen_parts -> hpctrain.runtime.run.build",
+    } <= set(upward_imports(graph))
     user = USER_PACKAGES[0]
     imports = imported_names(modules())
     imports["hpctrain.runtime.run.build"] = imports["hpctrain.runtime.run.build"] | {

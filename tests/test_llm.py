@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import sharded, trainable_only
+from hpctrain.runtime.storage.checkpoints import sharded, trainable_only
 from tests.helpers import (
     ROOT,
     assert_ok,

@@ -18,7 +18,7 @@ import yaml
 
 from hpctrain.runtime.config.checks import check_config
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import reading
+from hpctrain.runtime.storage.checkpoints import reading
 from tests.differential.cases import user_overrides
 from tests.helpers import EXAMPLES, ROOT, assert_ok, compose_train, run_dirs, train
 

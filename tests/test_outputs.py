@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.loggers import ResumableCSVLogger, stable_run_key
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run import checkpoints, records
+from hpctrain.runtime.storage import checkpoints, records
 from tests.helpers import read_metrics
 
 
@@ -150,7 +150,7 @@ def test_ranks_wait_for_rank_0_only_where_the_choice_is_made_from_folders(tmp_pa
 
 
 def test_the_local_launchers_ranks_inherit_rank_0s_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from hpctrain.runtime.run.checkpoints import agreement
+    from hpctrain.runtime.storage.checkpoints import agreement
 
     runs = tmp_path / "runs"
     run = runs / "2026-01-01_00-00-00.000"
@@ -222,7 +222,7 @@ def test_a_checkpoint_keeps_the_plain_hyperparameters_and_reads_back_weights_onl
 
     import torch
 
-    from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO, plain_hyperparameters
+    from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO, plain_hyperparameters
 
     recorded = {
         "net": torch.nn.Linear(2, 2),
@@ -246,8 +246,8 @@ def test_a_checkpoint_keeps_the_plain_hyperparameters_and_reads_back_weights_onl
 def test_an_object_a_checkpoint_could_not_be_read_back_with_is_refused_before_writing(tmp_path: Path):
     import torch
 
-    from hpctrain.runtime.run.checkpoints.reading import UnreadableCheckpoint
-    from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+    from hpctrain.runtime.storage.checkpoints.reading import UnreadableCheckpoint
+    from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO
 
     checkpoint = {"state_dict": {"w": torch.ones(2)}, "callbacks": {"Mine": {"seen": torch.nn.ReLU()}}}
     with pytest.raises(UnreadableCheckpoint, match=r"checkpoint's callbacks\.Mine\.seen holds a torch\.nn\."):
@@ -262,7 +262,7 @@ def test_eval_takes_the_checkpoints_config_and_reads_this_commands_data_dir(
     read from this command's paths.data_dir (the log says which, and from where the checkpoint came)."""
     import torch
 
-    from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY, config_from_checkpoint
+    from hpctrain.runtime.storage.checkpoints.reading import CONFIG_KEY, config_from_checkpoint
 
     stored = {
         "model": {"_target_": "my.Model", "width": 8},

@@ -26,8 +26,9 @@ from hydra.core.hydra_config import HydraConfig
 
 from hpctrain.runtime import run_state
 from hpctrain.runtime.distributed import failures, job_store, notify, positions, signals, stacks, watchdog
-from hpctrain.runtime.run import attempts, entry
+from hpctrain.runtime.run import entry
 from hpctrain.runtime.run.job import Skipped
+from hpctrain.runtime.storage import attempts
 from tests.helpers import ROOT
 
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from hpctrain.runtime import snapshot
 from hpctrain.runtime.config import redact
 from hpctrain.runtime.config.compose import PROJECT_ROOT
-from hpctrain.runtime.run import records
+from hpctrain.runtime.storage import records
 from tests.helpers import IMAGE_DATA, assert_ok, run_dirs, train
 
 TOKEN = "tok-3f9a1c-not-for-files"
@@ -188,7 +188,7 @@ def test_a_snapshot_leaves_files_that_hold_secrets_behind(tmp_path: Path):
 def test_a_value_the_environment_gave_is_scrubbed_from_kept_hyperparameters(monkeypatch: pytest.MonkeyPatch):
     """A class that keeps its arguments (save_hyperparameters) keeps the value: the checkpoint holds the
     interpolation in its place, and URLs' credentials hidden."""
-    from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+    from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO
 
     monkeypatch.setenv("HPCTRAIN_TEST_TOKEN", TOKEN)
     cfg = OmegaConf.create(

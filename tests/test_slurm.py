@@ -452,7 +452,7 @@ def test_a_sharded_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupte
 ):
     """FSDP2 over two nodes (trainer=fsdp_cpu, one rank per node): USR1 mid-epoch -> a sharded requeue.ckpt
     folder -> requeue -> the restarted job ends with the uninterrupted job's weights and metrics."""
-    from hpctrain.runtime.run.checkpoints.sharded import read_folder
+    from hpctrain.runtime.storage.checkpoints.sharded import read_folder
 
     overrides = (
         "experiment=quickstart",

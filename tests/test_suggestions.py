@@ -106,7 +106,7 @@ def test_a_misspelt_target_in_an_installed_package_gets_its_name():
 
 
 def test_a_refused_stored_target_names_the_searchpath_its_training_run_recorded(tmp_path: Path):
-    from hpctrain.runtime.run.checkpoints import reading
+    from hpctrain.runtime.storage.checkpoints import reading
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -31,7 +31,7 @@ def write_job(
     test: dict[str, float] | None = None,
     error: str | None = None,
 ) -> Path:
-    """A job's run dir as `hpctrain.runtime.run.records` leaves it; `status=None`: started, no outcome yet."""
+    """A job's run dir as `hpctrain.runtime.storage.records` leaves it; `status=None`: started, no outcome yet."""
     run_dir = sweep / str(job)
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))

@@ -140,7 +140,7 @@ def _saves(trainer, out: Path, found: dict, repeats: int) -> None:
     import shutil
 
     from hpctrain.runtime.distributed.requeue import wait_for_saves
-    from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpointIO
+    from hpctrain.runtime.storage.checkpoints.async_writing import AsyncAtomicCheckpointIO
 
     rank = trainer.global_rank
     strategy, io = trainer.strategy, trainer.strategy.checkpoint_io

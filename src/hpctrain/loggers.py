@@ -24,7 +24,7 @@ from pytorch_lightning.loggers.logger import rank_zero_experiment  # namespace-f
 from hpctrain.runtime import namespaces
 from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.namespaces import LightningPart
-from hpctrain.runtime.run.records import read_run_record
+from hpctrain.runtime.storage.records import read_run_record
 
 
 def job_metadata(run_dir: str | os.PathLike[str]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.runtime.namespaces import LightningPart
-from hpctrain.runtime.run import attempts
+from hpctrain.runtime.storage import attempts
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule, Trainer

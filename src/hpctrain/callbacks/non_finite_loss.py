@@ -18,7 +18,7 @@ from torch import Tensor
 from hpctrain.runtime.distributed import notify
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import LightningPart
-from hpctrain.runtime.run.checkpoints import newest_checkpoint
+from hpctrain.runtime.storage.checkpoints import newest_checkpoint
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule, Trainer

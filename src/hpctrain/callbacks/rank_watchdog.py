@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from hpctrain.data.iterable import shares_itself_out
 from hpctrain.runtime.distributed import failures, launch, positions, signals, watchdog
 from hpctrain.runtime.distributed.stragglers import StepClock, StragglerReport
-from hpctrain.runtime.distributed.streams import shares_itself_out
 from hpctrain.runtime.namespaces import LightningPart
 
 if TYPE_CHECKING:

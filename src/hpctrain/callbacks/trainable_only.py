@@ -1,4 +1,4 @@
-"""`TrainableOnly`: `checkpoints.trainable_only` (what and why: `hpctrain.runtime.run.checkpoints.trainable_only`);
+"""`TrainableOnly`: `checkpoints.trainable_only` (what and why: `hpctrain.runtime.storage.checkpoints.trainable_only`);
 every run gets it from `build`."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hpctrain.runtime.namespaces import LightningPart
-from hpctrain.runtime.run.checkpoints import trainable_only
-from hpctrain.runtime.run.checkpoints.sharded import META_FILE
+from hpctrain.runtime.storage.checkpoints import trainable_only
+from hpctrain.runtime.storage.checkpoints.sharded import META_FILE
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule, Trainer
 
-log = logging.getLogger("hpctrain.runtime.run.checkpoints")
+log = logging.getLogger("hpctrain.runtime.storage.checkpoints")
 
 
 class TrainableOnly(LightningPart, lightning="pytorch_lightning.Callback"):

@@ -31,9 +31,17 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from hpctrain.runtime.distributed.job_store import data_parallel
-from hpctrain.runtime.distributed.streams import MARK, shares_itself_out
 
 __all__ = ["MARK", "ShardedIterable", "StreamShare", "shares_itself_out", "stream_share"]
+
+MARK = "shards_across_ranks"  # class or instance attribute of an IterableDataset that shares itself out
+
+
+def shares_itself_out(dataset: Any) -> bool:
+    """Whether a training set shares itself out across ranks: a map-style dataset is shared by Lightning's
+    DistributedSampler; a stream must do it itself and say so with `MARK` (the RankWatchdog callback warns
+    about a stream without it)."""
+    return not isinstance(dataset, IterableDataset) or bool(getattr(dataset, MARK, False))
 
 
 @dataclass(frozen=True)

@@ -136,21 +136,21 @@ INTERNALS = (
     ),
     Internal(
         "pytorch_lightning.loops.fit_loop:_FitLoop.setup_data",
-        "callbacks/checkpoint_extras.py",
+        "callbacks/resume_state.py",
         "on resume the train loader built early by estimated_stepping_batches (fit_loop._combined_loader, "
         "fit_loop._data_fetcher) is dropped so Lightning rebuilds and restores it (Lightning #20550)",
         "tests/test_differential.py::test_onecycle_resumed_mid_epoch_ends_as_the_uninterrupted_run",
     ),
     Internal(
         "pytorch_lightning.loops.fit_loop:_FitLoop.on_load_checkpoint",
-        "callbacks/checkpoint_extras.py",
+        "callbacks/resume_state.py",
         "under FSDP2 the early train loader is kept (the checkpoint is restored after on_fit_start); its saved "
         "position (fit_loop._combined_loader_states_to_load) is given to it at on_train_start",
         "tests/test_llm.py::test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one",
     ),
     Internal(
         "pytorch_lightning.utilities.combined_loader:CombinedLoader._load_state_dicts",
-        "callbacks/checkpoint_extras.py",
+        "callbacks/resume_state.py",
         "as _FitLoop.on_load_checkpoint: the saved loader position given to the loader built early",
         "tests/test_llm.py::test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one",
     ),
@@ -212,7 +212,7 @@ INTERNALS = (
     ),
     Internal(
         "lightning_fabric.utilities.types:_Stateful",
-        "runtime/run/checkpoints/extras.py",
+        "runtime/storage/checkpoints/resume_state.py",
         "the protocol Lightning uses to decide whether a train loader resumes mid-epoch",
         "tests/test_bring_your_own.py::test_a_plain_dataloader_resumes_from_the_last_step_and_says_so",
     ),
@@ -230,14 +230,14 @@ INTERNALS = (
     ),
     Internal(
         "torch.distributed.checkpoint.filesystem:_StorageInfo",
-        "runtime/run/checkpoints/sharded.py",
+        "runtime/storage/checkpoints/sharded.py",
         "what a DCP index says of each stored item (shard file, offset, length, transforms): the index "
         "unpickler admits it by name, and every shard path and size is checked from it before a load",
         "tests/test_checkpoint_trust.py::test_the_index_unpickler_admits_exactly_what_dcp_writes",
     ),
     Internal(
         "torch.distributed.checkpoint.filesystem:FileSystemReader.load_id",
-        "runtime/run/checkpoints/sharded.py",
+        "runtime/storage/checkpoints/sharded.py",
         "the parsed index handed to torch's reader carries the reader's load id, as its own read_metadata sets it",
         "tests/test_checkpoint_trust.py::test_a_sharded_folder_is_read_once_whatever_is_swapped_in_after",
     ),

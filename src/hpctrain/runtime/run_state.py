@@ -23,7 +23,7 @@ reach the second. `hpctrain.runtime.run.job.Job` begins a run as it enters and e
   whether this rank finished) reads the run it follows.
 
 A sweep's state (`sweep_part`) lives from `begin_sweep()` to `end_sweep()` (the sweep's summary callback,
-`hpctrain.callbacks.sweep_summary.SweepSummary`), around the runs of its jobs.
+`hpctrain.runtime.sweeps.sweep_summary.SweepSummary`), around the runs of its jobs.
 
 Standard library only: imported by the preflight path, before torch, and below every other layer.
 """

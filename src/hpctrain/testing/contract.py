@@ -46,8 +46,8 @@ from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import LightningPart, namespace_of
 from hpctrain.runtime.report import console
 from hpctrain.runtime.run import build
-from hpctrain.runtime.run.checkpoints import reading
-from hpctrain.runtime.run.checkpoints.extras import resumes_mid_epoch
+from hpctrain.runtime.storage.checkpoints import reading
+from hpctrain.runtime.storage.checkpoints.resume_state import resumes_mid_epoch
 
 if TYPE_CHECKING:
     from pytorch_lightning import Callback, LightningModule, Trainer
@@ -464,7 +464,7 @@ def test_resumes_mid_epoch_exactly_or_says_it_cannot(
         if PLAIN_LOADER_WARNING not in caplog.text:
             fail(
                 f"{pair}: a run resumed mid-epoch with a {loader} (no state_dict) did not warn that the "
-                f"epoch's data restarts ('{PLAIN_LOADER_WARNING}'); the template's CheckpointExtras callback "
+                f"epoch's data restarts ('{PLAIN_LOADER_WARNING}'); the template's ResumeState callback "
                 "is missing from the trainer."
             )
         warnings.warn(

@@ -31,7 +31,7 @@ COMPLETED, REFUSED, REQUEUED, STOPPED, EXITED, FAILED = (
 
 class Stopped(UserError):
     """The job ends on purpose before it completed, said in one sentence like a mistake (`error: ...`,
-    exit status 2) and recorded as stopped: a requeue budget was spent (hpctrain.runtime.run.attempts)."""
+    exit status 2) and recorded as stopped: a requeue budget was spent (hpctrain.runtime.storage.attempts)."""
 
 
 @dataclass(frozen=True)

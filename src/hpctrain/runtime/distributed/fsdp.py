@@ -29,7 +29,7 @@ one, and one norm over both is refused by DTensor.
 
 A module with its own `configure_model` is left alone (with `dist.fsdp.shard` set explicitly, the two
 would disagree: refused). Checkpoints are folders, one shard file per rank, committed atomically
-(`hpctrain.runtime.run.checkpoints.folder_saves`); nothing gathers the whole model on one rank.
+(`hpctrain.runtime.storage.checkpoints.folder_saves`); nothing gathers the whole model on one rank.
 
 Why FSDP1 (Lightning's `FSDPStrategy`) is gone: PyTorch keeps it in maintenance in favour of
 `fully_shard`, it ran on GPUs only, and its full-state checkpoints gathered every shard on rank 0.
@@ -408,7 +408,7 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         **kwargs: Any,
     ) -> None:
         super().__init__(save_distributed_checkpoint=True, **kwargs)
-        self.saves = saves  # how checkpoints are committed: run.checkpoints.folder_saves.FolderSaves
+        self.saves = saves  # how checkpoints are committed: storage.checkpoints.folder_saves.FolderSaves
         self.fsdp_options = dict(fsdp or {})
         self.tensor_parallel_plan = dict(tensor_parallel_plan or {})
         self.compile_backend = compile_backend  # compile=true: each block compiled before it is sharded
@@ -535,7 +535,7 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         return get_optimizer_state_dict(self.model, inner, options=StateDictOptions(cpu_offload=False))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """A folder committed whole (`saves`, hpctrain.runtime.run.checkpoints.folder_saves); the write
+        """A folder committed whole (`saves`, hpctrain.runtime.storage.checkpoints.folder_saves); the write
         into it is Lightning's: one shard per rank."""
         write = super().save_checkpoint
         self.saves.save(self, checkpoint, filepath, lambda folder: write(checkpoint, folder, storage_options))

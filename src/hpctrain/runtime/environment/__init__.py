@@ -12,5 +12,5 @@ preflight answers before any heavy import or process group.
     launch_checks  whether the launcher starts the processes the trainer config expects (preflight)
     slurm_job      what SLURM says about this job (scontrol, squeue) and what it is asked (requeue, signal)
     pack_shares    how a packed job's node is shared between its points
-    reading        how they read: the process's environment, or a mapping given instead
+    variables      the variables they read: the process's environment, or a mapping given instead
 """

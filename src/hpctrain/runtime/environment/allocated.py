@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hpctrain.runtime.environment.launched import SLURM, TORCHRUN, launcher
-from hpctrain.runtime.environment.reading import int_or_none, variables
+from hpctrain.runtime.environment.variables import int_or_none, variables
 
 GPU_ACCELERATORS = ("gpu", "cuda")
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpctrain.runtime.environment.devices import GPU
-from hpctrain.runtime.environment.reading import int_or_none
+from hpctrain.runtime.environment.variables import int_or_none
 from hpctrain.runtime.errors import UserError
 
 # The oldest NVIDIA driver that runs a CUDA major release (NVIDIA's "CUDA Compatibility": minor version

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hpctrain.runtime.environment.reading import variables
+from hpctrain.runtime.environment.variables import variables
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from hpctrain.runtime.environment.launched import (
     launcher,
     processes_started,
 )
-from hpctrain.runtime.environment.reading import int_or_none, variables
+from hpctrain.runtime.environment.variables import int_or_none, variables
 from hpctrain.runtime.errors import UserError
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpctrain.runtime.environment.reading import variables
+from hpctrain.runtime.environment.variables import variables
 
 TORCHRUN, SLURM, SLURM_BATCH, CHILD, LOCAL = "torchrun", "slurm", "slurm-batch", "child", "local"
 

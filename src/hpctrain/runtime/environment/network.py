@@ -20,7 +20,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.runtime.environment.reading import variables
+from hpctrain.runtime.environment.variables import variables
 from hpctrain.runtime.errors import UserError
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.runtime.environment.launched import PACK_POINT, POINT_LOG
-from hpctrain.runtime.environment.reading import int_or_none, variables
+from hpctrain.runtime.environment.variables import int_or_none, variables
 from hpctrain.runtime.errors import UserError
 
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 
 from hpctrain.runtime.environment.launched import POINT_LOG, pack_point, slurm_job_id
-from hpctrain.runtime.environment.reading import variables
+from hpctrain.runtime.environment.variables import variables
 
 
 def slurm_output_file(env: Mapping[str, str] | None = None) -> str | None:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run.build import built_from_file
-from hpctrain.runtime.run.checkpoints import reading, trainable_only
+from hpctrain.runtime.storage.checkpoints import reading, trainable_only
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule

@@ -31,8 +31,8 @@ from hpctrain.runtime.inference.export import (
     file_size,
     tensors,
 )
-from hpctrain.runtime.run import records
-from hpctrain.runtime.run.checkpoints import CHECKPOINT_DIR
+from hpctrain.runtime.storage import records
+from hpctrain.runtime.storage.checkpoints import CHECKPOINT_DIR
 
 if TYPE_CHECKING:
     from hpctrain.runtime.inference.loaded import Predictor
@@ -130,7 +130,7 @@ def _versions(exported: Exported) -> str:
 
 def _position(checkpoint: Path) -> str:
     """`(epoch 3, step 120)`, from the checkpoint itself, when it records them."""
-    from hpctrain.runtime.run.checkpoints import reading
+    from hpctrain.runtime.storage.checkpoints import reading
 
     content = reading.read(checkpoint, weights=False)
     epoch, step = content.get("epoch"), content.get("global_step")

@@ -40,9 +40,9 @@ from hpctrain.data.loading import ResumableDataLoader, TensorDataset
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.export import tensors
 from hpctrain.runtime.namespaces import LightningPart, is_overridden, namespace_of
-from hpctrain.runtime.run.checkpoints import reading, trainable_only
-from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
-from hpctrain.runtime.run.records import write_atomically
+from hpctrain.runtime.storage.checkpoints import reading, trainable_only
+from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO
+from hpctrain.runtime.storage.records import write_atomically
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningDataModule, LightningModule, Trainer

@@ -233,7 +233,7 @@ def quiet_lightning() -> None:
     """Drop Lightning's advertising and the notices that do not apply here.
 
     The srun hint is covered by `hpctrain.runtime.environment.launch_checks.preflight`, which fails instead
-    of hinting; the non-resumable dataloader notice by `hpctrain.runtime.run.checkpoints`, which says what
+    of hinting; the non-resumable dataloader notice by `hpctrain.runtime.storage.checkpoints`, which says what
     it means here.
     """
     for namespace in NAMESPACES:  # whichever the run trains with

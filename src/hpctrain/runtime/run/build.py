@@ -7,7 +7,7 @@ the trainer always gets:
 - `HydraDDPStrategy` for `strategy: ddp` (or `auto` with more than one process), with the
   collective timeout from `dist.timeout_min`;
 - `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
-- `CheckpointExtras` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
+- `ResumeState` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
   `BatchLimits` (a `limit_*_batches` fraction of a tiny split is one batch),
   `NonFiniteLoss` (`nan.*`), `TrainableOnly` (`checkpoints.trainable_only`), `AttemptProgress` (run.yaml;
   a save too slow for `requeue.signal_lead_s`)
@@ -39,7 +39,7 @@ from torchmetrics import Metric
 
 from hpctrain.callbacks.attempt_progress import AttemptProgress
 from hpctrain.callbacks.batch_limits import BatchLimits
-from hpctrain.callbacks.checkpoint_extras import CheckpointExtras
+from hpctrain.callbacks.frozen_parts import FrozenParts
 from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
 from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
 from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
@@ -47,6 +47,7 @@ from hpctrain.callbacks.one_rank_calls import OneRankCalls
 from hpctrain.callbacks.performance_log import PerformanceLog
 from hpctrain.callbacks.rank_watchdog import RankWatchdog
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
+from hpctrain.callbacks.resume_state import ResumeState
 from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
 from hpctrain.callbacks.trainable_only import TrainableOnly
 from hpctrain.loggers import job_metadata, tag_runs
@@ -62,18 +63,18 @@ from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import Namespace
 from hpctrain.runtime.report import console
-from hpctrain.runtime.run.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
-from hpctrain.runtime.run.checkpoints.async_writing import AsyncAtomicCheckpointIO
-from hpctrain.runtime.run.checkpoints.folder_saves import FolderSaves
-from hpctrain.runtime.run.checkpoints.sharded import consolidate
-from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+from hpctrain.runtime.storage.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
+from hpctrain.runtime.storage.checkpoints.async_writing import AsyncAtomicCheckpointIO
+from hpctrain.runtime.storage.checkpoints.folder_saves import FolderSaves
+from hpctrain.runtime.storage.checkpoints.sharded import consolidate
+from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO
 
 if TYPE_CHECKING:
     from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer
     from pytorch_lightning.loggers import Logger
 
 log = logging.getLogger(__package__)
-STORED_GROUPS = ("model", "data", "monitor")  # the config a checkpoint keeps (CheckpointExtras)
+STORED_GROUPS = ("model", "data", "monitor")  # the config a checkpoint keeps (ResumeState)
 
 
 @dataclass
@@ -119,6 +120,16 @@ class Run:
 
     def can_test(self) -> bool:
         return can_test(self.model, self.datamodule)
+
+    def freeze(self, patterns: list[str], until: int | None) -> str:
+        """Freeze the parameters `patterns` name (`init_from.freeze`; a callback unfreezes them at epoch
+        `until`); the line that says what was frozen."""
+        frozen = self.namespace.part(FrozenParts)(self.model, patterns, until)  # of the run's namespace
+        self.trainer.callbacks.append(frozen)
+        return (
+            f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"
+            + (f", until epoch {until}" if until is not None else "")
+        )
 
     @property
     def best_value(self) -> float | None:
@@ -453,16 +464,16 @@ def callbacks(
     if training:
         check_checkpoint_entry(cfg.get("callbacks"), run_dir)
     named = _instantiate_named(cfg.get("callbacks"), "callbacks")
-    chosen = list(named.values())
+    callback_list = list(named.values())
     if cfg.trainer.get("strategy") == "fsdp":  # a callback that runs the model on one rank: one sentence
-        chosen.append(OneRankCalls({id(obj): name for name, obj in named.items()}))
+        callback_list.append(OneRankCalls({id(obj): name for name, obj in named.items()}))
     if not has_logger:
         lr_monitor = namespaces.current().get("pytorch_lightning.callbacks.LearningRateMonitor")
-        chosen = [c for c in chosen if not isinstance(c, lr_monitor)]
-    for performance in (c for c in chosen if isinstance(c, PerformanceLog)):
+        callback_list = [c for c in callback_list if not isinstance(c, lr_monitor)]
+    for performance in (c for c in callback_list if isinstance(c, PerformanceLog)):
         performance.model_config = cfg.get("model")  # its FLOPs are counted on a meta copy built from it
-    chosen.append(TrainableOnly(settings.checkpoints.trainable_only))  # also how eval reads such checkpoints
-    chosen.append(
+    callback_list.append(TrainableOnly(settings.checkpoints.trainable_only))  # how eval reads them too
+    callback_list.append(
         RankWatchdog(
             settings.dist.timeout_min,
             settings.dist.init_timeout_min,
@@ -470,25 +481,25 @@ def callbacks(
             straggler_factor=settings.diagnostics.straggler_factor,
         )
     )
-    chosen.append(
+    callback_list.append(
         BatchLimits()
     )  # a limit_*_batches fraction of a tiny split: one batch, not Lightning's refusal
     if training:
         # what eval, predict, export and hpctrain.load rebuild the run from
         recorded = redact.recorded(cfg)  # resolved, but no secret (hpctrain.runtime.config.redact)
         stored = {k: recorded[k] for k in STORED_GROUPS if k in recorded}
-        chosen += [
-            CheckpointExtras(stored),
+        callback_list += [
+            ResumeState(stored),
             SharedRunDirCheck(str(run_dir)),
             _attempt_progress(settings.requeue),
         ]
         if settings.nan.action == "stop":
-            chosen.append(NonFiniteLoss(run_dir, settings.nan.check_every_n_steps))
+            callback_list.append(NonFiniteLoss(run_dir, settings.nan.check_every_n_steps))
     own = [c for c in own_callbacks(settings, run_dir, training, sweep) if c is not None]
     # the monitored metric first: at each validation it decides before the checkpoint and early
     # stopping look at the metric (Lightning runs callbacks in list order, ModelCheckpoint last)
     monitors = [c for c in own if isinstance(c, MonitoredMetric)]
-    return monitors + chosen + [c for c in own if c not in monitors]
+    return monitors + callback_list + [c for c in own if c not in monitors]
 
 
 def check_checkpoint_entry(group: DictConfig | None, run_dir: str | Path) -> None:
@@ -527,13 +538,13 @@ def strategy(
     """DDP and FSDP2 with the Hydra-aware launcher and the configured collective timeout; else as given.
     `compile_backend` (compile=true): FSDP2 compiles each block before sharding it (`tune_model` leaves
     those networks alone)."""
-    chosen = trainer_cfg.get("strategy", "auto")
+    strategy_name = trainer_cfg.get("strategy", "auto")
     # Created with the startup timeout; RankWatchdog sets dist.timeout_min once the first step is done.
     common = {
         "process_group_backend": dist.backend,
         "timeout": timedelta(minutes=float(dist.startup_timeout_min)),
     }
-    if chosen == "fsdp":  # FSDP2 (distributed/fsdp.py: why FSDP1 is gone)
+    if strategy_name == "fsdp":  # FSDP2 (distributed/fsdp.py: why FSDP1 is gone)
         return HydraModelParallelStrategy(
             FolderSaves(async_save),
             fsdp=fsdp_dtypes(dataclasses.asdict(dist.fsdp), str(trainer_cfg.get("precision"))),
@@ -542,11 +553,11 @@ def strategy(
             compile_backend=compile_backend,
             **common,
         )
-    if chosen == "ddp" or (chosen == "auto" and _processes(trainer_cfg) not in (None, 1)):
+    if strategy_name == "ddp" or (strategy_name == "auto" and _processes(trainer_cfg) not in (None, 1)):
         # passed on to torch's DistributedDataParallel
         ddp_options = {k: True for k in ("find_unused_parameters", "static_graph") if getattr(dist, k)}
         return HydraDDPStrategy(**common, **ddp_options)
-    return chosen
+    return strategy_name
 
 
 MIXED_DTYPES = {"bf16-mixed": "bfloat16"}  # 16-mixed: refused under FSDP2 (config/checks.py)
@@ -560,16 +571,16 @@ def fsdp_dtypes(fsdp: dict[str, Any], precision: str) -> dict[str, Any]:
     half = MIXED_DTYPES.get(precision)
     if half is None or fsdp.get("param_dtype") is not None:
         return fsdp
-    chosen = {**fsdp, "param_dtype": half, "reduce_dtype": fsdp.get("reduce_dtype") or "float32"}
+    mixed_fsdp = {**fsdp, "param_dtype": half, "reduce_dtype": fsdp.get("reduce_dtype") or "float32"}
     if launched.is_rank_zero():
         log.info(
             "FSDP2: trainer.precision=%s, so parameters are gathered and computed in %s and gradients reduced in "
             "%s (dist.fsdp.param_dtype and reduce_dtype set either)",
             precision,
             half,
-            chosen["reduce_dtype"],
+            mixed_fsdp["reduce_dtype"],
         )
-    return chosen
+    return mixed_fsdp
 
 
 def tune_model(module: LightningModule, cfg: DictConfig) -> LightningModule:

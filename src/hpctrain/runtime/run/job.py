@@ -44,11 +44,11 @@ from hpctrain.runtime.distributed import (
 )
 from hpctrain.runtime.distributed.requeue import requeue_and_wait
 from hpctrain.runtime.environment import allocated, launch_checks, launched, network
-from hpctrain.runtime.environment.reading import int_or_none
+from hpctrain.runtime.environment.variables import int_or_none
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
-from hpctrain.runtime.run import attempts, records
-from hpctrain.runtime.run.checkpoints import newest_checkpoint
+from hpctrain.runtime.storage import attempts, records
+from hpctrain.runtime.storage.checkpoints import newest_checkpoint
 
 log = logging.getLogger("hpctrain")
 
@@ -151,7 +151,7 @@ class Job:
     def from_checkpoint(self, checkpoint: Path) -> DictConfig:
         """The job's config from now on: the model (and, unless the command line chose one, the data)
         the checkpoint was trained with, checked again (eval, predict)."""
-        from hpctrain.runtime.run.checkpoints import reading
+        from hpctrain.runtime.storage.checkpoints import reading
 
         trusted = self.settings.checkpoints.trusted_targets
         cfg = self.cfg = reading.config_from_checkpoint(self.cfg, checkpoint, self.overrides, trusted)
@@ -177,7 +177,7 @@ class Job:
         build.configure_process(cfg, self.settings)
         run = build.run_objects(cfg, self.run_dir, training, self.sweep, self.settings)
         if self.checkpoint is not None:  # weights of another model: one sentence before anything runs
-            from hpctrain.runtime.run.checkpoints import reading
+            from hpctrain.runtime.storage.checkpoints import reading
 
             reading.check_matches_model(self.checkpoint, run.model)
         if launched.is_rank_zero():

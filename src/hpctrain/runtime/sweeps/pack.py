@@ -39,7 +39,7 @@ import yaml
 from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.environment import launched, pack_shares, slurm_job
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
-from hpctrain.runtime.run import records
+from hpctrain.runtime.storage import records
 from hpctrain.runtime.sweeps.grid import expand
 
 TRAIN_SBATCH = Path("slurm") / "train.sbatch"  # in the code the job runs: its working directory

@@ -56,8 +56,8 @@ from hpctrain.runtime.config.slurm_request import as_run, packed_request, slurm_
 from hpctrain.runtime.environment import slurm_job
 from hpctrain.runtime.environment.allocated import GPU_ACCELERATORS
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run import records
 from hpctrain.runtime.run.job import skipped
+from hpctrain.runtime.storage import records
 from hpctrain.runtime.sweeps import pack as packed
 
 log = logging.getLogger(__package__.split(".")[0])

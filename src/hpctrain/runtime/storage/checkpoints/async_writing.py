@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from hpctrain.runtime.run.checkpoints.staging import HostStaging
-from hpctrain.runtime.run.checkpoints.writing import AtomicCheckpointIO
+from hpctrain.runtime.storage.checkpoints.staging import HostStaging
+from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO
 
 
 class AsyncAtomicCheckpointIO(AtomicCheckpointIO):

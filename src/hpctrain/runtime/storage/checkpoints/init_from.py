@@ -31,8 +31,8 @@ from torchmetrics import Metric
 
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.moved import moved_names
-from hpctrain.runtime.run.checkpoints import sharded
-from hpctrain.runtime.run.checkpoints.reading import read
+from hpctrain.runtime.storage.checkpoints import sharded
+from hpctrain.runtime.storage.checkpoints.reading import read
 
 log = logging.getLogger("hpctrain")
 

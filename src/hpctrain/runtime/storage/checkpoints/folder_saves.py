@@ -28,17 +28,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from hpctrain.runtime.run.checkpoints import sharded
-from hpctrain.runtime.run.checkpoints.folders import (
+from hpctrain.runtime.storage.checkpoints import sharded
+from hpctrain.runtime.storage.checkpoints.folders import (
     CheckpointNotSaved,
     commit_folder,
     record_shards,
     staging_path,
     writer_tag,
 )
-from hpctrain.runtime.run.checkpoints.sharded import META_FILE
-from hpctrain.runtime.run.checkpoints.staging import HostStaging
-from hpctrain.runtime.run.checkpoints.writing import Save
+from hpctrain.runtime.storage.checkpoints.sharded import META_FILE
+from hpctrain.runtime.storage.checkpoints.staging import HostStaging
+from hpctrain.runtime.storage.checkpoints.writing import Save
 
 
 class FolderSaves:

@@ -1,5 +1,5 @@
-"""`CheckpointExtras`: what hpctrain adds to every checkpoint (what and why:
-`hpctrain.runtime.run.checkpoints.extras`); every run gets it from `build`."""
+"""`ResumeState`: what hpctrain adds to every checkpoint (what and why:
+`hpctrain.runtime.storage.checkpoints.resume_state`); every run gets it from `build`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from hpctrain.runtime.namespaces import LightningPart
-from hpctrain.runtime.run.checkpoints.extras import (
+from hpctrain.runtime.storage.checkpoints.reading import CONFIG_KEY
+from hpctrain.runtime.storage.checkpoints.resume_state import (
     capture_metric_states,
     capture_rng_state,
     mid_epoch,
@@ -17,15 +18,14 @@ from hpctrain.runtime.run.checkpoints.extras import (
     restore_rng_state,
     resumes_mid_epoch,
 )
-from hpctrain.runtime.run.checkpoints.reading import CONFIG_KEY
 
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule, Trainer
 
-log = logging.getLogger("hpctrain.runtime.run.checkpoints")
+log = logging.getLogger("hpctrain.runtime.storage.checkpoints")
 
 
-class CheckpointExtras(LightningPart, lightning="pytorch_lightning.Callback"):
+class ResumeState(LightningPart, lightning="pytorch_lightning.Callback"):
     """Adds each rank's RNG and (mid-epoch) metric states and the config to every checkpoint, and
     restores this rank's share when training starts, before the first resumed batch.
 
@@ -34,6 +34,10 @@ class CheckpointExtras(LightningPart, lightning="pytorch_lightning.Callback"):
     resumes mid-epoch too (the template's loaders do; a plain DataLoader restarts the epoch, and its
     restored counts would include batches that are trained again).
     """
+
+    @property
+    def state_key(self) -> str:
+        return "CheckpointExtras"  # its name until 0.4, under which every checkpoint keeps these states
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         self.config = config

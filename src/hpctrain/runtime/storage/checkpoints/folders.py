@@ -9,7 +9,7 @@ removes what it set aside last.
 
 `committed(path)` is the complete checkpoint under a name whatever the moment of a kill: the name
 itself, or, after a kill between the two renames, what was set aside. A restart chooses its start point
-through it (`hpctrain.runtime.run.checkpoints`), so it never needs a repair to happen first, and every
+through it (`hpctrain.runtime.storage.checkpoints`), so it never needs a repair to happen first, and every
 rank, looking at the same folder, chooses the same. `recover` then tidies up on rank 0: it removes an
 old checkpoint whose successor is in place, and the unfinished writes of a writer that is gone (this
 same SLURM job's earlier attempt, or a dead process of this host); another job's write in progress is

@@ -33,8 +33,8 @@ from torch import Tensor
 
 from hpctrain.runtime.config import redact
 from hpctrain.runtime.namespaces import LightningPart
-from hpctrain.runtime.run.checkpoints.folders import CheckpointNotSaved, temporary_file
-from hpctrain.runtime.run.checkpoints.reading import UnreadableCheckpoint
+from hpctrain.runtime.storage.checkpoints.folders import CheckpointNotSaved, temporary_file
+from hpctrain.runtime.storage.checkpoints.reading import UnreadableCheckpoint
 
 log = logging.getLogger(__package__)
 

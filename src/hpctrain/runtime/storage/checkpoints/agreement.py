@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hpctrain.runtime.environment import launched
-from hpctrain.runtime.environment.reading import variables
+from hpctrain.runtime.environment.variables import variables
 from hpctrain.runtime.errors import UserError
 
 RECORD = ".start_point.json"

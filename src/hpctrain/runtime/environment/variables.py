@@ -1,5 +1,5 @@
-"""How the modules of this package read their values: from the process's environment, or from the
-mapping a caller gives instead (a test's, or another process's)."""
+"""The variables the modules of this package read: the process's environment, or the mapping a caller
+gives instead (a test's, or another process's)."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints.folders import SHARDS_FILE, start_digest
+from hpctrain.runtime.storage.checkpoints.folders import SHARDS_FILE, start_digest
 
 META_FILE = "meta.pt"  # Lightning's name for it (pytorch_lightning.strategies.model_parallel)
 INDEX_FILE = ".metadata"

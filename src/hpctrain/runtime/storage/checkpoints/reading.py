@@ -18,7 +18,7 @@ from torch import Tensor
 from hpctrain.runtime.config import targets
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.checkpoints import sharded, trainable_only
+from hpctrain.runtime.storage.checkpoints import sharded, trainable_only
 
 log = logging.getLogger(__package__)
 

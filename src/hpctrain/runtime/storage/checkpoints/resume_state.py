@@ -1,5 +1,5 @@
 """What hpctrain adds to every checkpoint (the callback
-`hpctrain.callbacks.checkpoint_extras.CheckpointExtras`): each rank's RNG states and, mid-epoch,
+`hpctrain.callbacks.resume_state.ResumeState`): each rank's RNG states and, mid-epoch,
 its running metric states (Lightning restores weights, optimizer, schedulers, loop counters and stateful
 dataloaders, but no random number generator and only rank 0's view of a metric), plus the resolved config
 that eval, predict, export and `hpctrain.load` rebuild the run from. All of it is plain tensors, numbers
@@ -25,9 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__package__)
 
-__getattr__ = moved_names(
-    __name__, {"CheckpointExtras": "hpctrain.callbacks.checkpoint_extras.CheckpointExtras"}
-)
+__getattr__ = moved_names(__name__, {"CheckpointExtras": "hpctrain.callbacks.resume_state.ResumeState"})
 
 
 def capture_rng_state() -> dict[str, Any]:
