@@ -23,12 +23,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
-from hpctrain.runtime.config.schema import KEYS, validate
-from hpctrain.runtime.config.settings import SECTIONS, Settings
+from hpctrain.runtime.config.schema import GROUP_KEYS, validate
+from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.environment import allocated
 from hpctrain.runtime.errors import UserError
-
-SETTINGS_SECTIONS = {*SECTIONS, "cluster"}
 
 # packages an optional logger needs, recognised in its _target_ (TensorBoardLogger, mlflow_logger, ...)
 LOGGER_PACKAGES = ("tensorboard", "mlflow", "wandb")
@@ -204,9 +202,7 @@ def check_config(cfg: DictConfig, where: Any = None) -> Settings:
     _check_notify(cfg)  # first: the schema's sentence would repeat the value
     _resolve_everything(cfg)
     settings = Settings.of(cfg, where)  # hpctrain's keys: an unknown one or a wrong value, naming its file
-    for key in KEYS:
-        if key.path.split(".", 1)[0] in SETTINGS_SECTIONS:
-            continue
+    for key in GROUP_KEYS:  # the groups hpctrain hands on whole: their keys it reads, checked
         value = _value(cfg, key.path)
         if value is _ABSENT:
             continue
