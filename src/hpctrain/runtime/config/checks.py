@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
 from hpctrain.runtime.config.schema import GROUP_KEYS, validate
-from hpctrain.runtime.config.settings import Settings
+from hpctrain.runtime.config.settings import Notify, Settings
 from hpctrain.runtime.environment import allocated
 from hpctrain.runtime.errors import UserError
 
@@ -148,7 +148,7 @@ def notify_url_refused(key: str = "notify.url") -> UserError:
     )
 
 
-URL_ENV = "HPCTRAIN_NOTIFY_URL"  # hpctrain.runtime.distributed.notify's default variable
+URL_ENV = Notify.url_env  # the default variable of the webhook URL
 
 
 def _names_a_notify_url(key: str, value: str, url_env: str = URL_ENV) -> bool:
