@@ -4,7 +4,9 @@ torch is imported) and becomes the JSON Schema editors use to complete and valid
 Each key has a JSON Schema fragment (type, range, allowed values), the sentence that says what is
 allowed, and an example value. `validate` implements the part of JSON Schema the table uses, so the
 runtime check and the editor schema cannot disagree; `scripts/dev/config_schema.py` writes conf/schema/.
-Keys the table does not name are Lightning's or your classes' own and are checked where they are used.
+hpctrain's own keys are defined once, as its typed settings (`settings.all_keys`); `GROUP_KEYS` adds
+the keys of the groups handed on whole that hpctrain checks. Keys the table does not name are Lightning's
+or your classes' own and are checked where they are used.
 """
 
 from __future__ import annotations
