@@ -36,8 +36,6 @@ SEAMS = {
     "_check_loggers(cfg)": DOOR,
     "_check_notify(cfg)": DOOR,
     "_check_folds(cfg)": DOOR,
-    "_check_signals(cfg)": DOOR,
-    "_check_init_from(cfg)": DOOR,
     "_check_outputs(cfg)": DOOR,
     "Settings.of(cfg)": DOOR,
     "Job.__init__(cfg)": DOOR,
