@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hpctrain.runtime.config.compose import compose
+from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 
 
@@ -31,7 +32,7 @@ def convert(overrides: list[str], out: Path | None, shard_mb: float, workers: in
     from hpctrain.runtime.run import build
 
     cfg = compose("train", overrides)
-    datamodule = build.datamodule(cfg)
+    datamodule = build.datamodule(cfg, Settings.of(cfg))
     if not isinstance(datamodule, ImageFolderDataModule):
         raise UserError(
             f"make_shards reads an image folder: pass data=image_folder data.root=<folder>, not data={cfg.data._target_}."

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hpctrain.runtime.config.compose import compose
+from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import reported_as_one_sentence
 
 
@@ -24,7 +25,7 @@ def main(overrides: list[str]) -> None:
         cfg = compose("train", overrides)
         from hpctrain.runtime.run import build
 
-        datamodule = build.datamodule(cfg)
+        datamodule = build.datamodule(cfg, Settings.of(cfg))
         datamodule.prepare_data()
         build.check_data_available(datamodule)
         datamodule.setup("fit")

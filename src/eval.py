@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     from hpctrain.runtime.storage.checkpoints import existing_checkpoint
 
     with Job(cfg) as job:
-        checkpoint = existing_checkpoint(cfg.get("ckpt_path"))
+        checkpoint = existing_checkpoint(job.settings.ckpt_path)
         cfg = job.from_checkpoint(checkpoint)  # the model (and data) it was trained with
         run = job.build(training=False)  # weights of another model: refused here
         with job.running(run):  # under SLURM a signal requeues the job, which tests again

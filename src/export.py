@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> str | None:
     with Job(cfg, one_process=True) as job:  # preflight: config, one process, run dir (one sentence if wrong)
         chosen = export.check_installed(cfg.export.format)  # onnx and safetensors need the `export` extra
         path = export.output_path(chosen, cfg.export.output, job.run_dir)
-        checkpoint = existing_checkpoint(cfg.ckpt_path)
+        checkpoint = existing_checkpoint(job.settings.ckpt_path)
         # model(preprocess(raw inputs)), built from the classes this project's configs name, as the checkpoint's config says
         trusted = job.settings.checkpoints.trusted_targets
         from hpctrain.runtime.inference import loaded  # torch: only once the preflight passed

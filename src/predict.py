@@ -24,7 +24,7 @@ def main(cfg: DictConfig) -> None:
     from hpctrain.runtime.storage.checkpoints import existing_checkpoint
 
     with Job(cfg) as job:  # preflight, and an existing predict.output is refused before anything runs
-        checkpoint = existing_checkpoint(cfg.get("ckpt_path"))
+        checkpoint = existing_checkpoint(job.settings.ckpt_path)
         cfg = job.from_checkpoint(checkpoint)  # the model (and data) it was trained with
         run = job.build(training=False)  # weights of another model: refused here
         from hpctrain.runtime.inference.predict import predict

@@ -30,17 +30,18 @@ def train(cfg: DictConfig) -> float | None:
     from hpctrain.runtime.storage.checkpoints import start_point
 
     with Job(cfg) as job:  # preflight: config, launcher vs trainer, run dir (one sentence if wrong)
+        settings = job.settings  # hpctrain's own keys, typed and checked in the preflight
+        init = settings.init_from
         # fresh, a checkpoint to continue, or this job's own when SLURM requeued it
-        init = job.settings.init_from  # hpctrain's own settings, typed and checked in the preflight
-        start = start_point(cfg.ckpt_path, job.run_dir, cfg.paths.runs_dir, init_from=init.path)
+        start = start_point(settings.ckpt_path, job.run_dir, cfg.paths.runs_dir, init_from=init.path)
         start.check_readable(init.path)  # a checkpoint is data: read as such before anything heavy
         run = job.build()  # data (checked on every rank), model, callbacks, loggers, trainer
-        start.prepare(run, cfg, init)  # the checkpoint checked, or init_from's weights; where the run starts
+        start.prepare(run.model, cfg.model, init, run.freeze)  # checkpoint checked, or init_from's weights
         with job.running(run):  # a signal: checkpoint where every rank agrees, then requeue or stop
-            if cfg.train:
+            if settings.train:
                 run.fit(start.checkpoint)
             best = run.best_checkpoint()
-            if cfg.test and run.can_test():
+            if settings.test and run.can_test():
                 run.test(best)
             job.finish(run, best)
             return run.best_value

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hpctrain.data.images import DataUnavailable
+from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.run import build
 from myproject.data.cifar import CIFAR10DataModule, random_crop_and_flip
 from myproject.data.text import STDLIB_FILES, StdlibTextDataModule, stdlib_corpus
@@ -90,7 +91,7 @@ def test_augmentation_touches_training_batches_only(tmp_path: Path, data_dir: Pa
         "model/net=mlp",
     )
     data = _CountingCIFAR(str(data_dir), download=False, batch_size=4)
-    trainer = build.trainer(cfg, tmp_path, logger=False)
+    trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
     trainer.fit(build.model(cfg), data)  # one training batch, one validation batch
     trainer.test(build.model(cfg), data)
     assert _CountingCIFAR.augmented == 4  # the training batch only; labels travel unchanged alongside
@@ -192,10 +193,10 @@ def test_channels_last_runs_and_formats_the_parameters(tmp_path: Path, data_dir:
         "trainer.precision=32-true",
         "channels_last=true",
     )
-    module = build.tune_model(build.model(cfg), cfg)
+    module = build.tune_model(build.model(cfg), Settings.of(cfg), cfg.trainer.strategy)
     assert module.net.stem[0].weight.is_contiguous(memory_format=torch.channels_last)
-    trainer = build.trainer(cfg, tmp_path, logger=False)
-    trainer.fit(module, build.datamodule(cfg))
+    trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
+    trainer.fit(module, build.datamodule(cfg, Settings.of(cfg)))
 
 
 @pytest.mark.slow

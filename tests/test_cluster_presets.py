@@ -39,12 +39,14 @@ def test_flags_win_over_the_preset_and_gpu_types_reach_the_gres():
 @pytest.mark.skipif(not EXAMPLES, reason="no datamodule that downloads without the examples")
 def test_an_offline_preset_keeps_datamodules_from_downloading(tmp_path: Path):
     from hpctrain.runtime.config.compose import compose
+    from hpctrain.runtime.config.settings import Settings
     from hpctrain.runtime.run import build
 
     base = ["data=mnist", f"paths.data_dir={tmp_path}", f"paths.output_dir={tmp_path}"]
-    assert build.datamodule(compose("train", base)).download  # the data config's default
+    online = compose("train", base)
+    assert build.datamodule(online, Settings.of(online)).download  # the data config's default
     offline = compose("train", [*base, "cluster=narval"])  # compute nodes without internet
-    assert offline.cluster.offline and not build.datamodule(offline).download
+    assert offline.cluster.offline and not build.datamodule(offline, Settings.of(offline)).download
 
 
 @pytest.mark.slow

@@ -202,7 +202,7 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
         require_llm()
         overrides = LLM_VALUES
         build.check_data_available(
-            build.datamodule(compose_train(tmp_path, data_dir, *overrides))
+            build.datamodule(cfg := compose_train(tmp_path, data_dir, *overrides), Settings.of(cfg))
         )  # the demo
     if group == "trainer" and option in NEEDS_HARDWARE:
         overrides += ["trainer.accelerator=cpu", "trainer.devices=1"]
@@ -224,7 +224,7 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
         )
     check_config(cfg)
     if group in ("trainer", "callbacks", "debug", "extras"):
-        trainer = build.trainer(cfg, tmp_path, logger=False)
+        trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
         assert trainer.max_epochs == cfg.trainer.max_epochs
     elif group == "logger":
         loggers = build.loggers(cfg)
@@ -248,7 +248,7 @@ def test_data_option_yields_a_batch(option: str, tmp_path: Path, data_dir: Path)
         require_llm()
         overrides = LLM_VALUES
     cfg = compose_train(tmp_path, data_dir, *overrides)
-    datamodule = build.datamodule(cfg)
+    datamodule = build.datamodule(cfg, Settings.of(cfg))
     build.check_data_available(datamodule)
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()), None)
@@ -265,10 +265,10 @@ def test_data_option_yields_a_batch(option: str, tmp_path: Path, data_dir: Path)
 
 def _one_batch_of_everything(cfg, tmp_path: Path) -> None:
     """fast_dev_run: one real training, validation and test batch through the composed objects."""
-    datamodule, module = build.datamodule(cfg), build.model(cfg)
+    datamodule, module = build.datamodule(cfg, Settings.of(cfg)), build.model(cfg)
     build.check_data_available(datamodule)
     before = [p.detach().clone() for p in module.parameters()]
-    trainer = build.trainer(cfg, tmp_path, logger=False)
+    trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
     trainer.fit(module, datamodule)
     if build.can_test(module, datamodule):  # as train.py: a module without a test_step is not tested
         trainer.test(module, datamodule)
@@ -301,13 +301,13 @@ def test_experiment_runs_a_batch(experiment: str, tmp_path: Path, data_dir: Path
     cfg = compose_train(tmp_path, data_dir, f"experiment={experiment}", "debug=fdr", "trainer=cpu", *needs)
     check_config(cfg)
     if experiment in LLM_EXPERIMENTS:  # the demo's base and instructions, made before the model reads them
-        build.check_data_available(build.datamodule(cfg))
+        build.check_data_available(build.datamodule(cfg, Settings.of(cfg)))
     _one_batch_of_everything(cfg, tmp_path)
 
 
 def test_ddp_cpu_is_ddp_with_two_processes(tmp_path: Path, data_dir: Path):
     cfg = compose_train(tmp_path, data_dir, "trainer=ddp_cpu")
-    trainer = build.trainer(cfg, tmp_path)
+    trainer = build.trainer(cfg, Settings.of(cfg), tmp_path)
     assert type(trainer.strategy).__name__ == "HydraDDPStrategy"
     assert trainer.strategy._start_method == "popen"  # "ddp" starts processes by script, not "ddp_spawn"
     assert trainer.world_size == 2 and trainer.num_devices == 2
@@ -315,7 +315,7 @@ def test_ddp_cpu_is_ddp_with_two_processes(tmp_path: Path, data_dir: Path):
 
 def test_monitor_is_one_setting(tmp_path: Path, data_dir: Path):
     cfg = compose_train(tmp_path, data_dir, "monitor.metric=val/loss", "monitor.mode=min")
-    trainer = build.trainer(cfg, tmp_path, logger=False)
+    trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
     assert (trainer.checkpoint_callback.monitor, trainer.checkpoint_callback.mode) == ("val/loss", "min")
     stopping = trainer.early_stopping_callback
     assert (stopping.monitor, stopping.mode) == ("val/loss", "min")
@@ -415,7 +415,7 @@ def test_a_subset_of_callbacks_is_one_override():
 def test_a_null_callback_is_not_built(tmp_path: Path, data_dir: Path):
     assert _callbacks("callbacks.early_stopping=null") == {**DEFAULT_CALLBACKS, "early_stopping": None}
     cfg = compose_train(tmp_path, data_dir, "callbacks.early_stopping=null")
-    trainer = build.trainer(cfg, tmp_path, logger=False)
+    trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
     assert trainer.early_stopping_callback is None and trainer.checkpoint_callback is not None
 
 
@@ -633,7 +633,7 @@ def test_a_checkpoint_entry_that_resume_could_not_find_is_refused(
 ):
     cfg = compose_train(tmp_path, data_dir, "data=digits", "trainer=cpu", override)
     with pytest.raises(UserError, match=re.escape(says)):
-        build.trainer(cfg, tmp_path, logger=False)
+        build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
     own = {"_target_": "pytorch_lightning.callbacks.ModelCheckpoint", "every_n_train_steps": 5}
     cfg = compose_train(
         tmp_path,
@@ -643,7 +643,7 @@ def test_a_checkpoint_entry_that_resume_could_not_find_is_refused(
         *(f"+callbacks.mine.{k}={v}" for k, v in own.items()),
     )
     # a checkpoint callback of your own is Lightning's business: it is built and kept beside the template's
-    trainer = build.trainer(cfg, tmp_path, logger=False)
+    trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
     mine = [
         c for c in trainer.checkpoint_callbacks if c.dirpath is None or "checkpoints" not in str(c.dirpath)
     ]

@@ -350,18 +350,23 @@ def test_threads_and_workers_follow_the_cpus_a_process_has(tmp_path: Path):
 
 
 def test_auto_gives_decoding_datamodules_workers_and_the_rest_threads(tmp_path: Path, data_dir: Path):
+    from hpctrain.runtime.config.settings import Settings
     from hpctrain.runtime.environment import allocated
     from hpctrain.runtime.run.build import cpu_plan
     from tests.helpers import IMAGE_DATA, compose_train
 
     cpus = allocated.cpus_per_process(1)[0]
     folder = [f"data.root={data_dir}/digits_images", *IMAGE_DATA]
-    threads, workers, line = cpu_plan(compose_train(tmp_path, data_dir, "data=image_folder", *folder))
+    threads, workers, line = cpu_plan(
+        cfg := compose_train(tmp_path, data_dir, "data=image_folder", *folder), Settings.of(cfg)
+    )
     assert workers == min(8, max(1, cpus - 1)) and threads == max(1, cpus - workers)
     assert f"{workers} loader worker(s) (data.num_workers=auto)" in line
-    threads, workers, _ = cpu_plan(compose_train(tmp_path, data_dir, "data=digits", "data.num_workers=auto"))
+    threads, workers, _ = cpu_plan(
+        cfg := compose_train(tmp_path, data_dir, "data=digits", "data.num_workers=auto"), Settings.of(cfg)
+    )
     assert (threads, workers) == (cpus, 0)  # in memory: a batch is one tensor index, no workers
     explicit = compose_train(
         tmp_path, data_dir, "data=image_folder", *folder, "num_threads=3", "data.num_workers=5"
     )
-    assert cpu_plan(explicit)[:2] == (3, None)  # given values are taken as given
+    assert cpu_plan(explicit, Settings.of(explicit))[:2] == (3, None)  # given values are taken as given

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
 from hpctrain.runtime import namespaces
+from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import LIGHTNING, PYTORCH_LIGHTNING, MixedNamespaces
 from hpctrain.runtime.run import build
@@ -168,9 +169,12 @@ def test_a_model_or_datamodule_built_alone_is_of_the_namespace_its_config_choose
         data="myproject.data.digits.DigitsDataModule",
     )
     assert isinstance(build.model(cfg), L.LightningModule)
-    assert isinstance(build.datamodule(cfg), L.LightningDataModule)  # the template's data follows the model
     assert isinstance(
-        build.datamodule(_config(data="myproject.data.digits.DigitsDataModule")), pl.LightningDataModule
+        build.datamodule(cfg, Settings.of(cfg)), L.LightningDataModule
+    )  # the template's data follows the model
+    assert isinstance(
+        build.datamodule(cfg := _config(data="myproject.data.digits.DigitsDataModule"), Settings.of(cfg)),
+        pl.LightningDataModule,
     )
 
 

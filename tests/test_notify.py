@@ -24,6 +24,7 @@ import yaml
 from hpctrain.loggers import job_metadata
 from hpctrain.runtime.config import schema
 from hpctrain.runtime.config.checks import check_command_line, check_config, notify_url_refused
+from hpctrain.runtime.config.settings import Notify
 from hpctrain.runtime.distributed import notify
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.sweeps.summary import Summary
@@ -114,10 +115,10 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURMD_NODENAME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("no_proxy", "*")
-    notify.configure(None, tmp_path)
+    notify.configure(Notify(), tmp_path)
     yield tmp_path
     notify.wait()
-    notify.configure(None, None)
+    notify.configure(Notify(), None)
 
 
 def test_the_schema_lists_notifys_events():
@@ -179,14 +180,14 @@ def test_a_job_posts_one_ending_and_a_sweeps_point_leaves_its_ending_to_the_summ
     assert notify.post(notify.NAN, "the training loss became nan at step 3")
     assert not notify.post(notify.FAILED, "the same stop, as the job ends")  # one ending per job
     assert notify.post(notify.SWEEP, "2 jobs")  # not an ending
-    notify.configure({"events": ["failed"]}, fresh)
+    notify.configure(Notify(events=["failed"]), fresh)
     assert not notify.post(notify.COMPLETED, "val/acc=0.9")
-    notify.configure(None, fresh, sweep_point=True)
+    notify.configure(Notify(), fresh, sweep_point=True)
     assert not notify.post(notify.FAILED, "a point failed")
-    notify.configure(None, fresh, sweep_point=True)
+    notify.configure(Notify(), fresh, sweep_point=True)
     assert notify.post(notify.HUNG, "rank 1 hung")
     monkeypatch.delenv("HPCTRAIN_NOTIFY_URL")
-    notify.configure(None, fresh)
+    notify.configure(Notify(), fresh)
     assert not notify.post(notify.COMPLETED, "off: the variable is not set")
     notify.wait()
     posted = sorted(text.split(":")[1].strip() for text in webhook.texts)  # each from its own thread
@@ -220,7 +221,7 @@ def test_a_webhook_that_hangs_costs_the_timeout_at_most_and_one_warning(
 ):
     hanging = Webhook(delay_s=10)
     monkeypatch.setenv("HPCTRAIN_NOTIFY_URL", hanging.url)
-    notify.configure({"timeout_s": 0.5}, fresh)
+    notify.configure(Notify(timeout_s=0.5), fresh)
     try:
         with caplog.at_level(logging.WARNING, logger="hpctrain"):
             started = time.monotonic()

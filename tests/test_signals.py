@@ -12,6 +12,7 @@ from pytorch_lightning import Callback
 from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
 from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 
+from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.distributed import signals
 from hpctrain.runtime.run import build
 from tests.helpers import compose_train
@@ -39,9 +40,9 @@ def test_during_fit_the_handlers_are_the_templates(tmp_path: Path, data_dir: Pat
         signals.install("SIGUSR1")
         cfg = compose_train(tmp_path, data_dir, "data=digits", "debug=fdr", "trainer=cpu")
         spy = _HandlersDuringFit()
-        trainer = build.trainer(cfg, tmp_path, logger=False)
+        trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
         trainer.callbacks.append(spy)
-        trainer.fit(build.model(cfg), build.datamodule(cfg))
+        trainer.fit(build.model(cfg), build.datamodule(cfg, Settings.of(cfg)))
         assert spy.seen["SIGTERM"] is signals._record and spy.seen["SIGUSR1"] is signals._record
         assert (
             getattr(spy.seen["broadcast"], "__func__", None)

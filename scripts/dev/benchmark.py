@@ -234,6 +234,7 @@ def run_lightning(setup: Setup) -> list[float]:
 def run_template(setup: Setup) -> list[float]:
     """The template's own path: config -> build -> Trainer.fit, as src/train.py does it (loggers off)."""
     from hpctrain.callbacks.throughput_log import ThroughputLog
+    from hpctrain.runtime.config.settings import Settings
     from hpctrain.runtime.distributed import watchdog
     from hpctrain.runtime.run import build
 
@@ -246,10 +247,11 @@ def run_template(setup: Setup) -> list[float]:
 
     recorder = EpochRates()
     recorder.rates = []
-    build.configure_process(setup.cfg)
-    trainer = build.trainer(setup.cfg, setup.out, logger=[])
+    settings = Settings.of(setup.cfg)
+    build.configure_process(setup.cfg, settings)
+    trainer = build.trainer(setup.cfg, settings, setup.out, logger=[])
     trainer.callbacks = [recorder if isinstance(c, ThroughputLog) else c for c in trainer.callbacks]
-    trainer.fit(build.model(setup.cfg), build.datamodule(setup.cfg))
+    trainer.fit(build.model(setup.cfg), build.datamodule(setup.cfg, settings))
     # as src/train.py's end does (end_distributed_job): the rank watchdog the run started stops before
     # the next variant or the process group's end; left inside a store request it can abort the process
     watchdog.stop()

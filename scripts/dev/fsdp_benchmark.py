@@ -184,16 +184,18 @@ def _saves(trainer, out: Path, found: dict, repeats: int) -> None:
 
 def run_template(args: argparse.Namespace, variant: str, found: dict) -> None:
     from hpctrain.runtime.config.compose import compose
+    from hpctrain.runtime.config.settings import Settings
     from hpctrain.runtime.run import build
 
     gpu = torch_cuda()
     trainer_name = {"ddp": "ddp" if gpu else "ddp_cpu", "fsdp": "fsdp" if gpu else "fsdp_cpu"}[variant]
     out = Path(tempfile.mkdtemp(prefix="fsdp-benchmark-"))
     cfg = compose("train", _overrides(args, str(out), trainer_name))
-    build.configure_process(cfg)
-    trainer = build.trainer(cfg, out, logger=[])
+    settings = Settings.of(cfg)
+    build.configure_process(cfg, settings)
+    trainer = build.trainer(cfg, settings, out, logger=[])
     trainer.callbacks.append(_measure_cb(args, found))
-    trainer.fit(build.model(cfg), build.datamodule(cfg))
+    trainer.fit(build.model(cfg), build.datamodule(cfg, settings))
     _saves(trainer, out, found, args.saves)
 
 
@@ -204,11 +206,12 @@ def run_bare(args: argparse.Namespace, variant: str, found: dict) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hpctrain.runtime.config.compose import compose
+    from hpctrain.runtime.config.settings import Settings
     from hpctrain.runtime.run import build
 
     out = Path(tempfile.mkdtemp(prefix="fsdp-benchmark-"))
     cfg = compose("train", _overrides(args, str(out), "fsdp_cpu"))
-    build.configure_process(cfg)  # the same threads per process as the template's runs
+    build.configure_process(cfg, Settings.of(cfg))  # the same threads per process as the template's runs
     base = instantiate({"_target_": "hydra.utils.get_class", "path": cfg.model._target_})
 
     class Sharded(base):  # the way Lightning's docs write it

@@ -118,17 +118,16 @@ class Contract:
 
     def build(self, cfg: DictConfig, training: bool = True) -> build.Run:
         """Datamodule (its data checked), model and trainer, after the seeding train.py does."""
-        console.apply_extras(
-            cfg, Settings.of(cfg).extras
-        )  # as train.py: Lightning's notices that the template replaces are dropped
+        settings = Settings.of(cfg)
+        console.apply_extras(cfg, settings.extras)  # as train.py: Lightning's notices the template replaces
         with template_errors_fail(self.pair):
-            build.configure_process(cfg)
-            return build.run_objects(cfg, cfg.paths.output_dir, training=training)
+            build.configure_process(cfg, settings)
+            return build.run_objects(cfg, settings, cfg.paths.output_dir, training=training)
 
     def trainer(self, cfg: DictConfig, training: bool = True) -> Trainer:
         """The trainer alone (src/eval.py's kind with training=False)."""
         with template_errors_fail(self.pair):
-            return build.trainer(cfg, cfg.paths.output_dir, training=training)
+            return build.trainer(cfg, Settings.of(cfg), cfg.paths.output_dir, training=training)
 
     def callback(self, cfg: DictConfig, cls: type[T], *args: Any) -> T:
         """One of these tests' callbacks (`cls`), of the Lightning namespace the pair is written with."""

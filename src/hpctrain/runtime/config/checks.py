@@ -23,12 +23,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
-from hpctrain.runtime.config.schema import KEYS, validate
-from hpctrain.runtime.config.settings import SECTIONS, Settings
+from hpctrain.runtime.config.schema import GROUP_KEYS, validate
+from hpctrain.runtime.config.settings import InitFrom, Notify, Settings
 from hpctrain.runtime.environment import allocated
 from hpctrain.runtime.errors import UserError
-
-SETTINGS_SECTIONS = {*SECTIONS, "cluster"}
 
 # packages an optional logger needs, recognised in its _target_ (TensorBoardLogger, mlflow_logger, ...)
 LOGGER_PACKAGES = ("tensorboard", "mlflow", "wandb")
@@ -150,7 +148,7 @@ def notify_url_refused(key: str = "notify.url") -> UserError:
     )
 
 
-URL_ENV = "HPCTRAIN_NOTIFY_URL"  # hpctrain.runtime.distributed.notify's default variable
+URL_ENV = Notify.url_env  # the default variable of the webhook URL
 
 
 def _names_a_notify_url(key: str, value: str, url_env: str = URL_ENV) -> bool:
@@ -204,9 +202,7 @@ def check_config(cfg: DictConfig, where: Any = None) -> Settings:
     _check_notify(cfg)  # first: the schema's sentence would repeat the value
     _resolve_everything(cfg)
     settings = Settings.of(cfg, where)  # hpctrain's keys: an unknown one or a wrong value, naming its file
-    for key in KEYS:
-        if key.path.split(".", 1)[0] in SETTINGS_SECTIONS:
-            continue
+    for key in GROUP_KEYS:  # the groups hpctrain hands on whole: their keys it reads, checked
         value = _value(cfg, key.path)
         if value is _ABSENT:
             continue
@@ -220,8 +216,8 @@ def check_config(cfg: DictConfig, where: Any = None) -> Settings:
     _check_loggers(cfg)
     _check_folds(cfg)
     _check_outputs(cfg)
-    _check_init_from(cfg)
-    _check_signals(cfg)
+    _check_init_from(settings.init_from)
+    _check_signals(settings)
     return settings
 
 
@@ -266,12 +262,10 @@ def _check_folds(cfg: DictConfig) -> None:
         check_folds(data.get("num_folds"), data.get("fold"))
 
 
-def _check_signals(cfg: DictConfig) -> None:
+def _check_signals(settings: Settings) -> None:
     """The stacks signal must not be the one that requeues the job (a look at the stacks would requeue it)."""
-    stacks_signal = OmegaConf.select(cfg, "diagnostics.stacks_signal")
-    requeue_signal = (
-        OmegaConf.select(cfg, "requeue.signal") if OmegaConf.select(cfg, "requeue.enabled") else None
-    )
+    stacks_signal = settings.diagnostics.stacks_signal
+    requeue_signal = settings.requeue.signal if settings.requeue.enabled else None
     if stacks_signal and stacks_signal == requeue_signal:
         raise UserError(
             f"diagnostics.stacks_signal={stacks_signal} is also requeue.signal, so asking for the stacks would requeue "
@@ -279,14 +273,11 @@ def _check_signals(cfg: DictConfig) -> None:
         )
 
 
-def _check_init_from(cfg: DictConfig) -> None:
+def _check_init_from(init: InitFrom) -> None:
     """`init_from.exclude` or `.prefix` say how to load a weights file: without one they mean a file was
     forgotten (an experiment that fine-tunes, run without init_from.path=...)."""
-    settings = OmegaConf.select(cfg, "init_from")
-    if not settings:
-        return
     for key in ("exclude", "freeze"):  # lists of regular expressions (the schema checked they are lists)
-        for pattern in settings.get(key) or []:
+        for pattern in getattr(init, key):
             try:
                 re.compile(str(pattern))
             except re.error as err:
@@ -294,10 +285,10 @@ def _check_init_from(cfg: DictConfig) -> None:
                     f"init_from.{key} holds {str(pattern)!r}, which is not a regular expression ({err}); escape "
                     f"what is meant literally, e.g. init_from.{key}=['^net[.]fc[.]'] for keys starting with net.fc."
                 ) from err
-    if settings.get("path"):
+    if init.path:
         return
     for key in ("exclude", "prefix"):
-        if settings.get(key):
+        if getattr(init, key):
             raise UserError(
                 f"init_from.{key} is set but init_from.path is not; pass the weights to start from: "
                 "init_from.path=<checkpoint, .pt/.pth state dict or .safetensors file>."

@@ -4,7 +4,9 @@ torch is imported) and becomes the JSON Schema editors use to complete and valid
 Each key has a JSON Schema fragment (type, range, allowed values), the sentence that says what is
 allowed, and an example value. `validate` implements the part of JSON Schema the table uses, so the
 runtime check and the editor schema cannot disagree; `scripts/dev/config_schema.py` writes conf/schema/.
-Keys the table does not name are Lightning's or your classes' own and are checked where they are used.
+hpctrain's own keys are defined once, as its typed settings (`settings.all_keys`); `GROUP_KEYS` adds
+the keys of the groups handed on whole that hpctrain checks. Keys the table does not name are Lightning's
+or your classes' own and are checked where they are used.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpctrain.runtime.config import settings
+from hpctrain.runtime.config.settings import POSITIVE_NUMBER, integer
 from hpctrain.runtime.config.validation import validate
 
 __all__ = ["KEYS", "Key", "json_schema", "validate"]
@@ -43,13 +46,6 @@ INTERPOLATION = {"type": "string", "pattern": r"^\$\{.*\}$"}  # ${...}: resolved
 NOTIFY_EVENTS = settings.NOTIFY_EVENTS  # hpctrain.runtime.distributed.notify's events (tests/test_notify.py)
 
 
-def _int(minimum: int | None = None) -> dict[str, Any]:
-    return {"type": "integer"} | ({"minimum": minimum} if minimum is not None else {})
-
-
-POSITIVE_NUMBER = {"type": "number", "exclusiveMinimum": 0}
-
-
 @dataclass(frozen=True)
 class Key:
     path: str
@@ -59,44 +55,19 @@ class Key:
     description: str = ""
 
 
-_OTHER_KEYS: tuple[Key, ...] = (
-    Key(
-        "seed",
-        {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},  # numpy's seeds are 32-bit
-        "an integer from 0 to 4294967295",
-        "42",
-        "seeds torch, numpy, python and dataloader workers",
-    ),
-    Key("train", {"type": "boolean"}, "true or false", "true", "fit the model"),
-    Key("test", {"type": "boolean"}, "true or false", "false", "test the best checkpoint after fit"),
-    Key(
-        "ckpt_path",
-        {"type": ["string", "null"]},
-        "a checkpoint file, last, or null",
-        "last",
-        "start from this checkpoint (last: the newest last.ckpt of this task's runs)",
-    ),
-    Key("snapshot", {"type": "boolean"}, "true or false", "false", "launcher jobs run from a code snapshot"),
-    Key(
-        "skip_completed",
-        {"type": "boolean"},
-        "true or false",
-        "true",
-        "a re-run sweep skips completed points",
-    ),
-    Key("compile", {"type": "boolean"}, "true or false", "true", "torch.compile the model's networks"),
-    Key("compile_backend", {"type": "string"}, "a torch.compile backend", "inductor"),
-    Key("channels_last", {"type": "boolean"}, "true or false", "true", "channels-last memory order for CNNs"),
-    Key("trainer.num_nodes", _int(1), "a positive integer", "2", "nodes (SLURM: --nodes)"),
+# The keys of the groups hpctrain hands on whole (Lightning's trainer, the user's data and model, the entry
+# points' predict and export, paths): checked, not typed; hpctrain's own keys are its typed settings'
+GROUP_KEYS: tuple[Key, ...] = (
+    Key("trainer.num_nodes", integer(1), "a positive integer", "2", "nodes (SLURM: --nodes)"),
     Key(
         "trainer.devices",
         {
             "anyOf": [
-                _int(1),
+                integer(1),
                 {"const": -1},
                 {"const": "auto"},
                 {"type": "string", "pattern": r"^\s*\d+\s*(,\s*\d+\s*)*,?\s*$"},
-                {"type": "array", "items": _int(0), "minItems": 1},
+                {"type": "array", "items": integer(0), "minItems": 1},
             ]
         },
         "a positive integer, -1, auto, or a list of device ids",
@@ -111,13 +82,13 @@ _OTHER_KEYS: tuple[Key, ...] = (
         "bf16-mixed",
         "32-true; bf16-mixed or 16-mixed on GPUs",
     ),
-    Key("trainer.max_epochs", _int(-1), "an integer, -1 or more (-1: no limit)", "10"),
+    Key("trainer.max_epochs", integer(-1), "an integer, -1 or more (-1: no limit)", "10"),
     Key("trainer.min_epochs", {"type": ["integer", "null"], "minimum": 0}, "a non-negative integer", "1"),
-    Key("trainer.max_steps", _int(-1), "an integer, -1 or more (-1: no limit)", "1000"),
-    Key("trainer.log_every_n_steps", _int(1), "a positive integer", "50"),
+    Key("trainer.max_steps", integer(-1), "an integer, -1 or more (-1: no limit)", "1000"),
+    Key("trainer.log_every_n_steps", integer(1), "a positive integer", "50"),
     Key(
         "trainer.accumulate_grad_batches",
-        _int(1),
+        integer(1),
         "a positive integer",
         "4",
         "optimizer step every N batches",
@@ -129,7 +100,7 @@ _OTHER_KEYS: tuple[Key, ...] = (
         "1.0",
         "clip gradients to this norm",
     ),
-    Key("trainer.num_sanity_val_steps", _int(-1), "an integer, -1 or more", "2"),
+    Key("trainer.num_sanity_val_steps", integer(-1), "an integer, -1 or more", "2"),
     Key(
         "trainer.check_val_every_n_epoch",
         {"type": ["integer", "null"], "minimum": 1},
@@ -137,25 +108,18 @@ _OTHER_KEYS: tuple[Key, ...] = (
         "1",
     ),
     Key("trainer.deterministic", {"enum": [True, False, "warn", None]}, "true, false or warn", "true"),
-    Key("data.batch_size", _int(1), "a positive integer", "64", "per process (per GPU)"),
+    Key("data.batch_size", integer(1), "a positive integer", "64", "per process (per GPU)"),
     Key(
         "data.num_workers",
-        {"anyOf": [_int(0), {"const": "auto"}]},
+        {"anyOf": [integer(0), {"const": "auto"}]},
         "a non-negative integer or auto",
         "4",
         "auto: the CPUs less one for datamodules that decode files, else 0",
     ),
-    Key(
-        "num_threads",
-        {"anyOf": [_int(1), {"const": "auto"}, {"type": "null"}]},
-        "a positive integer or auto",
-        "4",
-        "torch's intra-op threads per process; auto: the process's CPUs less its loader workers",
-    ),
     Key("data.pin_memory", {"type": ["boolean", "null"]}, "true, false or null", "true", "null: on for GPUs"),
     Key(
         "data.num_folds",
-        {"anyOf": [_int(2), {"const": 0}, {"type": "null"}]},
+        {"anyOf": [integer(2), {"const": 0}, {"type": "null"}]},
         "an integer, 2 or more, or null (0: off, as null)",
         "5",
         "k-fold cross-validation: the training data dealt into this many folds",
@@ -167,7 +131,13 @@ _OTHER_KEYS: tuple[Key, ...] = (
         "0",
         "k-fold: the fold validated on (0 to data.num_folds-1)",
     ),
-    Key("data.fold_seed", _int(0), "a non-negative integer", "0", "k-fold: which samples fall in which fold"),
+    Key(
+        "data.fold_seed",
+        integer(0),
+        "a non-negative integer",
+        "0",
+        "k-fold: which samples fall in which fold",
+    ),
     Key("model.optimizer.lr", POSITIVE_NUMBER, "a positive number", "0.001", "learning rate"),
     Key(
         "predict.split",
@@ -179,7 +149,7 @@ _OTHER_KEYS: tuple[Key, ...] = (
     Key(
         "predict.batch_size", {"type": ["integer", "null"], "minimum": 1}, "a positive integer or null", "256"
     ),
-    Key("predict.num_workers", _int(0), "a non-negative integer", "4"),
+    Key("predict.num_workers", integer(0), "a non-negative integer", "4"),
     Key(
         "export.format",
         {"enum": list(EXPORT_FORMATS)},
@@ -196,7 +166,7 @@ _OTHER_KEYS: tuple[Key, ...] = (
     ),
     Key(
         "export.batch_size",
-        _int(2),
+        integer(2),
         "an integer, 2 or more (traced on a batch of 1, the export would take only batches of 1)",
         "2",
         "the example batch the export is traced with; the exported model takes any batch size",
@@ -204,8 +174,7 @@ _OTHER_KEYS: tuple[Key, ...] = (
     Key("paths.data_dir", {"type": "string"}, "a directory", "/shared/datasets"),
     Key("paths.log_dir", {"type": "string"}, "a directory", "/shared/logs"),
 )
-# hpctrain's own keys come from its typed settings (hpctrain.runtime.config.settings): one definition
-KEYS: tuple[Key, ...] = _OTHER_KEYS + tuple(
+KEYS: tuple[Key, ...] = GROUP_KEYS + tuple(
     Key(path, meta["schema"], meta["expected"], meta["example"], meta["description"])
     for path, meta in settings.all_keys()
 )

@@ -31,7 +31,7 @@ NOTIFY_EVENTS = ("completed", "failed", "nan", "hung", "budget", "sweep")  # not
 POSITIVE_NUMBER = {"type": "number", "exclusiveMinimum": 0}
 
 
-def _int(minimum: int | None = None) -> dict[str, Any]:
+def integer(minimum: int | None = None) -> dict[str, Any]:
     return {"type": "integer"} | ({"minimum": minimum} if minimum is not None else {})
 
 
@@ -55,7 +55,7 @@ class Requeue:
     )
     check_every_n_steps: int | str = setting(
         "auto",
-        {"anyOf": [_int(1), {"const": "auto"}]},
+        {"anyOf": [integer(1), {"const": "auto"}]},
         "a positive integer or auto",
         "auto",
         "how often ranks agree on signals; auto: about once a second",
@@ -111,7 +111,7 @@ class Nan:
         "stop", {"enum": ["stop", "off"]}, "stop or off", "off", "what a non-finite training loss does"
     )
     check_every_n_steps: int = setting(
-        50, _int(1), "a positive integer", "100", "steps between looks at the loss"
+        50, integer(1), "a positive integer", "100", "steps between looks at the loss"
     )
 
 
@@ -337,14 +337,14 @@ class Cluster:
     partition: str | None = setting(None, {"type": ["string", "null"]}, "a partition name or null", "gpu")
     account: str | None = setting(None, {"type": ["string", "null"]}, "an account or null", "def-mypi")
     qos: str | None = setting(None, {"type": ["string", "null"]}, "a QOS or null", "normal")
-    gpus_per_node: int = setting(8, _int(0), "a non-negative integer (0: CPU nodes)", "4")
+    gpus_per_node: int = setting(8, integer(0), "a non-negative integer (0: CPU nodes)", "4")
     gpu_type: str | None = setting(
         None, {"type": ["string", "null"]}, "a GPU type of the GRES or null", "a100"
     )
-    tasks_per_node: int = setting(1, _int(1), "a positive integer", "4", "one task per GPU on GPU nodes")
-    cpus_per_task: int = setting(8, _int(1), "a positive integer", "8", "on GPU nodes: per GPU")
+    tasks_per_node: int = setting(1, integer(1), "a positive integer", "4", "one task per GPU on GPU nodes")
+    cpus_per_task: int = setting(8, integer(1), "a positive integer", "8", "on GPU nodes: per GPU")
     mem_per_task_gb: float = setting(0, {"type": "number", "minimum": 0}, "a number of GB, 0: all", "64")
-    time_min: int = setting(240, _int(1), "a positive number of minutes", "1440")
+    time_min: int = setting(240, integer(1), "a positive number of minutes", "1440")
     offline: bool = setting(
         False, {"type": "boolean"}, "true or false", "true", "compute nodes without internet"
     )
@@ -394,38 +394,79 @@ class Settings:
     monitor: Monitor | None = None  # None: the config has no monitor section (export)
     extras: Extras = field(default_factory=Extras)
     cluster: Cluster | None = None  # None: no preset chosen (cluster=null)
+    # the top-level keys (conf/train.yaml): the entry points' and the build's switches
+    seed: int = setting(
+        12345,
+        {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},  # numpy's seeds are 32-bit
+        "an integer from 0 to 4294967295",
+        "42",
+        "seeds torch, numpy, python and dataloader workers",
+    )
+    train: bool = setting(True, {"type": "boolean"}, "true or false", "true", "fit the model")
+    test: bool = setting(
+        True, {"type": "boolean"}, "true or false", "false", "test the best checkpoint after fit"
+    )
+    ckpt_path: str | None = setting(
+        None,
+        {"type": ["string", "null"]},
+        "a checkpoint file, last, or null",
+        "last",
+        "start from this checkpoint (last: the newest last.ckpt of this task's runs)",
+    )
+    snapshot: bool = setting(
+        True, {"type": "boolean"}, "true or false", "false", "launcher jobs run from a code snapshot"
+    )
+    skip_completed: bool = setting(
+        False, {"type": "boolean"}, "true or false", "true", "a re-run sweep skips completed points"
+    )
+    compile: bool = setting(
+        False, {"type": "boolean"}, "true or false", "true", "torch.compile the model's networks"
+    )
+    compile_backend: str = setting("inductor", {"type": "string"}, "a torch.compile backend", "inductor")
+    channels_last: bool = setting(
+        False, {"type": "boolean"}, "true or false", "true", "channels-last memory order for CNNs"
+    )
+    num_threads: int | str | None = setting(
+        "auto",
+        {"anyOf": [integer(1), {"const": "auto"}, {"type": "null"}]},
+        "a positive integer or auto",
+        "4",
+        "torch's intra-op threads per process; auto: the process's CPUs less its loader workers",
+    )
 
     @classmethod
     def of(cls, cfg: DictConfig, where: Any = None) -> Settings:
         """The settings of a composed config, checked: an unknown key or a wrong value is one sentence
         naming the key and the file that set it (`where(key)`; the default names the config files
-        Hydra composed)."""
-        where = where or Sources()
-        built: dict[str, Any] = {}
-        for name, kind in (*SECTIONS.items(), ("cluster", Cluster)):
-            node = cfg.get(name) if isinstance(cfg, DictConfig) else None
-            if node is None:
+        Hydra composed). A section set to null, or a key left `???`, keeps its default."""
+        content: dict[str, Any] = {}
+        for name in (f.name for f in fields(cls)):
+            if name not in cfg or OmegaConf.is_missing(cfg, name):
                 continue
-            content = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-            if not isinstance(content, dict):
-                raise UserError(
-                    f"{name} is {content!r} in {where(name)}, but it is a section of keys: {name}.<key>=..."
+            node = cfg.get(name)
+            if node is not None or _section(cls, name) is None:
+                content[name] = (
+                    OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
                 )
-            built[name] = _built(kind, content, name, where)
-        return cls(**built)
+        return _built(cls, content, "", where or Sources())
+
+
+def unset(value: Any) -> bool:
+    """Whether a path-like value means none: null, an empty string, or the word null (an environment
+    variable or a quoted YAML value carries it as text)."""
+    return value in (None, "", "null")
 
 
 def _built(kind: type, content: Mapping[str, Any], prefix: str, where: Any) -> Any:
     known = {f.name: f for f in fields(kind)}
     values: dict[str, Any] = {}
     for key, value in content.items():
-        dotted = f"{prefix}.{key}"
+        dotted = f"{prefix}.{key}" if prefix else str(key)
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
             hint = f"; did you mean {prefix}.{close[0]}?" if close else f"; its keys are {', '.join(known)}"
             raise UserError(f"{dotted} is not a key of {prefix} (set in {where(dotted)}){hint}")
-        entry = known[key]
-        nested = _section(kind, entry)
+        nested = _section(kind, key)
         if nested is not None:
             if not isinstance(value, dict):
                 raise UserError(
@@ -433,7 +474,7 @@ def _built(kind: type, content: Mapping[str, Any], prefix: str, where: Any) -> A
                 )
             values[key] = _built(nested, value, dotted, where)
             continue
-        meta = entry.metadata
+        meta = known[key].metadata
         if not validate(value, meta["schema"]):
             shown = value if not isinstance(value, str) else f"'{value}'"
             raise UserError(
@@ -443,11 +484,11 @@ def _built(kind: type, content: Mapping[str, Any], prefix: str, where: Any) -> A
     return kind(**values)
 
 
-def _section(kind: type, entry: Any) -> type | None:
+def _section(kind: type, name: str) -> type | None:
     """The settings dataclass a field holds (a section of keys), or None for a plain value."""
     if kind is Settings:
-        return {**SECTIONS, "cluster": Cluster}[entry.name]
-    factory = entry.default_factory
+        return {**SECTIONS, "cluster": Cluster}.get(name)
+    factory = next(f.default_factory for f in fields(kind) if f.name == name)
     return factory if factory is not MISSING and is_dataclass(factory) else None
 
 
@@ -455,7 +496,7 @@ def all_keys(kind: type = Settings, prefix: str = "") -> list[tuple[str, dict[st
     """(dotted key, its metadata) of every setting: what `schema.KEYS` and the editor schema are made from."""
     found: list[tuple[str, dict[str, Any]]] = []
     for entry in fields(kind):
-        nested = _section(kind, entry)
+        nested = _section(kind, entry.name)
         if nested is not None:
             found += all_keys(nested, f"{prefix}{entry.name}.")
         else:
@@ -497,7 +538,7 @@ class Sources:
         candidates = [
             group_options(group).get(str(choices.get(group)))
             for group in self.GLOBAL_GROUPS
-            if choices.get(group) not in (None, "null")
+            if not unset(choices.get(group))
         ]
         candidates.append(CONF_DIR / f"{self.hydra_cfg.job.config_name}.yaml")
         for path in candidates:

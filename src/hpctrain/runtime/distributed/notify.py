@@ -22,7 +22,7 @@ A webhook never fails or slows a run: each message is posted from a daemon threa
 one warning, and at the process's end (`atexit`, or `failures.exit_with` before a rank ends itself) the
 wait is bounded by `notify.timeout_s` from the moment the message was posted. Standard library only.
 
-    notify.configure(cfg.get("notify"), run_dir)   # every rank, as each job starts (`Job` does it)
+    notify.configure(settings.notify, run_dir)     # every rank, as each job starts (`Job` does it)
     notify.post(notify.BUDGET, "the job has been requeued 3 times (requeue.max_attempts=3); ...")
     notify.wait()                                  # bounded; at exit it runs by itself
 """
@@ -38,13 +38,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from hpctrain.runtime import run_state
+from hpctrain.runtime.config.settings import Notify
 from hpctrain.runtime.distributed.endings import STOPPED, ending
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
@@ -63,8 +63,6 @@ HEADLINES = {
     BUDGET: "run out of requeues",
     SWEEP: "sweep ended",
 }
-URL_ENV = "HPCTRAIN_NOTIFY_URL"
-TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -80,8 +78,8 @@ class Notifier:
     """One run's notifications (`hpctrain.runtime.run_state`): its settings, whether its ending was posted,
     and the posts still on their way (waited for at the process's exit, whichever run is current then)."""
 
-    url_env: str = URL_ENV
-    timeout_s: float = TIMEOUT_S
+    url_env: str = Notify.url_env  # the settings' defaults until `configure`
+    timeout_s: float = Notify.timeout_s
     events: tuple[str, ...] = EVENTS  # the ones posted
     where: str | None = None  # the run dir (or sweep dir) the messages name
     sweep_point: bool = False  # a job of a sweep (-m): its summary says how it ended
@@ -117,19 +115,14 @@ def _notifier() -> Notifier:
     return run_state.part(Notifier)
 
 
-def configure(
-    settings: Mapping[str, Any] | None, where: str | Path | None, sweep_point: bool = False
-) -> None:
-    """Use the `notify:` config block (None: the defaults) for the job about to start in `where`. A block
-    the preflight will refuse is read as far as it can be, so that the refusal itself can be posted."""
-    settings = settings if isinstance(settings, Mapping) else {}
-    url_env, timeout, events = settings.get("url_env"), settings.get("timeout_s"), settings.get("events")
+def configure(settings: Notify, where: str | Path | None, sweep_point: bool = False) -> None:
+    """Use the `notify:` settings (checked in the preflight) for the job about to start in `where`."""
     state = _notifier()
-    state.url_env = url_env if isinstance(url_env, str) and url_env else URL_ENV
-    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
-    state.timeout_s = float(timeout) if number else TIMEOUT_S
-    listed = isinstance(events, Sequence) and not isinstance(events, str)
-    state.events = tuple(str(event) for event in events) if listed else EVENTS
+    state.url_env, state.timeout_s, state.events = (
+        settings.url_env,
+        float(settings.timeout_s),
+        tuple(settings.events),
+    )
     state.where = str(where) if where is not None else None
     state.sweep_point = sweep_point
     state.ended = state.warned = False
@@ -185,7 +178,7 @@ def job_ended(
         post(BUDGET if ending(err).status == STOPPED else FAILED, str(err))
 
 
-def sweep_ended(settings: Mapping[str, Any] | None, sweep_dir: str | Path, text: str) -> None:
+def sweep_ended(settings: Notify, sweep_dir: str | Path, text: str) -> None:
     """The process that ran a sweep, at its end: post its summary."""
     configure(settings, sweep_dir)
     post(SWEEP, text)

@@ -143,13 +143,12 @@ def _sharded_strategy(trainer: Trainer) -> bool:
     return isinstance(trainer.strategy, model_parallel)
 
 
-def configure_process(cfg: DictConfig, settings: Settings | None = None) -> None:
+def configure_process(cfg: DictConfig, settings: Settings) -> None:
     """The process-wide settings a run makes, in one visible place: seeds, CPU threads and loader
     workers, float32 matmul precision."""
-    settings = settings or Settings.of(cfg)
     # Seeds torch, numpy, python and (through PL_SEED_WORKERS) every dataloader worker.
-    seed_everything(cfg.seed, workers=True, verbose=False)
-    threads, _, why = cpu_plan(cfg)  # the workers are the datamodule's (`datamodule`)
+    seed_everything(settings.seed, workers=True, verbose=False)
+    threads, _, why = cpu_plan(cfg, settings)  # the workers are the datamodule's (`datamodule`)
     # Set before the trainer exists: Lightning's DDP launcher sets its own (CPUs / processes) only when
     # OMP_NUM_THREADS is unset, and its child ranks inherit the variable.
     torch.set_num_threads(threads)
@@ -161,7 +160,7 @@ def configure_process(cfg: DictConfig, settings: Settings | None = None) -> None
         torch.set_float32_matmul_precision(precision)
 
 
-def cpu_plan(cfg: DictConfig) -> tuple[int, int | None, str]:
+def cpu_plan(cfg: DictConfig, settings: Settings) -> tuple[int, int | None, str]:
     """Intra-op threads per process and `data.num_workers` (None: the config's number stays) for
     `num_threads: auto` and `data.num_workers: auto`, from the CPUs the process really has. Loader
     workers that decode files come first (the CPUs less one, at most 8); in-memory data takes none
@@ -177,7 +176,7 @@ def cpu_plan(cfg: DictConfig) -> tuple[int, int | None, str]:
     if asked_workers == "auto":
         workers = min(8, max(1, cpus - 1)) if _data_class_has(cfg.data, "decodes_files") else 0
     used_by_workers = workers if workers is not None else int(asked_workers or 0)
-    asked_threads = cfg.get("num_threads", "auto")
+    asked_threads = settings.num_threads
     threads = max(1, cpus - used_by_workers) if asked_threads in ("auto", None) else int(asked_threads)
     why = (
         f"{cpus} per process ({found}): {threads} intra-op thread(s) (num_threads={asked_threads}), "
@@ -195,22 +194,17 @@ def _data_class_has(node: DictConfig, flag: str) -> bool:
 
 
 def run_objects(
-    cfg: DictConfig,
-    run_dir: str | Path,
-    training: bool = True,
-    sweep: bool = False,
-    settings: Settings | None = None,
+    cfg: DictConfig, settings: Settings, run_dir: str | Path, training: bool = True, sweep: bool = False
 ) -> Run:
     """Datamodule (its data checked, on every rank, before any process group), model, callbacks,
     loggers and trainer for `cfg` (hpctrain's own keys read from `settings`, typed, checked in the
     preflight); with `training=False` (eval) no training-only callbacks; `sweep`: a point of a sweep,
     which needs the monitored value."""
-    settings = settings or Settings.of(cfg)
     with namespace_of_run(cfg) as namespace:  # before anything is built: mixed imports are one sentence
         data = datamodule(cfg, settings)
         check_data_available(data)
-        module = tune_model(model(cfg), cfg)
-        built = trainer(cfg, run_dir, training=training, sweep=sweep, settings=settings)
+        module = tune_model(model(cfg), settings, cfg.trainer.get("strategy"))
+        built = trainer(cfg, settings, run_dir, training=training, sweep=sweep)
     monitor = next((c for c in built.callbacks if isinstance(c, MonitoredMetric)), None)
     requeue = next((c for c in built.callbacks if isinstance(c, RequeueOnSignal)), None)
     return Run(data, module, built, monitor, requeue, namespace)
@@ -341,16 +335,16 @@ def _import_failure(err: InstantiationException) -> str | None:
     return str(targets.cannot_import(found.group(1), missing))
 
 
-def datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDataModule:
+def datamodule(cfg: DictConfig, settings: Settings) -> LightningDataModule:
     with namespace_of_run(cfg):
         return _datamodule(cfg, settings)
 
 
-def _datamodule(cfg: DictConfig, settings: Settings | None = None) -> LightningDataModule:
+def _datamodule(cfg: DictConfig, settings: Settings) -> LightningDataModule:
     node = cfg.data
     if node.get("num_workers") == "auto":
-        node = OmegaConf.merge(node, {"num_workers": cpu_plan(cfg)[1]})
-    preset = (settings or Settings.of(cfg)).cluster or Cluster()
+        node = OmegaConf.merge(node, {"num_workers": cpu_plan(cfg, settings)[1]})
+    preset = settings.cluster or Cluster()
     if preset.offline and node.get("download"):
         # conf/cluster/<name>.yaml says the compute nodes have no internet: fail at once on missing data
         # (the datamodule's own sentence) instead of trying a download that can only time out
@@ -453,14 +447,13 @@ def _attempt_progress(requeue: Requeue) -> AttemptProgress:
 
 def callbacks(
     cfg: DictConfig,
+    settings: Settings,
     run_dir: str | Path,
     has_logger: bool,
     training: bool = True,
     sweep: bool = False,
-    settings: Settings | None = None,
 ) -> list[Callback]:
     """The config's callbacks and the template's own (see the module docstring), in the order they run."""
-    settings = settings or Settings.of(cfg)
     if training:
         check_checkpoint_entry(cfg.get("callbacks"), run_dir)
     named = _instantiate_named(cfg.get("callbacks"), "callbacks")
@@ -583,7 +576,7 @@ def fsdp_dtypes(fsdp: dict[str, Any], precision: str) -> dict[str, Any]:
     return mixed_fsdp
 
 
-def tune_model(module: LightningModule, cfg: DictConfig) -> LightningModule:
+def tune_model(module: LightningModule, settings: Settings, strategy: str | None) -> LightningModule:
     """The template's switches on a built model, outside its config (so no class ever receives them):
 
     - `channels_last`: parameters and 4-D inputs of its networks in channels-last memory order (faster
@@ -594,15 +587,14 @@ def tune_model(module: LightningModule, cfg: DictConfig) -> LightningModule:
     Networks are the module's direct children that hold parameters (metrics are left alone).
     """
     nets = [c for c in module.children() if not isinstance(c, Metric) and any(True for _ in c.parameters())]
-    if cfg.get("channels_last"):
+    if settings.channels_last:
         module.to(memory_format=torch.channels_last)
         for net in nets:
             net.register_forward_pre_hook(_channels_last_inputs)
-    sharded_here = cfg.trainer.get("strategy") == "fsdp"
-    sharded_here = sharded_here and not namespaces.is_overridden("configure_model", module)
-    if cfg.get("compile") and not sharded_here:
+    sharded_here = strategy == "fsdp" and not namespaces.is_overridden("configure_model", module)
+    if settings.compile and not sharded_here:
         for net in nets:
-            net.compile(backend=cfg.get("compile_backend") or "inductor")
+            net.compile(backend=settings.compile_backend)
     return module
 
 
@@ -615,38 +607,29 @@ def _channels_last_inputs(module: torch.nn.Module, args: tuple[Any, ...]) -> tup
 
 def trainer(
     cfg: DictConfig,
+    settings: Settings,
     run_dir: str | Path,
     training: bool = True,
     sweep: bool = False,
-    settings: Settings | None = None,
     **overrides: Any,
 ) -> Trainer:
     """The Trainer for `cfg.trainer`; keyword arguments replace config entries (e.g. logger=False)."""
     with namespace_of_run(cfg):
-        return _trainer(cfg, run_dir, training, sweep, settings, **overrides)
+        return _trainer(cfg, settings, run_dir, training, sweep, **overrides)
 
 
 def _trainer(
-    cfg: DictConfig,
-    run_dir: str | Path,
-    training: bool,
-    sweep: bool,
-    settings: Settings | None,
-    **overrides: Any,
+    cfg: DictConfig, settings: Settings, run_dir: str | Path, training: bool, sweep: bool, **overrides: Any
 ) -> Trainer:
-    settings = settings or Settings.of(cfg)
     asynchronous = settings.checkpoints.async_save
     chosen_loggers = overrides.pop("logger", None)
     if chosen_loggers is None:
         chosen_loggers = loggers(cfg)
     kwargs: dict[str, Any] = {
         "logger": chosen_loggers or False,
-        "callbacks": callbacks(cfg, run_dir, bool(chosen_loggers), training, sweep, settings),
+        "callbacks": callbacks(cfg, settings, run_dir, bool(chosen_loggers), training, sweep),
         "strategy": strategy(
-            cfg.trainer,
-            settings.dist,
-            asynchronous,
-            (cfg.get("compile_backend") or "inductor") if cfg.get("compile") else None,
+            cfg.trainer, settings.dist, asynchronous, settings.compile_backend if settings.compile else None
         ),
         "plugins": [
             launch.lightning_cluster_environment(namespaces.current()),

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -50,6 +50,9 @@ from hpctrain.runtime.report import console
 from hpctrain.runtime.storage import attempts, records
 from hpctrain.runtime.storage.checkpoints import newest_checkpoint
 
+if TYPE_CHECKING:
+    from hpctrain.runtime.run.build import Run
+
 log = logging.getLogger("hpctrain")
 
 
@@ -68,7 +71,6 @@ class Job:
         self._stack = ExitStack()
 
     def __enter__(self) -> Job:
-        metric = self.cfg.monitor.metric if "monitor" in self.cfg else None
         # This job's state (signals, failures, notifications, the watchdog, ...: `run_state`), fresh
         # even when an earlier job of a sweep ran in this process. Its end is the stack's last step, after
         # the outcome and the notification, so everything above still reads this job's; the sweep
@@ -80,7 +82,7 @@ class Job:
         self._stack.enter_context(reported_as_one_sentence())
         self._stack.enter_context(watchdog.failures_reported())
         self.outcome = self._stack.enter_context(
-            records.outcome_recorded(self.run_dir, metric, self.overrides, in_sweep=in_multirun())
+            records.outcome_recorded(self.run_dir, None, self.overrides, in_sweep=in_multirun())
         )
         self.outcome.signature = records.config_signature(self.cfg)
         self._stack.enter_context(attempts.attempt_recorded(self.run_dir, self.outcome))  # run.yaml, cost
@@ -108,8 +110,8 @@ class Job:
     def _ending_posted(self) -> Iterator[None]:
         """Notifications (`notify`) set up on every rank; rank 0 posts how the job ended (a crash: the rank
         that reports it)."""
-        # read as far as it goes before the preflight checks it, so that a refusal can be posted too
-        notify.configure(self.cfg.get("notify"), self.run_dir, self.hydra_cfg.mode == RunMode.MULTIRUN)
+        # the defaults until the preflight has checked the config's (`_preflight`): a refusal is posted too
+        self._configure_notify()
         ended: BaseException | None = None
         try:
             yield
@@ -126,9 +128,12 @@ class Job:
         if launched.launcher() == launched.CHILD:
             failures.die_with_parent()
         settings = self.settings = check_config(cfg, self.where)  # hpctrain's own keys, typed from here on
+        self._configure_notify()
+        if self.outcome is not None and settings.monitor is not None:
+            self.outcome.metric = settings.monitor.metric
         check_hydra_env(self.hydra_cfg, settings.notify.url_env)
         if self.sweep:  # a job array's task (a sweep launched in-process is checked in run_job)
-            check_sweep_has_a_metric(cfg)
+            check_sweep_has_a_metric(settings)
         requeue = settings.requeue
         # recorded, acted on later; a stop nothing answers ends the run after requeue.stop_grace_s
         signals.install(requeue.signal if requeue.enabled else None, requeue.stop_grace_s)
@@ -148,6 +153,9 @@ class Job:
         if launched.is_rank_zero():
             records.check_writable(self.run_dir)
 
+    def _configure_notify(self) -> None:
+        notify.configure(self.settings.notify, self.run_dir, self.hydra_cfg.mode == RunMode.MULTIRUN)
+
     def from_checkpoint(self, checkpoint: Path) -> DictConfig:
         """The job's config from now on: the model (and, unless the command line chose one, the data)
         the checkpoint was trained with, checked again (eval, predict)."""
@@ -157,11 +165,11 @@ class Job:
         cfg = self.cfg = reading.config_from_checkpoint(self.cfg, checkpoint, self.overrides, trusted)
         self.settings = check_config(cfg, self.where)
         self.checkpoint = checkpoint
-        if self.outcome is not None and "monitor" in cfg:
-            self.outcome.metric = cfg.monitor.metric  # the one the checkpoint was trained with
+        if self.outcome is not None and self.settings.monitor is not None:
+            self.outcome.metric = self.settings.monitor.metric  # the one the checkpoint was trained with
         return cfg
 
-    def build(self, training: bool = True) -> Any:
+    def build(self, training: bool = True) -> Run:
         """The run's objects (torch from here on), and on rank 0 its record in the run dir."""
         from hpctrain.runtime.run import build
 
@@ -175,7 +183,7 @@ class Job:
         if not training:
             console.quiet_training_callbacks()
         build.configure_process(cfg, self.settings)
-        run = build.run_objects(cfg, self.run_dir, training, self.sweep, self.settings)
+        run = build.run_objects(cfg, self.settings, self.run_dir, training, self.sweep)
         if self.checkpoint is not None:  # weights of another model: one sentence before anything runs
             from hpctrain.runtime.storage.checkpoints import reading
 
@@ -204,7 +212,7 @@ class Job:
         attempts.begin(self.run_dir, devices)
 
     @contextmanager
-    def running(self, run: Any) -> Iterator[None]:
+    def running(self, run: Run) -> Iterator[None]:
         """Around fit and test: on a recorded signal, requeue (SLURM) or stop (exit 143), or, when the
         requeue budget is spent, stop with its sentence (`attempts`); then end the process group and the
         local ranks, in order, however the block ended."""
@@ -229,7 +237,7 @@ class Job:
                 self.outcome.metric, self.outcome.value = run.monitor.metric, run.best_value
             launch.end_distributed_job(run.trainer, completed)
 
-    def finish(self, run: Any, best: str | None = None) -> Any:
+    def finish(self, run: Run, best: str | None = None) -> dict[str, float]:
         """Report where everything went and record the run's outcome; return the run's scalar metrics by
         name (Lightning's callback metrics: the test results after a test). A sweeper's value is not
         among them: it is the best of `monitor.metric` (`run.best_value`, which src/train.py returns)."""
@@ -267,8 +275,8 @@ def in_multirun() -> bool:
     return HydraConfig.get().mode == RunMode.MULTIRUN and launched.launcher() != launched.CHILD
 
 
-def check_sweep_has_a_metric(cfg: DictConfig) -> None:
-    if cfg.get("train") and "monitor" in cfg and cfg.monitor.metric is None:
+def check_sweep_has_a_metric(settings: Settings) -> None:
+    if settings.train and settings.monitor is not None and settings.monitor.metric is None:
         raise UserError(
             "monitor.metric=null, but a sweep compares its points by the monitored metric; pass "
             "monitor.metric=<a metric the model logs> (and monitor.mode=min or max)."
@@ -287,9 +295,10 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
             "torchrun (DDP with trainer.devices, Lightning starts the local ranks), as SLURM jobs "
             "(hydra/launcher=slurm), or one torchrun command per point."
         )
-    check_sweep_has_a_metric(cfg)  # before the first point: the whole sweep is refused
+    settings = Settings.of(cfg)  # the sweep's point, checked again by its job's preflight
+    check_sweep_has_a_metric(settings)  # before the first point: the whole sweep is refused
     job = HydraConfig.get().job.num
-    if cfg.get("skip_completed"):
+    if settings.skip_completed:
         run_dir = HydraConfig.get().runtime.output_dir
         done = records.completed_with(run_dir, records.config_signature(cfg))
         if done is not None:  # the same config completed in this job's dir: its result stands

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback as HydraCallback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from hpctrain.runtime import run_state
+from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.distributed import notify
 from hpctrain.runtime.run.job import skipped
 from hpctrain.runtime.sweeps.summary import report
@@ -37,7 +38,8 @@ class SweepSummary(HydraCallback):
             )
         try:
             if sweep_dir.is_dir():
-                mode = OmegaConf.select(config, "monitor.mode")
-                notify.sweep_ended(config.get("notify"), sweep_dir, report(sweep_dir).headline(mode))
+                settings = Settings.of(config)  # the sweep's, as each of its points checked them
+                mode = settings.monitor.mode if settings.monitor is not None else None
+                notify.sweep_ended(settings.notify, sweep_dir, report(sweep_dir).headline(mode))
         finally:
             run_state.end_sweep()

@@ -13,20 +13,23 @@ must be it (hpctrain.runtime.run.build refuses another), so a restarted job alwa
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.runtime.config.settings import InitFrom
+from hpctrain.runtime.config.settings import InitFrom, unset
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.storage.checkpoints import agreement
 from hpctrain.runtime.storage.checkpoints.folders import committed, recover
 from hpctrain.runtime.storage.records import read_run_record
+
+if TYPE_CHECKING:
+    from pytorch_lightning import LightningModule
 
 log = logging.getLogger("hpctrain")
 
@@ -64,21 +67,28 @@ class StartPoint:
     reason: str
     run_dir: Path | None = None
 
-    def prepare(self, run: Any, cfg: Any, init: InitFrom | None = None) -> None:
-        """Before fit, in order: check the checkpoint the run continues from (or load `init_from`'s
-        weights into a fresh start), freeze what `init_from.freeze` names, remove partial saves of an
-        earlier attempt, and say (rank 0) where the run starts and what a resumed checkpoint overrides."""
-        init = init or InitFrom()
+    def prepare(
+        self,
+        model: LightningModule,
+        model_cfg: DictConfig,
+        init: InitFrom,
+        freeze: Callable[[list[str], int | None], str],
+    ) -> None:
+        """Before fit, in order: check the checkpoint the run continues from against the model and its
+        config (or load `init_from`'s weights into a fresh start), freeze what `init_from.freeze` names
+        (`freeze`: the run's, which adds the callback that unfreezes them),
+        remove partial saves of an earlier attempt, and say (rank 0) where the run starts and what a
+        resumed checkpoint overrides."""
         lines: list[str] = []
         warning = None
         if self.checkpoint is not None:
-            warning = self._check_checkpoint(run, cfg)
+            warning = self._check_checkpoint(model, model_cfg)
             if init.path:
                 lines.append(f"init_from.path={init.path} skipped: the run continues from {self.checkpoint}")
         elif init.path:
-            lines.append(_load_init_weights(run, init))
+            lines.append(_load_init_weights(model, init))
         if init.freeze:
-            lines.append(run.freeze(list(init.freeze), init.unfreeze_at_epoch))
+            lines.append(freeze(list(init.freeze), init.unfreeze_at_epoch))
         if launched.is_rank_zero():
             if self.run_dir is not None:
                 remove_partial_saves(self.run_dir)
@@ -96,10 +106,10 @@ class StartPoint:
 
         if self.checkpoint is not None:
             reading.read(self.checkpoint, weights=False)
-        elif init_from not in (None, "", "null"):
+        elif not unset(init_from):
             weights.check_readable(str(init_from))
 
-    def _check_checkpoint(self, run: Any, cfg: Any) -> str | None:
+    def _check_checkpoint(self, model: LightningModule, model_cfg: DictConfig) -> str | None:
         """Refuse weights of another model; the configured optimizer values the checkpoint overrides."""
 
         from hpctrain.runtime.storage.checkpoints import reading
@@ -108,9 +118,9 @@ class StartPoint:
         content = reading.read(
             self.checkpoint, weights=False
         )  # once, for both checks (a folder: shapes only)
-        reading.check_matches_model(self.checkpoint, run.model, content=content)
-        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-        return reading.resume_overrides(self.checkpoint, model_cfg, content=content)
+        reading.check_matches_model(self.checkpoint, model, content=content)
+        configured = OmegaConf.to_container(model_cfg, resolve=True)
+        return reading.resume_overrides(self.checkpoint, configured, content=content)
 
     def describe(self) -> str:
         return (
@@ -120,11 +130,11 @@ class StartPoint:
         )
 
 
-def _load_init_weights(run: Any, init: InitFrom) -> str:
+def _load_init_weights(model: LightningModule, init: InitFrom) -> str:
     """A fresh run starts from `init_from.path`'s weights; the line that says what was loaded."""
     from hpctrain.runtime.storage.checkpoints import init_from
 
-    return init_from.apply(run.model, init.path, strict=init.strict, exclude=init.exclude, prefix=init.prefix)
+    return init_from.apply(model, init.path, strict=init.strict, exclude=init.exclude, prefix=init.prefix)
 
 
 def is_restart(record: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:
@@ -162,7 +172,7 @@ def start_point(
     `wait_s`: how long another rank waits for rank 0's (default `AGREE_WAIT_S`).
     """
     run_dir = Path(run_dir)
-    given = None if ckpt_path in (None, "", "null") else str(ckpt_path)
+    given = None if unset(ckpt_path) else str(ckpt_path)
     shared = agreement.needed(given, env)
     if not launched.is_rank_zero(env):
         told = agreement.rank_zeros_choice(run_dir, shared, env, AGREE_WAIT_S if wait_s is None else wait_s)
@@ -189,7 +199,7 @@ def _choose(
     if launched.is_rank_zero(env):
         recover(checkpoint_dir(run_dir), env)  # tidy only: the choice below needs no repair (`committed`)
     own = newest_checkpoint(run_dir)
-    if given is not None and init_from not in (None, "", "null"):
+    if given is not None and not unset(init_from):
         raise UserError(
             f"ckpt_path={given} and init_from.path={init_from} are both given: ckpt_path continues a run (its "
             "optimizer, epoch and schedule), init_from starts a new one from weights; pass one of them."
@@ -239,7 +249,7 @@ def _choose(
 
 
 def existing_checkpoint(ckpt_path: str | None) -> Path:
-    if ckpt_path in (None, "", "null"):
+    if unset(ckpt_path):
         raise UserError("ckpt_path is required: pass ckpt_path=<path/to/file.ckpt>.")
     path = Path(str(ckpt_path)).expanduser()
     found = committed(path)
