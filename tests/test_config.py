@@ -29,7 +29,16 @@ from hpctrain.runtime.config.schema import PRECISIONS
 from hpctrain.runtime.config.settings import Settings
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.run import build
-from tests.helpers import EXAMPLES, IMAGE_DATA, PYTHON, ROOT, compose_train, composed, local_env, require_modules
+from tests.helpers import (
+    EXAMPLES,
+    IMAGE_DATA,
+    PYTHON,
+    ROOT,
+    compose_train,
+    composed,
+    local_env,
+    require_modules,
+)
 
 GROUPS = (
     "data",
