@@ -52,6 +52,16 @@ def test_a_local_sweep_survives_a_failed_job_and_summarises(tmp_path: Path):
     assert redrawn.returncode == 0 and Path(redrawn.stdout.strip()) == sweep / "2" / "curves.png"
 
 
+def test_a_point_whose_hpctrain_setting_is_wrong_fails_alone(tmp_path: Path):
+    """A wrong value of one of hpctrain's own keys in one point is that point's failure, with its
+    sentence; the sweep goes on (nothing trains: both points end in their preflight)."""
+    result = train(tmp_path, "-m", *QUICK, "num_threads=-5,-6")
+    assert_ok(result)
+    _, rows = _summary(tmp_path)
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "failed"), ("1", "failed")]
+    assert "num_threads=-6 is not a positive integer or auto" in rows[1]["error"]
+
+
 def test_an_optuna_search_tells_its_trials_and_keeps_its_study(tmp_path: Path):
     result = train(tmp_path, "-m", "hparams_search=quickstart_optuna", "hydra.sweeper.n_trials=3", *QUICK)
     assert_ok(result)

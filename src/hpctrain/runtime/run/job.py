@@ -295,10 +295,14 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
             "torchrun (DDP with trainer.devices, Lightning starts the local ranks), as SLURM jobs "
             "(hydra/launcher=slurm), or one torchrun command per point."
         )
-    settings = Settings.of(cfg)  # the sweep's point, checked again by its job's preflight
-    check_sweep_has_a_metric(settings)  # before the first point: the whole sweep is refused
     job = HydraConfig.get().job.num
-    if settings.skip_completed:
+    try:
+        settings = Settings.of(cfg)  # the sweep's point, checked again by its job's preflight
+    except UserError:
+        settings = None  # this point's own mistake: its job's preflight says it, and the sweep goes on
+    if settings is not None:
+        check_sweep_has_a_metric(settings)  # before the first point: the whole sweep is refused
+    if settings is not None and settings.skip_completed:
         run_dir = HydraConfig.get().runtime.output_dir
         done = records.completed_with(run_dir, records.config_signature(cfg))
         if done is not None:  # the same config completed in this job's dir: its result stands
