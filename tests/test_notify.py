@@ -389,6 +389,17 @@ def test_a_crash_is_posted_once_with_its_one_line_error(tmp_path: Path, webhook:
 
 
 @pytest.mark.slow
+def test_a_refused_config_is_posted_to_the_webhook_its_notify_section_names(tmp_path: Path, webhook: Webhook):
+    """The preflight's refusal of another key is posted where the config's own notify section says
+    (here a variable of the user's), not only to the default one."""
+    env = {"MY_WEBHOOK": webhook.url, "no_proxy": "*", "NO_PROXY": "*"}
+    result = train(tmp_path, "experiment=quickstart", "notify.url_env=MY_WEBHOOK", "num_threads=-5", env=env)
+    assert result.returncode == 2, result.stdout[-3000:]
+    (text,) = webhook.texts
+    assert text.startswith("hpctrain: run failed: num_threads=-5 is not a positive integer or auto"), text
+
+
+@pytest.mark.slow
 def test_a_nan_stop_posts_its_sentence_once(tmp_path: Path, webhook: Webhook):
     from tests.differential.cases import user_overrides
 

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain.runtime import confined, run_state
 from hpctrain.runtime.config.checks import check_config, check_hydra_env
@@ -66,8 +67,8 @@ class Job:
         self.sweep = in_multirun() or launched.array_task()[1] is not None  # a point of a sweep
         self.outcome: records.Outcome | None = None
         self.checkpoint: Path | None = None  # the trained checkpoint an eval or predict job starts from
-        self.settings: Settings = Settings()  # hpctrain's own, typed: checked in the preflight
         self.where = Sources(self.hydra_cfg, self.overrides)  # which file set a key, for its sentence
+        self.settings: Settings = self._notify_alone()  # hpctrain's own, typed: checked in the preflight
         self._stack = ExitStack()
 
     def __enter__(self) -> Job:
@@ -152,6 +153,17 @@ class Job:
         confined.check_no_links_out(self.run_dir)  # a received run dir continued in place: its own files only
         if launched.is_rank_zero():
             records.check_writable(self.run_dir)
+
+    def _notify_alone(self) -> Settings:
+        """Until the preflight has checked the whole config: the defaults with the config's `notify`
+        section, where that section holds by itself (a refusal of another key is posted where the user
+        asked), else the defaults."""
+        if "notify" not in self.cfg:
+            return Settings()
+        try:
+            return Settings.of(OmegaConf.masked_copy(self.cfg, ["notify"]), self.where)
+        except (UserError, OmegaConfBaseException):
+            return Settings()
 
     def _configure_notify(self) -> None:
         notify.configure(self.settings.notify, self.run_dir, self.hydra_cfg.mode == RunMode.MULTIRUN)
