@@ -60,7 +60,7 @@ USERS_OPTIONS = sorted({Path(name).stem for name in USERS_CONFIGS})
 AT_ONCE = [
     "tests/test_config.py::test_the_object_graph_has_its_groups",
     "tests/test_config.py::test_every_model_fits_some_data",
-    "tests/test_matrix.py::test_the_cells_are_the_shipped_experiments_the_combinations_page_lists",
+    "tests/test_matrix.py::test_the_cells_are_the_shipped_experiments_in_their_gpu_precision_as_the_page_lists",
     "tests/test_schema.py::test_every_config_file_validates_against_its_editor_schema",
 ]
 BY_OPTION = [
