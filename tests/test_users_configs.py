@@ -66,7 +66,6 @@ AT_ONCE = [
 BY_OPTION = [
     "tests/test_config.py::test_option_composes_and_passes_the_checks",
     "tests/test_config.py::test_data_option_yields_a_batch",
-    "tests/test_config.py::test_template_model_runs_a_batch_of_each_template_data_it_fits",
     "tests/test_config.py::test_experiment_runs_a_batch",
 ]
 
