@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -54,13 +55,18 @@ def mnist_dir(data_dir: Path) -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest tests first: the Slurm tests (jobs wait for nodes, credentials and requeues), then the
-    other slow ones, then the quick ones. Under pytest-xdist (`-n 2`, the README's test command) the
-    workers take tests in this order as they become free, so the quick tests fill the gaps at the end and
-    both workers finish at about the same time. The order within each tier is the collection order."""
+    """The longest tests first, by the seconds each took when the suite was last measured
+    (tests/durations.json, written by `make durations`); a test not measured yet by its tier's typical
+    time (Slurm tests wait for nodes, credentials and requeues). Under pytest-xdist (`-n 2`, the
+    README's test command) the workers take tests in this order as they become free, so the longest
+    start first, the quick ones fill the gaps at the end, and both workers finish at about the same time
+    (longest processing time first). Ties keep the collection order."""
+    measured = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    items.sort(key=lambda item: -measured.get(item.nodeid, TYPICAL_SECONDS[tier(item)]))  # stable
 
-    items.sort(key=lambda item: TIERS.index(tier(item)))  # stable
 
+DURATIONS = Path(__file__).parent / "durations.json"
+TYPICAL_SECONDS = {"slurm": 30.0, "slow": 8.0, "quick": 0.1}  # long for its tier: a new test starts early
 
 TIERS = ("slurm", "slow", "quick")
 

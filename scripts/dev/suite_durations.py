@@ -5,7 +5,7 @@
 
 `--run` runs the README's test command (`pytest -n 2 --dist load`) with a JUnit XML file, then writes
 `docs/benchmarks/<date>-suite.md` (the tables) and `docs/benchmarks/data/<date>-suite.json` (every test's
-seconds). A test's time is its setup, call and teardown together (a session fixture's cost lands on the
+seconds), and `tests/durations.json`, the order the suite takes its tests in (longest first). A test's time is its setup, call and teardown together (a session fixture's cost lands on the
 first test that asks for it). Each test's tier (quick, slow, slurm) and worker are recorded by
 tests/conftest.py as JUnit properties; for an older file without them, a collection pass finds the tiers.
 """
@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TIERS = ("slurm", "slow", "quick")
+ORDER = ROOT / "tests" / "durations.json"
 
 
 def _collected(marker: str) -> set[str]:
@@ -170,11 +171,15 @@ def main() -> int:
         "",
     ]
     out = ROOT / "docs" / "benchmarks" / f"{args.name}.md"
-    out.write_text("\n".join(head) + report(rows, wall))
+    out.write_text("\n".join(head) + "\n" + report(rows, wall))
     data = ROOT / "docs" / "benchmarks" / "data" / f"{args.name}.json"
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text(json.dumps({"wall_s": wall, "tests": rows}, indent=1) + "\n")
-    print(f"wrote {out.relative_to(ROOT)} and {data.relative_to(ROOT)}")
+    # the order the next runs take the tests in (tests/conftest.py): each test's seconds, rounded
+    ORDER.write_text(
+        json.dumps({r["id"]: round(r["seconds"], 1) for r in rows}, indent=0, sort_keys=True) + "\n"
+    )
+    print(f"wrote {out.relative_to(ROOT)}, {data.relative_to(ROOT)} and {ORDER.relative_to(ROOT)}")
     return 0
 
 
