@@ -41,10 +41,11 @@ install: $(VENV)/.installed
 train: install
 	$(PYTHON) src/train.py experiment=quickstart
 
-# Two xdist workers, one per core of the development machine: each takes the next test when it is free,
-# longest first (tests/conftest.py), and starts its own local Slurm cluster for the Slurm tests.
+# Two xdist workers, one per core of the development machine, each with its own local Slurm cluster for the
+# Slurm tests. The tests come longest first (tests/conftest.py); a worker that runs out takes half of what
+# the other has left (worksteal), so neither ends with a queue of slow tests while the other idles.
 test: install
-	$(PYTHON) -m pytest -n 2 --dist load
+	$(PYTHON) -m pytest -n 2 --dist worksteal
 
 lint: install
 	$(VENV)/bin/ruff check .

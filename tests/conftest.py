@@ -57,10 +57,10 @@ def mnist_dir(data_dir: Path) -> Path:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest tests first, by the seconds each took when the suite was last measured
     (tests/durations.json, written by `make durations`); a test not measured yet by its tier's typical
-    time (Slurm tests wait for nodes, credentials and requeues). Under pytest-xdist (`-n 2`, the
-    README's test command) the workers take tests in this order as they become free, so the longest
-    start first, the quick ones fill the gaps at the end, and both workers finish at about the same time
-    (longest processing time first). Ties keep the collection order."""
+    time (Slurm tests wait for nodes, credentials and requeues). Under pytest-xdist (`-n 2 --dist
+    worksteal`, the README's test command) the longest start first and the quick ones fill the gaps at
+    the end; a worker that runs out takes half of the other's queue, so both finish at about the same
+    time. Ties keep the collection order."""
     measured = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     items.sort(key=lambda item: -measured.get(item.nodeid, TYPICAL_SECONDS[tier(item)]))  # stable
 

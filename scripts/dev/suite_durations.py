@@ -3,7 +3,7 @@
     python scripts/dev/suite_durations.py --run                 # make durations: the whole suite, then the report
     python scripts/dev/suite_durations.py --junit results.xml   # a report of a run made already
 
-`--run` runs the README's test command (`pytest -n 2 --dist load`) with a JUnit XML file, then writes
+`--run` runs the README's test command (`pytest -n 2 --dist worksteal`) with a JUnit XML file, then writes
 `docs/benchmarks/<date>-suite.md` (the tables) and `docs/benchmarks/data/<date>-suite.json` (every test's
 seconds), and `tests/durations.json`, the order the suite takes its tests in (longest first). A test's time is its setup, call and teardown together (a session fixture's cost lands on the
 first test that asks for it). Each test's tier (quick, slow, slurm) and worker are recorded by
@@ -153,7 +153,7 @@ def main() -> int:
                 "-n",
                 "2",
                 "--dist",
-                "load",
+                "worksteal",
                 f"--junitxml={junit}",
                 *args.pytest_args,
             ],
