@@ -76,10 +76,13 @@ class KillPoints(Callback):
                 shutil.copytree(self.folder, kill / "checkpoints", symlinks=True)
                 k += 1
             else:  # died of something else than its kill: said in the summary, and tried again
+                # A fork of a process with threads (the watchdog's, a save's, OpenMP's) may inherit a
+                # lock another thread held: under load a child can die at random. Only a kill point
+                # whose child dies again and again fails the test.
                 crashes.append(f"kill point {k}: {signal.Signals(os.WTERMSIG(status)).name}")
                 _real["rmtree"](kill, ignore_errors=True)
-                if len(crashes) > 5:
-                    raise AssertionError(f"the children keep dying before their kill point: {crashes}")
+                if sum(c.startswith(f"kill point {k}:") for c in crashes) > 5:
+                    raise AssertionError(f"the children keep dying before kill point {k}: {crashes}")
             _real["rmtree"](self.folder)
             self.folder.mkdir()
         raise AssertionError(f"more than {MAX_KILLS} changes to the checkpoint folder")

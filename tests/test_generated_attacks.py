@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -74,7 +75,9 @@ def candidates() -> Candidates:
             path = f"{name}.{attribute}"
             if isinstance(value, types.ModuleType):
                 found.names.add(path)
-                own = value.__name__ == path  # its own submodule: a real path, not a walk
+                # its own submodule, or the same module under the path it had before it moved (the
+                # import system holds that exact name for it, `hpctrain.runtime.moved`): a real path
+                own = value.__name__ == path or sys.modules.get(path) is value
                 if not own:
                     found.walks.add(path)
                 for inner, held in _held(value):
