@@ -55,8 +55,8 @@ def _from_a_resolver(value: str) -> bool:
 
 
 def _harmless(resolver: str, argument: str) -> bool:
-    if resolver == "hydra":
-        return argument == "mode" or any(
+    if resolver == "hydra":  # a key, or a section ("sweep.") whole or any key under it
+        return any(
             argument == key.rstrip(".") or (key.endswith(".") and argument.startswith(key))
             for key in HARMLESS_HYDRA_KEYS
         )

@@ -103,10 +103,7 @@ def peft_card(exported: Any, predictor: Predictor) -> list[str]:
         "",
         f"base = PeftConfig.from_pretrained({exported.path.name!r}).base_model_name_or_path  # the base folder",
         f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), {exported.path.name!r})",
-        f"tokenizer = AutoTokenizer.from_pretrained({exported.path.name!r})",
-        'prompt = tokenizer.apply_chat_template([{"role": "user", "content": "..."}], add_generation_prompt=True,'
-        ' return_tensors="pt", return_dict=True)',
-        "answer = model.generate(**prompt, max_new_tokens=64)",
+        *_chat(exported.path.name),
     ]
 
 
@@ -115,7 +112,14 @@ def merged_card(exported: Any, predictor: Predictor) -> list[str]:
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
         f"model = AutoModelForCausalLM.from_pretrained({exported.path.name!r})",
-        f"tokenizer = AutoTokenizer.from_pretrained({exported.path.name!r})",
+        *_chat(exported.path.name),
+    ]
+
+
+def _chat(folder: str) -> list[str]:
+    """The card's lines that load the exported folder's tokenizer and answer one chat prompt."""
+    return [
+        f"tokenizer = AutoTokenizer.from_pretrained({folder!r})",
         'prompt = tokenizer.apply_chat_template([{"role": "user", "content": "..."}], add_generation_prompt=True,'
         ' return_tensors="pt", return_dict=True)',
         "answer = model.generate(**prompt, max_new_tokens=64)",
