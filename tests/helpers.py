@@ -68,6 +68,7 @@ def local_env() -> dict[str, str]:
         if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in LAUNCH_VARS
     }
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a run aborted on a test's timeout writes where each thread was
     return env
 
 

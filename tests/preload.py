@@ -18,6 +18,8 @@ HPCTRAIN_TEST_FRESH=1 makes every run a fresh interpreter, to check that nothing
 from __future__ import annotations
 
 import atexit
+import contextlib
+import faulthandler
 import io
 import itertools
 import json
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import types
 from multiprocessing import process as mp_process
 from pathlib import Path
@@ -104,6 +107,7 @@ def _as_python_would(
         io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
     )
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.enable()  # as PYTHONFAULTHANDLER=1 (local_env) would: a SIGABRT on a timeout dumps the stacks
     # The main process of a new interpreter, with the platform's default start method (fork), not a
     # child of the forkserver that would start its own children through the forkserver too.
     me = multiprocessing.current_process()
@@ -144,15 +148,16 @@ def run(
     the preloaded server; a fresh interpreter if `fresh` or under HPCTRAIN_TEST_FRESH=1."""
     command = [sys.executable, str(script), *args]
     if fresh or FRESH:
-        return subprocess.run(
-            command,
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-        )
+        with subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as popen:
+            try:
+                out, _ = popen.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _abort_tree(popen.pid)
+                out, _ = popen.communicate()
+                raise Hung(command, timeout, output=out) from None
+        return subprocess.CompletedProcess(command, popen.returncode, stdout=out, stderr=None)
     with tempfile.NamedTemporaryFile(prefix="preloaded-", suffix=".out") as output:
         process = _forkserver().Process(
             target=_as_python_would,
@@ -169,10 +174,49 @@ def run(
         process.join(timeout)
         timed_out = process.exitcode is None
         if timed_out:
-            process.kill()
+            _abort_tree(process.pid)
             process.join()
         text = Path(output.name).read_bytes().decode(errors="replace")
     if timed_out:
-        raise subprocess.TimeoutExpired(command, timeout, output=text)
+        raise Hung(command, timeout, output=text)
     # A process killed by a signal has exitcode -signum, as subprocess reports it.
     return subprocess.CompletedProcess(command, process.exitcode, stdout=text, stderr=None)
+
+
+class Hung(subprocess.TimeoutExpired):
+    """A run that outlived its timeout: the message ends with its last output, which holds every thread's
+    stack of each of its processes (`_abort_tree`), so that a hang seen once in CI says where it was."""
+
+    def __str__(self) -> str:
+        tail = "\n".join((self.output or "").splitlines()[-150:])
+        return f"{super().__str__()}; its last output, with each process's stacks:\n{tail}"
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under `pid` (DDP's other ranks, loader workers), children before their children."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        kids = children.get(queue.pop(0), [])
+        found += kids
+        queue += kids
+    return found
+
+
+def _abort_tree(pid: int) -> None:
+    """SIGABRT to `pid` and everything under it (faulthandler, on in each, writes every thread's stack to
+    the shared output), then SIGKILL to what is left: no rank outlives its test to slow the next ones."""
+    tree = [pid, *_descendants(pid)]
+    for each in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGABRT)
+    time.sleep(3)
+    for each in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)

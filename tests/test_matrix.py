@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
+import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ import yaml
 from hpctrain.runtime.config.checks import check_config
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.storage.checkpoints import reading
+from tests import preload
 from tests.differential.cases import user_overrides
 from tests.helpers import EXAMPLES, ROOT, assert_ok, compose_train, run_dirs, train
 
@@ -106,6 +110,19 @@ def _ran(log_dir: Path, result, strategy: str, data_parallel: int = 2) -> Path:
 CELLS = [(e, s) for e in EXPERIMENTS for s in STRATEGIES]
 
 
+def _train_once_more_if_hung(log_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """A cell's fit, run once more in its emptied folder if it outlived its timeout, the first run's
+    stacks given as a warning: a cell proves that a combination works, and one hang seen once in CI in a
+    few hundred cells (image_folder_demo under ddp_cpu, not reproduced in 100 runs here) must say where
+    it was without failing the suite; a second hang fails the cell with its stacks."""
+    try:
+        return train(log_dir, *overrides, timeout=300)
+    except preload.Hung as hung:
+        warnings.warn(f"a matrix cell hung once and runs again: {hung}", stacklevel=2)
+        shutil.rmtree(log_dir, ignore_errors=True)
+        return train(log_dir, *overrides, timeout=300)
+
+
 @pytest.mark.skipif(not EXAMPLES, reason="the examples' experiments are not in this project")
 @pytest.mark.parametrize("experiment, strategy", CELLS, ids=[f"{e}-{s}" for e, s in CELLS])
 def test_a_shipped_experiment_fits_and_tests_in_its_gpu_precision(
@@ -123,7 +140,7 @@ def test_a_shipped_experiment_fits_and_tests_in_its_gpu_precision(
         *TINY,
         *EXPERIMENTS[experiment],
     )
-    result = train(tmp_path / "first", *common, *extra, timeout=300)
+    result = _train_once_more_if_hung(tmp_path / "first", *common, *extra)
     run = _ran(tmp_path / "first", result, strategy)
     if strategy == "fsdp_cpu" and precision == "bf16-mixed":
         assert "gathered and computed in bfloat16" in result.stdout
