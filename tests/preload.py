@@ -8,25 +8,37 @@ process then sets itself up as `python <script>` would (argv, sys.path, the envi
 directory, stdin from /dev/null, unbuffered stdout and stderr into one file), runs the script as
 `__main__`, runs the atexit handlers, and exits with the script's exit code, or 1 and a traceback.
 
+DDP's other local ranks start the same way. Lightning's launcher (and hpctrain's) starts each as
+`subprocess.Popen([python, <this script>, ...])`, a fresh interpreter that spent about 7 s importing
+Lightning (torchmetrics imports torchvision, transformers and scipy with it) in each of the suite's
+~100 multi-process runs. In a preloaded run such a Popen is answered by a copy of the process as it was
+before the run began (forked at its start, `_Ranks`), which becomes the child of the run's rank 0 as a
+Popen child would be: rank 0 waits for it, polls it, signals it, and it dies with rank 0 (hpctrain sets
+PR_SET_PDEATHSIG in every local rank). Every other command rank 0 starts is a real Popen.
+
 Only third-party modules are preloaded, never this project's own code, so a test that edits the project
 sees its edits. What a preloaded process cannot show, fresh processes still show: how long a start
 takes and what it imports (test_train.py), signals during start-up and launches (Popen in the tests that
-signal), DDP's other ranks (started by Lightning's launcher as fresh interpreters) and every Slurm job.
-HPCTRAIN_TEST_FRESH=1 makes every run a fresh interpreter, to check that nothing depends on this.
+signal, whose ranks are fresh interpreters too), ranks with different hash seeds, and every Slurm job.
+HPCTRAIN_TEST_FRESH=1 makes every run and every rank a fresh interpreter, to check that nothing depends
+on this.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import faulthandler
 import io
 import itertools
 import json
 import multiprocessing
 import os
+import pickle
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +47,7 @@ import time
 import types
 from multiprocessing import process as mp_process
 from pathlib import Path
+from typing import Any
 
 # What every entry point imports first and longest; a module missing here is imported by the run.
 PRELOAD = (
@@ -95,13 +108,23 @@ def _as_python_would(
 ) -> None:
     """The forked process: become `python -u <script> args...` and run it; never returns."""
     stdin = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(stdin, 0)
-    os.close(stdin)
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's stdin, open until it exits)
     out = os.open(output, os.O_WRONLY | os.O_APPEND)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
+    ranks = _Ranks(base_path)  # before anything of the run: its other ranks start from this state
+    subprocess.Popen = type("Popen", (_RankOrCommand,), {"ranks": ranks})  # type: ignore[misc]
+    _become(script, args, cwd, env, [stdin, out, out], base_path)
+
+
+def _become(
+    script: str, args: list[str], cwd: str, env: dict[str, str], fds: list[int], base_path: list[str]
+) -> None:
+    """Take `fds` as stdin, stdout and stderr, set up as `python -u <script> args...` would and run it;
+    never returns."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's stdin, open until it exits)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
@@ -220,3 +243,102 @@ def _abort_tree(pid: int) -> None:
     for each in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(each, signal.SIGKILL)
+
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def _prctl(option: int, value: int) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(option, value)
+
+
+class _Ranks:
+    """A copy of a preloaded process as it was before its run began, which starts the run's other local
+    ranks (`_RankOrCommand`) as children of the run's process, without importing anything again."""
+
+    def __init__(self, base_path: list[str]) -> None:
+        self.rank0 = os.getpid()
+        self.requests, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.pid = os.fork()
+        if self.pid == 0:
+            self.requests.close()
+            self._serve(theirs, base_path)
+        theirs.close()
+        self.reaping = False
+
+    def start(self, script: str, args: list[str], cwd: str, env: dict[str, str]) -> int:
+        """A rank running `python <script> args...` with this process's stdin, stdout and stderr: its pid,
+        once it is this process's child."""
+        if not self.reaping:  # the rank's first parent exits at once: it then comes to this process
+            _prctl(PR_SET_CHILD_SUBREAPER, 1)
+            self.reaping = True
+        request = pickle.dumps((script, args, cwd, env))
+        socket.send_fds(self.requests, [request], [0, 1, 2])
+        return int(self.requests.recv(64))
+
+    def _serve(self, requests: socket.socket, base_path: list[str]) -> None:
+        """The copy's life: a rank for each request, until the run's process ends (so does the copy)."""
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != self.rank0:
+            os._exit(0)
+        while True:
+            try:
+                message, fds, _, _ = socket.recv_fds(requests, 1 << 22, 3)
+            except OSError:
+                os._exit(0)
+            if not message:
+                os._exit(0)
+            script, args, cwd, env = pickle.loads(message)
+            started_r, started_w = os.pipe()
+            middle = os.fork()
+            if middle == 0:
+                if os.fork() == 0:  # the rank: the child of the run's process once `middle` is gone
+                    requests.close()
+                    os.close(started_r)
+                    while os.getppid() != self.rank0:
+                        time.sleep(0.001)
+                    os.write(started_w, str(os.getpid()).encode())
+                    os.close(started_w)
+                    _become(script, args, cwd, env, fds, base_path)
+                os._exit(0)
+            os.waitpid(middle, 0)
+            os.close(started_w)
+            for fd in fds:
+                os.close(fd)
+            pid = os.read(started_r, 64) or b"-1"
+            os.close(started_r)
+            requests.send(pid)
+
+
+class _RankOrCommand(subprocess.Popen):
+    """`subprocess.Popen` in a preloaded run: a command that reruns the run's own script with this
+    interpreter and inherited stdin, stdout and stderr (a local rank, from Lightning's launcher or
+    hpctrain's) is started by `_Ranks`; any other command as Popen starts it. Waiting, polling and
+    signalling are Popen's own: the rank is this process's child."""
+
+    ranks: _Ranks  # the run's (`_as_python_would` makes the subclass that is subprocess.Popen there)
+
+    def __init__(self, args: Any, *more: Any, **options: Any) -> None:
+        inherits = not more and all(
+            options.get(name) is None for name in ("stdin", "stdout", "stderr", "executable", "preexec_fn")
+        )
+        self._a_rank = inherits and not options.get("shell") and self._is_a_rank(args)
+        super().__init__(args, *more, **options)
+
+    @staticmethod
+    def _is_a_rank(args: Any) -> bool:
+        return (
+            isinstance(args, (list, tuple))
+            and len(args) >= 2
+            and args[0] == sys.executable
+            and os.path.abspath(str(args[1])) == os.path.abspath(sys.argv[0])
+        )
+
+    def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: Any, pass_fds: Any,
+                       cwd: Any, env: Any, *rest: Any) -> None:  # fmt: skip
+        if not self._a_rank:
+            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest)
+        where = os.path.abspath(cwd) if cwd is not None else os.getcwd()
+        self.pid = self.ranks.start(str(args[1]), [str(a) for a in args[2:]], where, dict(env or os.environ))
+        self._child_created = True
+        return None
