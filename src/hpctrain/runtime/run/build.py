@@ -357,9 +357,7 @@ def _datamodule(cfg: DictConfig, settings: Settings) -> LightningDataModule:
         node = OmegaConf.merge(node, {"stage_dir": scratch})
         if launched.is_rank_zero():
             log.info(
-                "cluster=%s: data staged to its node-local scratch, data.stage_dir=%s",
-                preset.name,
-                scratch,
+                "cluster=%s: data staged to its node-local scratch, data.stage_dir=%s", preset.name, scratch
             )
     check_arguments(node, "data")
     return _of_the_run(_instantiate(node), "data")
