@@ -77,10 +77,6 @@ def _groups() -> list[str]:
     return config_groups()
 
 
-def _options(group: str) -> list[str]:
-    return list(group_options(group))
-
-
 def _parses(override: str) -> bool:
     try:
         OverridesParser.create().parse_override(override)
@@ -137,7 +133,7 @@ def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, option = err.missing_cfg_file.rsplit("/", 1)
         # Hydra names no options when the bad one is in a list (callbacks=[default,progres])
-        options = sorted(err.options or _options(group))
+        options = sorted(err.options or group_options(group))
         close = _closest(option, options)
         hint = f"; did you mean {group}={close}?" if close else "."
         return f"{group}={option} is not an option of the {group} group (options: {', '.join(options)}){hint}"

@@ -308,9 +308,8 @@ def clip_grad_norm_over_meshes(
     else:
         total = sum(part.pow(norm_type) / copies for part, copies in zip(parts, by_copies, strict=True))
     if world > 1:
-        on = (
-            total.cuda() if total.device.type == "cpu" and dist.get_backend() == "nccl" else total
-        )  # cpu_offload
+        # cpu_offload
+        on = total.cuda() if total.device.type == "cpu" and dist.get_backend() == "nccl" else total
         dist.all_reduce(on, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
         total = on.to(device)
     if not infinite:

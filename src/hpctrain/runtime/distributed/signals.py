@@ -297,9 +297,8 @@ class StopGuard(threading.Thread):
         if not at_once:
             job = job_store.store()
             if job is not None:
-                _bounded(
-                    lambda: job.compare_set(job_store.DUMP_KEY, "", reason)
-                )  # every watchdog dumps within 1 s
+                # every watchdog dumps within 1 s
+                _bounded(lambda: job.compare_set(job_store.DUMP_KEY, "", reason))
                 time.sleep(1.5)
             places = _where_ranks_stood()
         if me == 0:

@@ -27,9 +27,8 @@ from hpctrain.runtime.storage.checkpoints import reading, trainable_only
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule
 
-MAX_SAMPLE_ELEMENTS = (
-    1 << 28
-)  # a sample larger than this (a 16k x 16k RGB image) is no image a file should claim
+# a sample larger than this (a 16k x 16k RGB image) is no image a file should claim
+MAX_SAMPLE_ELEMENTS = 1 << 28
 
 
 class Predictor(nn.Module):
