@@ -29,6 +29,7 @@ from hpctrain.runtime.errors import UserError
 
 NOTIFY_EVENTS = ("completed", "failed", "nan", "hung", "budget", "sweep")  # notify's (tests/test_notify.py)
 POSITIVE_NUMBER = {"type": "number", "exclusiveMinimum": 0}
+STRINGS = {"type": "array", "items": {"type": "string"}}
 
 
 def integer(minimum: int | None = None) -> dict[str, Any]:
@@ -165,7 +166,7 @@ DTYPES = [None, "bfloat16", "float16", "float32"]
 class FSDP:
     shard: str | list[str] = setting(
         "auto",
-        {"anyOf": [{"const": "auto"}, {"type": "array", "items": {"type": "string"}}]},
+        {"anyOf": [{"const": "auto"}, STRINGS]},
         "auto or a list of module class names",
         "[Block]",
         "FSDP2: the modules sharded one by one",
@@ -222,10 +223,7 @@ class Dist:
                 {"type": "null"},
                 {
                     "type": "object",
-                    "properties": {
-                        "colwise": {"type": "array", "items": {"type": "string"}},
-                        "rowwise": {"type": "array", "items": {"type": "string"}},
-                    },
+                    "properties": {"colwise": STRINGS, "rowwise": STRINGS},
                     "additionalProperties": False,
                 },
             ]
@@ -257,14 +255,14 @@ class InitFrom:
     )
     exclude: list[str] = setting(
         [],
-        {"type": "array", "items": {"type": "string"}},
+        STRINGS,
         "a list of regular expressions (in brackets)",
         "['^net[.]fc[.]']",
         "keys left out of the weights loaded",
     )
     freeze: list[str] = setting(
         [],
-        {"type": "array", "items": {"type": "string"}},
+        STRINGS,
         "a list of regular expressions (in brackets)",
         "['^net[.]features[.]']",
         "parameters not trained",
@@ -328,9 +326,7 @@ class Cluster:
     scratch_dir: str | None = setting(
         None, {"type": ["string", "null"]}, "a directory or null", "$SLURM_TMPDIR"
     )
-    setup: list[str] = setting(
-        [], {"type": "array", "items": {"type": "string"}}, "a list of shell lines", "[]"
-    )
+    setup: list[str] = setting([], STRINGS, "a list of shell lines", "[]")
 
     @classmethod
     def load(cls, path: Path) -> Cluster:

@@ -73,7 +73,6 @@ from hpctrain.runtime.namespaces import LightningPart
 log = logging.getLogger(__package__)
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-SHARD_FILE_SUFFIX = ".distcp"
 SHARDS_FROM_CONFIG = "_hpctrain_shards_from_config"  # marks the configure_model hpctrain gives a module
 # Norm layers that keep running statistics in float32 buffers: under FSDP's mixed precision each is a unit
 # of its own, computed in float32 (torchtitan#674: cast to bfloat16 beside float32 statistics, they fail)
