@@ -51,15 +51,12 @@ def _instantiate(model_config: Any) -> Any:
 
 def _on_meta(batch: Any) -> Any:
     """The batch with each tensor replaced by an empty one of its shape on the meta device."""
-
     if isinstance(batch, torch.Tensor):
         return torch.empty_like(batch, device="meta")
     if isinstance(batch, (list, tuple)):
-        return (
-            type(batch)(_on_meta(b) for b in batch)
-            if not hasattr(batch, "_fields")
-            else type(batch)(*map(_on_meta, batch))
-        )
+        if hasattr(batch, "_fields"):  # a named tuple takes its fields as arguments
+            return type(batch)(*map(_on_meta, batch))
+        return type(batch)(_on_meta(b) for b in batch)
     if isinstance(batch, dict):
         return {k: _on_meta(v) for k, v in batch.items()}
     return batch
