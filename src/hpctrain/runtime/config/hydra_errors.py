@@ -49,7 +49,6 @@ def closest_key(key: str, candidates: list[str]) -> str | None:
 
 def _config_keys(config_name: str, skip: str) -> list[str]:
     """Every dotted key of the config composed without the bad override (or with none, if that fails)."""
-
     overrides = [o for o in _command_line_overrides() if not o.lstrip("+~").startswith(f"{skip}=")]
     for attempt in (overrides, []):
         try:
@@ -126,7 +125,6 @@ def unparsed_override(argv: list[str], detail: str = "") -> str:
 
 def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
     """One sentence for a composition mistake, or None for anything else (reported by Hydra as usual)."""
-
     message = str(err).strip()
     if isinstance(err, UserError):  # raised by the template's own launcher or sweeper, in the sweep process
         return message

@@ -326,7 +326,6 @@ def _bounded(call: Any, timeout_s: float = 2.0) -> None:
 def _where_ranks_stood() -> str:
     """` (rank 0: all_reduce in on_validation_end at my_callback.py:12; rank 1: ...); every rank's stacks:
     <dir>/rank<N>.txt`, from the dumps just written (empty without a stacks folder)."""
-
     run_dir = stacks.run_dir()
     if run_dir is None:
         return ""

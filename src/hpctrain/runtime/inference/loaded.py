@@ -75,7 +75,6 @@ def load(
     """The model of a checkpoint of this template, with its preprocessing in front (see the module docstring).
     The classes built are those the project's configs name; `trusted_targets` adds others the user trusts
     (`from_config`: the entry points' `checkpoints.trusted_targets`, named so in the refusal)."""
-
     path = Path(ckpt_path).expanduser()
     if not path.exists():
         raise UserError(

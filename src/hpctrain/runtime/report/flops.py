@@ -32,7 +32,6 @@ HEAVY_WORDS = ("attention", "conv", "mm", "matmul", "linear", "einsum", "baddbmm
 def meta_step_flops(model_config: Any, batch: Any) -> float | None:
     """FLOPs of one training step (forward and backward) on `batch`, on a meta copy of the model built
     from its config; None when no meta copy can be built or run."""
-
     if model_config is None:
         return None
     try:
@@ -162,7 +161,6 @@ def peak_flops(trainer: Any, override: float | None) -> float | None:
 def _matmul_dtype(dtype: Any, device: Any) -> str:
     """The row of `gpu_peaks` a run's matmuls run at: float32 runs on TF32 tensor cores on Ampere and
     later unless torch's float32 matmul precision is `highest` (as Lightning's table reads it)."""
-
     if dtype is torch.bfloat16:
         return "bf16"
     if dtype is torch.float16:

@@ -127,7 +127,6 @@ def plot_ranks(run_dir: str | Path) -> Path | None:
 
 def slowest_rank(series: dict[str, list[tuple[float, float]]]) -> str:
     """Which rank was slowest over the run, by its median step time."""
-
     steps = {
         name.rsplit("/", 1)[1]: statistics.median(v for _, v in points)
         for name, points in series.items()
