@@ -48,7 +48,6 @@ def job_metadata(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 def tag_runs(loggers: list[Any], metadata: dict[str, Any]) -> None:
     """MLflow runs get `metadata` as tags too (searchable, shown in a run's overview; a tag, unlike a param,
     may change), and the commit where MLflow's UI looks for it."""
-
     tags = {key: str(value) for key, value in _flat(metadata).items() if value is not None}
     if metadata.get("git_commit"):
         tags["mlflow.source.git.commit"] = str(metadata["git_commit"])
@@ -135,7 +134,6 @@ def mlflow_logger(tracking_uri: str, experiment_name: str, run_dir: str, tags: A
 
 def wandb_logger(save_dir: str, run_dir: str, **kwargs: Any):
     """A WandbLogger whose id is derived from the run dir, so a requeued job resumes the same run."""
-
     kwargs.setdefault("id", stable_run_key(run_dir))
     kwargs.setdefault("resume", "allow")
     return namespaces.current().get("pytorch_lightning.loggers.WandbLogger")(save_dir=save_dir, **kwargs)

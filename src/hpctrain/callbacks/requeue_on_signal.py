@@ -145,33 +145,17 @@ class RequeueOnSignal(LightningPart, lightning="pytorch_lightning.Callback"):
             batches = int(smallest.item())
         return batches
 
-    def on_test_batch_end(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+    def _evaluation_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, *_: Any
     ) -> None:
-        self._check_evaluation(batch_idx, "during testing")
-
-    def on_predict_batch_end(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._check_evaluation(batch_idx, "during prediction")
-
-    def _check_evaluation(self, batch_idx: int, where: str) -> None:
+        """A test or predict batch completed (the hooks' last argument, dataloader_idx, does not matter)."""
         done = batch_idx + 1
         if done >= self._eval_limit or done % (self.every or TEST_CHECK_EVERY):
             return
         (code,) = self._agree()
         if code != signals.NO_SIGNAL:
             signals.answered()
+            where = "during testing" if trainer.testing else "during prediction"
             raise signals.Interrupted(int(code), None, where)
+
+    on_test_batch_end = on_predict_batch_end = _evaluation_batch_end

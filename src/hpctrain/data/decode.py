@@ -57,7 +57,6 @@ def decode(source: str | Path | BinaryIO, image_shape: Sequence[int]) -> Tensor:
 
 def decode_into(source: str | Path | BinaryIO, out: np.ndarray) -> None:
     """Decode a file into `out`, a uint8 (C, H, W) array (a batch's slot: one copy, no temporaries)."""
-
     channels, height, width = out.shape
     if channels not in _MODES:
         raise UserError(
@@ -82,7 +81,6 @@ def decode_into(source: str | Path | BinaryIO, out: np.ndarray) -> None:
 def check_headers(files: Sequence[Path]) -> None:
     """Open every file's header (cheap: no pixels are decoded), so a file that is not an image is one
     sentence before the run starts rather than an error in a loader worker halfway through."""
-
     for path in files:
         try:
             with Image.open(path):

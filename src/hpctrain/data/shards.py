@@ -280,7 +280,6 @@ class ShardsDataModule(FileImageDataModule):
                     f"the shards in {self.root} have no {split} split; make them from a folder with {split}/."
                 )
         if self.stage_dir and not self._staged:
-
             self.root = stage(self.root, Path(self.stage_dir), manifest_files(manifest), MANIFEST)
             self._manifest, self._staged = None, True
 

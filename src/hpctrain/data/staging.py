@@ -234,4 +234,3 @@ def stage_folder(folder: str | Path, stage_dir: str | Path) -> Path:
         raise UserError(f"{source} holds no file to stage; pass the folder of the model (its config.json).")
     last = "config.json" if "config.json" in names else max(files, key=lambda f: f[1])[0]
     return stage(source, Path(stage_dir).expanduser(), [f for f in files if f[0] != last], last, verify=False)
-

@@ -63,7 +63,6 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
 
     Skipped where Slurm is not installed, except under CI=true, where a missing cluster is an error.
     """
-
     missing = missing_binaries()
     reason = (
         f"Slurm not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge"

@@ -49,7 +49,6 @@ def closest_key(key: str, candidates: list[str]) -> str | None:
 
 def _config_keys(config_name: str, skip: str) -> list[str]:
     """Every dotted key of the config composed without the bad override (or with none, if that fails)."""
-
     overrides = [o for o in _command_line_overrides() if not o.lstrip("+~").startswith(f"{skip}=")]
     for attempt in (overrides, []):
         try:
@@ -75,10 +74,6 @@ def _config_keys(config_name: str, skip: str) -> list[str]:
 
 def _groups() -> list[str]:
     return config_groups()
-
-
-def _options(group: str) -> list[str]:
-    return list(group_options(group))
 
 
 def _parses(override: str) -> bool:
@@ -130,14 +125,13 @@ def unparsed_override(argv: list[str], detail: str = "") -> str:
 
 def describe_hydra_error(err: BaseException, config_name: str) -> str | None:
     """One sentence for a composition mistake, or None for anything else (reported by Hydra as usual)."""
-
     message = str(err).strip()
     if isinstance(err, UserError):  # raised by the template's own launcher or sweeper, in the sweep process
         return message
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, option = err.missing_cfg_file.rsplit("/", 1)
         # Hydra names no options when the bad one is in a list (callbacks=[default,progres])
-        options = sorted(err.options or _options(group))
+        options = sorted(err.options or group_options(group))
         close = _closest(option, options)
         hint = f"; did you mean {group}={close}?" if close else "."
         return f"{group}={option} is not an option of the {group} group (options: {', '.join(options)}){hint}"

@@ -29,6 +29,7 @@ from hpctrain.runtime.errors import UserError
 
 NOTIFY_EVENTS = ("completed", "failed", "nan", "hung", "budget", "sweep")  # notify's (tests/test_notify.py)
 POSITIVE_NUMBER = {"type": "number", "exclusiveMinimum": 0}
+STRINGS = {"type": "array", "items": {"type": "string"}}
 
 
 def integer(minimum: int | None = None) -> dict[str, Any]:
@@ -43,9 +44,14 @@ def setting(default: Any, schema: dict[str, Any], expected: str, example: str, d
     return field(default=default, metadata=meta)
 
 
+def flag(default: bool, example: str, description: str = "") -> Any:
+    """A true-or-false setting."""
+    return setting(default, {"type": "boolean"}, "true or false", example, description)
+
+
 @dataclass(frozen=True)
 class Requeue:
-    enabled: bool = setting(True, {"type": "boolean"}, "true or false", "true")
+    enabled: bool = flag(True, "true")
     signal: str = setting(
         "SIGUSR1",
         {"enum": sorted(s.name for s in signal.Signals)},
@@ -85,9 +91,7 @@ class Requeue:
 
 @dataclass(frozen=True)
 class Checkpoints:
-    async_save: bool = setting(
-        False, {"type": "boolean"}, "true or false", "true", "write checkpoints while training goes on"
-    )
+    async_save: bool = flag(False, "true", "write checkpoints while training goes on")
     trusted_targets: list[str] = setting(
         [],
         {"type": "array", "items": {"type": "string", "pattern": r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$"}},
@@ -162,7 +166,7 @@ DTYPES = [None, "bfloat16", "float16", "float32"]
 class FSDP:
     shard: str | list[str] = setting(
         "auto",
-        {"anyOf": [{"const": "auto"}, {"type": "array", "items": {"type": "string"}}]},
+        {"anyOf": [{"const": "auto"}, STRINGS]},
         "auto or a list of module class names",
         "[Block]",
         "FSDP2: the modules sharded one by one",
@@ -181,26 +185,10 @@ class FSDP:
         "float32",
         "FSDP2 mixed precision: gradient reduction dtype",
     )
-    activation_checkpointing: bool = setting(
-        False,
-        {"type": "boolean"},
-        "true or false",
-        "true",
-        "FSDP2: recompute each sharded block's activations",
-    )
-    cpu_offload: bool = setting(
-        False,
-        {"type": "boolean"},
-        "true or false",
-        "true",
-        "FSDP2: parameters and optimizer states in host memory",
-    )
-    sync_each_micro_batch: bool = setting(
-        False,
-        {"type": "boolean"},
-        "true or false",
-        "true",
-        "FSDP2 with accumulate_grad_batches: reduce every micro-batch's gradients",
+    activation_checkpointing: bool = flag(False, "true", "FSDP2: recompute each sharded block's activations")
+    cpu_offload: bool = flag(False, "true", "FSDP2: parameters and optimizer states in host memory")
+    sync_each_micro_batch: bool = flag(
+        False, "true", "FSDP2 with accumulate_grad_batches: reduce every micro-batch's gradients"
     )
 
 
@@ -217,16 +205,10 @@ class Dist:
         "30",
         "the collective timeout until the first training step is done",
     )
-    find_unused_parameters: bool = setting(
-        False,
-        {"type": "boolean"},
-        "true or false",
-        "true",
-        "DDP: parameters may go unused in a step (manual optimization, GANs)",
+    find_unused_parameters: bool = flag(
+        False, "true", "DDP: parameters may go unused in a step (manual optimization, GANs)"
     )
-    static_graph: bool = setting(
-        False, {"type": "boolean"}, "true or false", "true", "DDP: the graph is the same every step"
-    )
+    static_graph: bool = flag(False, "true", "DDP: the graph is the same every step")
     tensor_parallel: int = setting(
         1,
         {"type": "integer", "minimum": 1},
@@ -241,10 +223,7 @@ class Dist:
                 {"type": "null"},
                 {
                     "type": "object",
-                    "properties": {
-                        "colwise": {"type": "array", "items": {"type": "string"}},
-                        "rowwise": {"type": "array", "items": {"type": "string"}},
-                    },
+                    "properties": {"colwise": STRINGS, "rowwise": STRINGS},
                     "additionalProperties": False,
                 },
             ]
@@ -270,20 +249,20 @@ class InitFrom:
         "logs/train/runs/<run>/checkpoints/last.ckpt",
         "start a new run from these weights",
     )
-    strict: bool = setting(True, {"type": "boolean"}, "true or false", "false", "false: load what fits")
+    strict: bool = flag(True, "false", "false: load what fits")
     prefix: str = setting(
         "", {"type": "string"}, "a string put in front of every key", "net.", "maps a bare network"
     )
     exclude: list[str] = setting(
         [],
-        {"type": "array", "items": {"type": "string"}},
+        STRINGS,
         "a list of regular expressions (in brackets)",
         "['^net[.]fc[.]']",
         "keys left out of the weights loaded",
     )
     freeze: list[str] = setting(
         [],
-        {"type": "array", "items": {"type": "string"}},
+        STRINGS,
         "a list of regular expressions (in brackets)",
         "['^net[.]features[.]']",
         "parameters not trained",
@@ -316,9 +295,7 @@ class Extras:
         "full",
         "what a run prints of its config: a few lines, the whole tree (true: the same), or nothing",
     )
-    ignore_warnings: bool = setting(
-        False, {"type": "boolean"}, "true or false", "true", "silence Python warnings"
-    )
+    ignore_warnings: bool = flag(False, "true", "silence Python warnings")
     float32_matmul_precision: str | None = setting(
         "high",
         {"enum": [None, "highest", "high", "medium"]},
@@ -345,15 +322,11 @@ class Cluster:
     cpus_per_task: int = setting(8, integer(1), "a positive integer", "8", "on GPU nodes: per GPU")
     mem_per_task_gb: float = setting(0, {"type": "number", "minimum": 0}, "a number of GB, 0: all", "64")
     time_min: int = setting(240, integer(1), "a positive number of minutes", "1440")
-    offline: bool = setting(
-        False, {"type": "boolean"}, "true or false", "true", "compute nodes without internet"
-    )
+    offline: bool = flag(False, "true", "compute nodes without internet")
     scratch_dir: str | None = setting(
         None, {"type": ["string", "null"]}, "a directory or null", "$SLURM_TMPDIR"
     )
-    setup: list[str] = setting(
-        [], {"type": "array", "items": {"type": "string"}}, "a list of shell lines", "[]"
-    )
+    setup: list[str] = setting([], STRINGS, "a list of shell lines", "[]")
 
     @classmethod
     def load(cls, path: Path) -> Cluster:
@@ -402,10 +375,8 @@ class Settings:
         "42",
         "seeds torch, numpy, python and dataloader workers",
     )
-    train: bool = setting(True, {"type": "boolean"}, "true or false", "true", "fit the model")
-    test: bool = setting(
-        True, {"type": "boolean"}, "true or false", "false", "test the best checkpoint after fit"
-    )
+    train: bool = flag(True, "true", "fit the model")
+    test: bool = flag(True, "false", "test the best checkpoint after fit")
     ckpt_path: str | None = setting(
         None,
         {"type": ["string", "null"]},
@@ -413,19 +384,11 @@ class Settings:
         "last",
         "start from this checkpoint (last: the newest last.ckpt of this task's runs)",
     )
-    snapshot: bool = setting(
-        True, {"type": "boolean"}, "true or false", "false", "launcher jobs run from a code snapshot"
-    )
-    skip_completed: bool = setting(
-        False, {"type": "boolean"}, "true or false", "true", "a re-run sweep skips completed points"
-    )
-    compile: bool = setting(
-        False, {"type": "boolean"}, "true or false", "true", "torch.compile the model's networks"
-    )
+    snapshot: bool = flag(True, "false", "launcher jobs run from a code snapshot")
+    skip_completed: bool = flag(False, "true", "a re-run sweep skips completed points")
+    compile: bool = flag(False, "true", "torch.compile the model's networks")
     compile_backend: str = setting("inductor", {"type": "string"}, "a torch.compile backend", "inductor")
-    channels_last: bool = setting(
-        False, {"type": "boolean"}, "true or false", "true", "channels-last memory order for CNNs"
-    )
+    channels_last: bool = flag(False, "true", "channels-last memory order for CNNs")
     num_threads: int | str | None = setting(
         "auto",
         {"anyOf": [integer(1), {"const": "auto"}, {"type": "null"}]},

@@ -159,7 +159,6 @@ def announce(job: Any | None, line: str, event: str = notify.FAILED) -> None:
 
 def expected(err: BaseException) -> bool:
     """Ways a run ends on purpose (hpctrain.runtime.distributed.endings): not a rank's failure."""
-
     return ending(err).on_purpose
 
 

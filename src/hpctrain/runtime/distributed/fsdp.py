@@ -73,7 +73,6 @@ from hpctrain.runtime.namespaces import LightningPart
 log = logging.getLogger(__package__)
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-SHARD_FILE_SUFFIX = ".distcp"
 SHARDS_FROM_CONFIG = "_hpctrain_shards_from_config"  # marks the configure_model hpctrain gives a module
 # Norm layers that keep running statistics in float32 buffers: under FSDP's mixed precision each is a unit
 # of its own, computed in float32 (torchtitan#674: cast to bfloat16 beside float32 statistics, they fail)
@@ -166,7 +165,6 @@ def _compiled_and_checkpointed(module: nn.Module, compile_backend: str | None, r
     other way round, under tensor parallelism, torch's compiled checkpoint saves DTensor's device mesh for
     the backward pass and fails. The module's own `forward` is replaced (its state-dict keys stay), so
     FSDP's hooks run outside the compiled graph."""
-
     forward = module.forward
     if compile_backend:
         forward = torch.compile(forward, backend=compile_backend)
@@ -185,7 +183,6 @@ def _compiled_and_checkpointed(module: nn.Module, compile_backend: str | None, r
 def apply_tensor_parallel(networks: list[nn.Module], mesh: Any, plan: dict[str, list[str]]) -> int:
     """Split the layers the plan names (patterns of module names inside each network, `*` for any one
     name) by output columns (`colwise`) or input rows (`rowwise`) over `mesh`; how many were split."""
-
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     unknown = sorted(set(plan) - set(styles))
     if unknown:
@@ -242,7 +239,6 @@ def apply_fsdp(
     """Shard `module`'s networks as the module docstring says; the blocks sharded one by one and the norm
     layers kept in float32. With `compile_backend`, each block's forward is compiled (its state-dict keys
     stay) before it is sharded."""
-
     kwargs: dict[str, Any] = {"mesh": mesh}
     param_dtype, reduce_dtype = _dtype(options.get("param_dtype")), _dtype(options.get("reduce_dtype"))
     policy = None
@@ -308,9 +304,8 @@ def clip_grad_norm_over_meshes(
     else:
         total = sum(part.pow(norm_type) / copies for part, copies in zip(parts, by_copies, strict=True))
     if world > 1:
-        on = (
-            total.cuda() if total.device.type == "cpu" and dist.get_backend() == "nccl" else total
-        )  # cpu_offload
+        # cpu_offload
+        on = total.cuda() if total.device.type == "cpu" and dist.get_backend() == "nccl" else total
         dist.all_reduce(on, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
         total = on.to(device)
     if not infinite:
@@ -569,7 +564,6 @@ def _agreed_buffers(state: dict[str, Any], module: Any, device: Any) -> dict[str
     """Buffers are not sharded: each rank keeps its own, and a distributed checkpoint stores one rank's.
     Those that differ between ranks (BatchNorm statistics without sync_batchnorm) are averaged over the
     ranks in what is saved; those that agree are saved as they are, bit for bit."""
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return state
     buffers = {name for name, _ in module.named_buffers()}

@@ -61,7 +61,6 @@ def _config_flags(argv: list[str]) -> list[str]:
 
 def child_command() -> tuple[list[str], str]:
     """The command line and cwd that rerun this Hydra job (and only it) in its output dir."""
-
     hydra_cfg = HydraConfig.get()
     if getattr(__main__, "__spec__", None) is not None:
         command = [sys.executable, "-m", __main__.__spec__.name]
@@ -149,7 +148,6 @@ def end_distributed_job(trainer, completed: bool = True) -> None:
     group, a process that exits with a live process group can abort in a C++ destructor ("terminate
     called without an active exception"), failing a job that trained fine.
     """
-
     watchdog.stop()
     if dist.is_available() and dist.is_initialized():
         if completed and trainer is not None:
@@ -187,7 +185,6 @@ def lightning_cluster_environment(namespace: Namespace, env: Mapping[str, str] |
     and a version that uses the task's one GPU when SLURM binds one GPU to each task.
     A bare sbatch script or salloc shell is treated as a plain local run. Of the run's Lightning `namespace`.
     """
-
     kind = launched.launcher(env)
     environments = "lightning_fabric.plugins.environments"
     if kind == launched.TORCHRUN:

@@ -118,11 +118,8 @@ def _notifier() -> Notifier:
 def configure(settings: Notify, where: str | Path | None, sweep_point: bool = False) -> None:
     """Use the `notify:` settings (checked in the preflight) for the job about to start in `where`."""
     state = _notifier()
-    state.url_env, state.timeout_s, state.events = (
-        settings.url_env,
-        float(settings.timeout_s),
-        tuple(settings.events),
-    )
+    state.url_env, state.timeout_s = settings.url_env, float(settings.timeout_s)
+    state.events = tuple(settings.events)
     state.where = str(where) if where is not None else None
     state.sweep_point = sweep_point
     state.ended = state.warned = False

@@ -297,9 +297,8 @@ class StopGuard(threading.Thread):
         if not at_once:
             job = job_store.store()
             if job is not None:
-                _bounded(
-                    lambda: job.compare_set(job_store.DUMP_KEY, "", reason)
-                )  # every watchdog dumps within 1 s
+                # every watchdog dumps within 1 s
+                _bounded(lambda: job.compare_set(job_store.DUMP_KEY, "", reason))
                 time.sleep(1.5)
             places = _where_ranks_stood()
         if me == 0:
@@ -327,7 +326,6 @@ def _bounded(call: Any, timeout_s: float = 2.0) -> None:
 def _where_ranks_stood() -> str:
     """` (rank 0: all_reduce in on_validation_end at my_callback.py:12; rank 1: ...); every rank's stacks:
     <dir>/rank<N>.txt`, from the dumps just written (empty without a stacks folder)."""
-
     run_dir = stacks.run_dir()
     if run_dir is None:
         return ""

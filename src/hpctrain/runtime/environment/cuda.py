@@ -36,7 +36,6 @@ DRIVER_FILE = Path("/proc/driver/nvidia/version")
 def torch_build() -> tuple[str, str | None] | None:
     """The installed torch's version and the CUDA it was built for (None: a CPU build), read from its
     version.py without importing torch; None without torch."""
-
     try:
         spec = importlib.util.find_spec("torch")
         folders = list(spec.submodule_search_locations or []) if spec else []
@@ -76,7 +75,6 @@ def _older(version: str, than: str) -> bool:
 def _cuda_starts() -> bool:
     """Whether CUDA initialises in a fresh interpreter (this one stays free of torch); True when that
     cannot be told (a compatibility package may let an older driver run a newer CUDA)."""
-
     probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
     try:
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300, check=False)

@@ -82,9 +82,8 @@ def pack_step_env(
         }
     )
     if share.cpus_per_task:
-        step["SRUN_CPUS_PER_TASK"] = str(
-            share.cpus_per_task
-        )  # srun does not take the job's since Slurm 22.05
+        # srun does not take the job's since Slurm 22.05
+        step["SRUN_CPUS_PER_TASK"] = str(share.cpus_per_task)
     if share.memory_mb:
         step["SLURM_MEM_PER_NODE"] = str(share.memory_mb)
     if share.gpus:

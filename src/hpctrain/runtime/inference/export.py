@@ -167,13 +167,7 @@ def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
 # ------------------------------------------------------------------------------- writing, checking
 
 
-def write(
-    predictor: Predictor,
-    chosen: Format,
-    path: Path,
-    inputs: Tensor,
-    traced_rows: int,
-) -> Exported:
+def write(predictor: Predictor, chosen: Format, path: Path, inputs: Tensor, traced_rows: int) -> Exported:
     """Trace on `inputs[:traced_rows]` and write `path`, then load it back and check it on all of `inputs`."""
     import torch
 

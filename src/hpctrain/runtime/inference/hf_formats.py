@@ -48,7 +48,10 @@ def peft_model(predictor: Predictor, name: str) -> Any:
     return found
 
 
-def _copy_tokenizer(predictor: Predictor, folder: Path) -> None:
+def _save_folder(model: Any, predictor: Predictor, folder: Path) -> None:
+    """`model.save_pretrained` into `folder`, with the data config's tokenizer files beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
     source = (predictor.config.get("data") or {}).get("tokenizer")
     if not source:
         return
@@ -58,18 +61,13 @@ def _copy_tokenizer(predictor: Predictor, folder: Path) -> None:
 
 
 def write_peft(predictor: Predictor, example: Tensor, path: Path) -> None:
-    net = peft_model(predictor, "peft")
-    path.mkdir(parents=True, exist_ok=True)
-    net.save_pretrained(str(path))
-    _copy_tokenizer(predictor, path)
+    _save_folder(peft_model(predictor, "peft"), predictor, path)
 
 
 def write_merged(predictor: Predictor, example: Tensor, path: Path) -> None:
     merged = copy.deepcopy(peft_model(predictor, "hf_merged")).merge_and_unload()
     merged.config.use_cache = True  # for generation, the user's next step
-    path.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(str(path))
-    _copy_tokenizer(predictor, path)
+    _save_folder(merged, predictor, path)
 
 
 def run_peft(path: Path, inputs: Tensor, predictor: Predictor) -> Any:

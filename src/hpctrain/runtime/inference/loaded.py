@@ -27,9 +27,8 @@ from hpctrain.runtime.storage.checkpoints import reading, trainable_only
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule
 
-MAX_SAMPLE_ELEMENTS = (
-    1 << 28
-)  # a sample larger than this (a 16k x 16k RGB image) is no image a file should claim
+# a sample larger than this (a 16k x 16k RGB image) is no image a file should claim
+MAX_SAMPLE_ELEMENTS = 1 << 28
 
 
 class Predictor(nn.Module):
@@ -76,7 +75,6 @@ def load(
     """The model of a checkpoint of this template, with its preprocessing in front (see the module docstring).
     The classes built are those the project's configs name; `trusted_targets` adds others the user trusts
     (`from_config`: the entry points' `checkpoints.trusted_targets`, named so in the refusal)."""
-
     path = Path(ckpt_path).expanduser()
     if not path.exists():
         raise UserError(

@@ -118,7 +118,6 @@ def _serve(datamodule: LightningDataModule, make_loader: Callable[[], Any]) -> N
 def unshuffled(loader: Any, batch_size: int, workers: int) -> Any:
     """The template's loaders shuffle and pad the training split; for prediction, a plain DataLoader over
     the same dataset in its order (Lightning shards it and records each batch's samples)."""
-
     if isinstance(loader, ResumableDataLoader):
         return DataLoader(loader.dataset, batch_size=loader.sampler.batch_size, num_workers=workers)
     return loader
@@ -136,7 +135,6 @@ def _image_shape(datamodule: LightningDataModule) -> tuple[int, ...]:
 
 def input_dataset(path: Path, image_shape: Sequence[int]) -> tuple[Any, list[str] | None]:
     """A folder of image files, or a file of uint8 images (see the module docstring)."""
-
     if path.is_dir():
         files = decode.image_files(path)
         decode.check_headers(files)

@@ -32,7 +32,6 @@ HEAVY_WORDS = ("attention", "conv", "mm", "matmul", "linear", "einsum", "baddbmm
 def meta_step_flops(model_config: Any, batch: Any) -> float | None:
     """FLOPs of one training step (forward and backward) on `batch`, on a meta copy of the model built
     from its config; None when no meta copy can be built or run."""
-
     if model_config is None:
         return None
     try:
@@ -51,15 +50,12 @@ def _instantiate(model_config: Any) -> Any:
 
 def _on_meta(batch: Any) -> Any:
     """The batch with each tensor replaced by an empty one of its shape on the meta device."""
-
     if isinstance(batch, torch.Tensor):
         return torch.empty_like(batch, device="meta")
     if isinstance(batch, (list, tuple)):
-        return (
-            type(batch)(_on_meta(b) for b in batch)
-            if not hasattr(batch, "_fields")
-            else type(batch)(*map(_on_meta, batch))
-        )
+        if hasattr(batch, "_fields"):  # a named tuple takes its fields as arguments
+            return type(batch)(*map(_on_meta, batch))
+        return type(batch)(_on_meta(b) for b in batch)
     if isinstance(batch, dict):
         return {k: _on_meta(v) for k, v in batch.items()}
     return batch
@@ -165,7 +161,6 @@ def peak_flops(trainer: Any, override: float | None) -> float | None:
 def _matmul_dtype(dtype: Any, device: Any) -> str:
     """The row of `gpu_peaks` a run's matmuls run at: float32 runs on TF32 tensor cores on Ampere and
     later unless torch's float32 matmul precision is `highest` (as Lightning's table reads it)."""
-
     if dtype is torch.bfloat16:
         return "bf16"
     if dtype is torch.float16:

@@ -23,6 +23,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _saved(plt: Any, figure: Any, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)  # pyplot holds every figure until it is closed
+    return path
+
+
 def read_series(metrics_csv: Path) -> dict[str, list[tuple[float, float]]]:
     """metric -> [(step, value)] from a csv logger's metrics.csv (empty cells skipped)."""
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -78,11 +85,7 @@ def plot_run(run_dir: str | Path) -> Path:
         axis.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     figure.suptitle(run_dir.name, fontsize=9)
-    figure.tight_layout()
-    path = run_dir / CURVES_FILE
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _saved(plt, figure, run_dir / CURVES_FILE)
 
 
 def _natural(name: str) -> tuple[str, int]:
@@ -119,16 +122,11 @@ def plot_ranks(run_dir: str | Path) -> Path | None:
             axis.legend(fontsize=7, ncol=min(len(names), 8))
     axes[-1, 0].set_xlabel("step")
     figure.suptitle(f"{run_dir.name}: {slowest_rank(series)}", fontsize=9)
-    figure.tight_layout()
-    path = run_dir / RANKS_FILE
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _saved(plt, figure, run_dir / RANKS_FILE)
 
 
 def slowest_rank(series: dict[str, list[tuple[float, float]]]) -> str:
     """Which rank was slowest over the run, by its median step time."""
-
     steps = {
         name.rsplit("/", 1)[1]: statistics.median(v for _, v in points)
         for name, points in series.items()
@@ -169,10 +167,7 @@ def plot_sweep(
         axis.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=7)
     axis.set_ylabel(metric)
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _saved(plt, figure, path)
 
 
 def _plot_groups(rows: list[dict[str, Any]], groups: list[dict[str, Any]], metric: str, path: Path) -> Path:
@@ -221,10 +216,7 @@ def _plot_groups(rows: list[dict[str, Any]], groups: list[dict[str, Any]], metri
     axis.set_ylabel(metric)
     axis.legend(fontsize=8)
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _saved(plt, figure, path)
 
 
 def _numbers(overrides: list[str], varying: list[str]) -> list[float] | None:

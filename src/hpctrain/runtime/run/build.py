@@ -357,9 +357,7 @@ def _datamodule(cfg: DictConfig, settings: Settings) -> LightningDataModule:
         node = OmegaConf.merge(node, {"stage_dir": scratch})
         if launched.is_rank_zero():
             log.info(
-                "cluster=%s: data staged to its node-local scratch, data.stage_dir=%s",
-                preset.name,
-                scratch,
+                "cluster=%s: data staged to its node-local scratch, data.stage_dir=%s", preset.name, scratch
             )
     check_arguments(node, "data")
     return _of_the_run(_instantiate(node), "data")
@@ -404,9 +402,8 @@ def _instantiate_named(group: DictConfig | None, key: str) -> dict[str, Any]:
         for name, entry in group.items()
         if entry is not None and "_target_" in entry
     }
-    return {
-        name: obj for name, obj in built.items() if obj is not None
-    }  # a factory may decline (mlflow_logger)
+    # a factory may decline (mlflow_logger)
+    return {name: obj for name, obj in built.items() if obj is not None}
 
 
 def loggers(cfg: DictConfig) -> list[Logger]:
@@ -474,9 +471,8 @@ def callbacks(
             straggler_factor=settings.diagnostics.straggler_factor,
         )
     )
-    callback_list.append(
-        BatchLimits()
-    )  # a limit_*_batches fraction of a tiny split: one batch, not Lightning's refusal
+    # a limit_*_batches fraction of a tiny split: one batch, not Lightning's refusal
+    callback_list.append(BatchLimits())
     if training:
         # what eval, predict, export and hpctrain.load rebuild the run from
         recorded = redact.recorded(cfg)  # resolved, but no secret (hpctrain.runtime.config.redact)

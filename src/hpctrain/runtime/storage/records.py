@@ -135,9 +135,7 @@ def write_run_record(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
-    overrides = [
-        redact.override(o) for o in overrides
-    ]  # no secret in any record (hpctrain.runtime.config.redact)
+    overrides = [redact.override(o) for o in overrides]  # no secret in any record (config.redact)
     if not config_file.exists():
         write_atomically(config_file, redact.yaml_text(cfg))
     hydra_dir = run_dir / ".hydra"
@@ -181,9 +179,8 @@ class Outcome:
     status: str = "running"
     error: str | None = None
     ranks: dict[int, dict[str, Any]] | None = None  # per rank: its time per step, and where it went
-    performance: dict[str, Any] | None = (
-        None  # data wait, step time, memory, FLOP/s: the job's, per rank, per node
-    )
+    # data wait, step time, memory, FLOP/s: the job's, per rank, per node
+    performance: dict[str, Any] | None = None
     signature: str | None = None  # of the composed config, without paths: a re-run sweep skips what matches
     skipped_files: int | None = None  # data.skip_bad=true: files left out as unreadable (rank 0's share)
     test: dict[str, float] | None = None  # the test metrics of a run that tested (sweep summaries group them)
@@ -219,43 +216,29 @@ def outcome_recorded(
         if refused and not in_sweep and launched.is_rank_zero():
             _remove_if_only_logs(run_dir)
         elif owned and launched.is_rank_zero() and run_dir.is_dir():
-            record = {
-                "status": outcome.status,
-                "metric": outcome.metric,
-                "value": outcome.value,
-                "error": outcome.error,
-                "overrides": [redact.override(o) for o in overrides or []],
-                "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-            }
-            if outcome.signature:
-                record["signature"] = outcome.signature
-            if outcome.ranks:
-                record["ranks"] = outcome.ranks
-            if outcome.performance:
-                record["performance"] = outcome.performance
-            if outcome.skipped_files:
-                record["skipped_files"] = outcome.skipped_files
-            if outcome.test:
-                record["test"] = outcome.test
-            if outcome.cost:
-                record["cost"] = outcome.cost
-            with suppress(OSError):  # an unwritable run dir has already been reported
-                write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
+            _write_outcome(run_dir, outcome, [redact.override(o) for o in overrides or []])
 
 
 def record_lost(run_dir: str | Path, error: str) -> None:
     """outcome.yaml for a run whose processes ended without writing one (killed: out of memory, a signal
     that cannot be handled): failed, with what the process that started it saw (a packed job's driver)."""
-    run_dir = Path(run_dir)
+    overrides = list(read_run_record(run_dir).get("overrides") or [])
+    _write_outcome(Path(run_dir), Outcome(status="failed", error=error), overrides)
+
+
+def _write_outcome(run_dir: Path, outcome: Outcome, overrides: list[str]) -> None:
     record = {
-        "status": "failed",
-        "metric": None,
-        "value": None,
-        "error": error,
-        "overrides": list(read_run_record(run_dir).get("overrides") or []),
+        "status": outcome.status,
+        "metric": outcome.metric,
+        "value": outcome.value,
+        "error": outcome.error,
+        "overrides": overrides,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    with suppress(OSError):
+    for key in ("signature", "ranks", "performance", "skipped_files", "test", "cost"):
+        if getattr(outcome, key):  # only what the run had
+            record[key] = getattr(outcome, key)
+    with suppress(OSError):  # an unwritable run dir has already been reported
         write_atomically(run_dir / OUTCOME_FILE, yaml.safe_dump(record, sort_keys=False))
 
 

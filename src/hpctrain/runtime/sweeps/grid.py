@@ -14,7 +14,6 @@ from hpctrain.runtime.errors import UserError
 
 def expand(overrides: Sequence[str]) -> list[list[str]]:
     """The overrides of every job of the grid, in order (one job, the overrides, when nothing is swept)."""
-
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except OverrideParseException as err:

@@ -359,7 +359,6 @@ class SlurmLauncher(SubmititSlurmLauncher):
         included: its src/ first on the path, its conf/ where the jobs compose their config (the search
         path the jobs receive is rewritten from the project's conf/ to the snapshot's), the project named
         for logs/, data/ and the venv."""
-
         try:
             code = snapshot.take(CODE_ROOT).path
         except RuntimeError as err:

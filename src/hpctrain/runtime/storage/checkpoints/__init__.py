@@ -111,23 +111,19 @@ class StartPoint:
 
     def _check_checkpoint(self, model: LightningModule, model_cfg: DictConfig) -> str | None:
         """Refuse weights of another model; the configured optimizer values the checkpoint overrides."""
-
         from hpctrain.runtime.storage.checkpoints import reading
 
         assert self.checkpoint is not None
-        content = reading.read(
-            self.checkpoint, weights=False
-        )  # once, for both checks (a folder: shapes only)
+        # read once, for both checks (a folder: shapes only)
+        content = reading.read(self.checkpoint, weights=False)
         reading.check_matches_model(self.checkpoint, model, content=content)
         configured = OmegaConf.to_container(model_cfg, resolve=True)
         return reading.resume_overrides(self.checkpoint, configured, content=content)
 
     def describe(self) -> str:
-        return (
-            f"starting from {self.checkpoint} ({self.reason})"
-            if self.checkpoint
-            else f"starting fresh ({self.reason})"
-        )
+        if self.checkpoint:
+            return f"starting from {self.checkpoint} ({self.reason})"
+        return f"starting fresh ({self.reason})"
 
 
 def _load_init_weights(model: LightningModule, init: InitFrom) -> str:

@@ -86,11 +86,7 @@ def _listed(keys: Sequence[str], what: str, show: int = 3) -> str:
 
 
 def apply(
-    module: nn.Module,
-    path: str | Path,
-    strict: bool = True,
-    exclude: Sequence[str] = (),
-    prefix: str = "",
+    module: nn.Module, path: str | Path, strict: bool = True, exclude: Sequence[str] = (), prefix: str = ""
 ) -> str:
     """Load the weights of `path` into `module` as configured; returns the line that says what was loaded."""
     weights = {f"{prefix}{k}": v for k, v in read_weights(path).items()}

@@ -261,7 +261,6 @@ def _recorded(folder: Path, what: str) -> dict[str, tuple[int, str]]:
 
 def _check_plain_items(folder: Path, index: Any, what: str) -> None:
     """Every non-tensor item (optimizer hyperparameters, ...) loads with weights_only=True."""
-
     for key, meta in index.state_dict_metadata.items():
         if not isinstance(meta, BytesStorageMetadata):
             continue
@@ -347,7 +346,6 @@ def _load(state: dict[str, Any], folder: Path, reader: _ParsedIndexReader, what:
 def read_folder(folder: str | Path, what: str = "ckpt_path", weights: bool = True) -> dict[str, Any]:
     """The checkpoint as one dict: Lightning's part, and the whole model's `state_dict` (on CPU; with
     `weights=False` as meta tensors, their shapes only: what a check needs, without reading a shard)."""
-
     folder = Path(folder)
     index = check_folder(folder, what)
     content = read_meta(folder, what)
