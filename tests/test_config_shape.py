@@ -78,8 +78,6 @@ SEAMS = {
     "StartPoint._check_checkpoint(model_cfg)": NODE + ": the model's, against the checkpoint's",
     "strategy(trainer_cfg)": TRAINER,
     "_processes(trainer_cfg)": TRAINER,
-    "predict(settings)": "the predict entry point's group (predict.*), checked by the schema's group keys",
-    "choose_source(settings)": "the predict entry point's group (predict.*), checked by the schema's group keys",
     # Hydra's interfaces
     "task_overrides(hydra_cfg)": HYDRA,
     "check_hydra_env(hydra_cfg)": HYDRA,

@@ -55,8 +55,8 @@ class Key:
     description: str = ""
 
 
-# The keys of the groups hpctrain hands on whole (Lightning's trainer, the user's data and model, the entry
-# points' predict and export, paths): checked, not typed; hpctrain's own keys are its typed settings'
+# The keys of the groups hpctrain hands on whole (Lightning's trainer, the user's data and model, export's,
+# paths): checked, not typed; hpctrain's own keys (predict's among them) are its typed settings'
 GROUP_KEYS: tuple[Key, ...] = (
     Key("trainer.num_nodes", integer(1), "a positive integer", "2", "nodes (SLURM: --nodes)"),
     Key(
@@ -139,17 +139,6 @@ GROUP_KEYS: tuple[Key, ...] = (
         "k-fold: which samples fall in which fold",
     ),
     Key("model.optimizer.lr", POSITIVE_NUMBER, "a positive number", "0.001", "learning rate"),
-    Key(
-        "predict.split",
-        {"enum": ["test", "val", "train"]},
-        "test, val or train",
-        "val",
-        "the split to predict",
-    ),
-    Key(
-        "predict.batch_size", {"type": ["integer", "null"], "minimum": 1}, "a positive integer or null", "256"
-    ),
-    Key("predict.num_workers", integer(0), "a non-negative integer", "4"),
     Key(
         "export.format",
         {"enum": list(EXPORT_FORMATS)},

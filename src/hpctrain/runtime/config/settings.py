@@ -340,6 +340,23 @@ class Cluster:
         return _built(cls, content, "cluster", lambda key: _shown(path))
 
 
+@dataclass(frozen=True)
+class Predict:
+    """src/predict.py's (conf/predict.yaml): what is predicted, in what batches, into which file."""
+
+    split: str = setting(
+        "test", {"enum": ["test", "val", "train"]}, "test, val or train", "val", "the split to predict"
+    )
+    input: str | None = setting(
+        None, {"type": ["string", "null"]}, "a folder of images, a .pt/.npy file, or null", "photos/"
+    )
+    output: str | None = setting(None, {"type": ["string", "null"]}, "a file path or null", "predictions.csv")
+    batch_size: int | None = setting(
+        None, {"type": ["integer", "null"], "minimum": 1}, "a positive integer or null", "256"
+    )
+    num_workers: int = setting(0, integer(0), "a non-negative integer", "4")
+
+
 SECTIONS: dict[str, type] = {
     "requeue": Requeue,
     "checkpoints": Checkpoints,
@@ -367,6 +384,7 @@ class Settings:
     monitor: Monitor | None = None  # None: the config has no monitor section (export)
     extras: Extras = field(default_factory=Extras)
     cluster: Cluster | None = None  # None: no preset chosen (cluster=null)
+    predict: Predict | None = None  # None: not src/predict.py's config
     # the top-level keys (conf/train.yaml): the entry points' and the build's switches
     seed: int = setting(
         12345,
@@ -450,7 +468,7 @@ def _built(kind: type, content: Mapping[str, Any], prefix: str, where: Any) -> A
 def _section(kind: type, name: str) -> type | None:
     """The settings dataclass a field holds (a section of keys), or None for a plain value."""
     if kind is Settings:
-        return {**SECTIONS, "cluster": Cluster}.get(name)
+        return {**SECTIONS, "cluster": Cluster, "predict": Predict}.get(name)
     factory = next(f.default_factory for f in fields(kind) if f.name == name)
     return factory if factory is not MISSING and is_dataclass(factory) else None
 
