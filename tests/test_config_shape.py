@@ -22,7 +22,6 @@ DOOR = "the composition itself, before or while it becomes Settings (compose, ch
 RECORD = "the composition recorded whole, secrets redacted (config.yaml, trackers, checkpoints, signatures)"
 BUILD = "the build: hands the user's groups (data, model, trainer, callbacks, logger) out to instantiate"
 NODE = "one user's group (or entry) as an opaque node, instantiated or checked against its class"
-TRAINER = "the trainer group: Lightning's keys, passed through to the Trainer whole"
 HYDRA = "Hydra's interface hands it over (its own config, a callback's or a plugin's argument)"
 TESTING = "hpctrain.testing's public API: a project's tests pass the config they composed"
 
@@ -76,8 +75,6 @@ SEAMS = {
     "check_checkpoint_entry(group)": NODE,
     "StartPoint.prepare(model_cfg)": NODE + ": the model's, against the checkpoint's",
     "StartPoint._check_checkpoint(model_cfg)": NODE + ": the model's, against the checkpoint's",
-    "strategy(trainer_cfg)": TRAINER,
-    "_processes(trainer_cfg)": TRAINER,
     # Hydra's interfaces
     "task_overrides(hydra_cfg)": HYDRA,
     "check_hydra_env(hydra_cfg)": HYDRA,
