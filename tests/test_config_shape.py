@@ -30,8 +30,6 @@ SEAMS = {
     "check_config(cfg)": DOOR,
     "_value(cfg)": DOOR,
     "_resolve_everything(cfg)": DOOR,
-    "_check_tensor_parallel(cfg)": DOOR,
-    "_check_precision(cfg)": DOOR,
     "_check_loggers(cfg)": DOOR,
     "_check_notify(cfg)": DOOR,
     "_check_folds(cfg)": DOOR,
