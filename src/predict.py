@@ -25,13 +25,13 @@ def main(cfg: DictConfig) -> None:
 
     with Job(cfg) as job:  # preflight, and an existing predict.output is refused before anything runs
         checkpoint = existing_checkpoint(job.settings.ckpt_path)
-        cfg = job.from_checkpoint(checkpoint)  # the model (and data) it was trained with
+        job.from_checkpoint(checkpoint)  # the model (and data) it was trained with
         run = job.build(training=False)  # weights of another model: refused here
         from hpctrain.runtime.inference.predict import predict
 
         with job.running(run):  # under SLURM a signal requeues the job, which predicts again
             given = any(o.startswith("predict.split=") for o in job.overrides)
-            predict(run, checkpoint, cfg.predict, job.run_dir, split_given=given)
+            predict(run, checkpoint, job.settings.predict, job.run_dir, split_given=given)
             job.finish(run)
 
 

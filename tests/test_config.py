@@ -229,7 +229,8 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
                     pytest.skip(f"logger={option} needs {package}, an optional extra that is not installed")
     if group == "trainer" and option.startswith("fsdp"):  # FSDP2, on GPUs and on CPU alike
         assert (
-            type(build.strategy(cfg.trainer, Settings.of(cfg).dist)).__name__ == "HydraModelParallelStrategy"
+            type(build.strategy(Settings.of(cfg).trainer, Settings.of(cfg).dist)).__name__
+            == "HydraModelParallelStrategy"
         )
     check_config(cfg)
     if group in ("trainer", "callbacks", "debug", "extras"):

@@ -22,7 +22,6 @@ DOOR = "the composition itself, before or while it becomes Settings (compose, ch
 RECORD = "the composition recorded whole, secrets redacted (config.yaml, trackers, checkpoints, signatures)"
 BUILD = "the build: hands the user's groups (data, model, trainer, callbacks, logger) out to instantiate"
 NODE = "one user's group (or entry) as an opaque node, instantiated or checked against its class"
-TRAINER = "the trainer group: Lightning's keys, passed through to the Trainer whole"
 HYDRA = "Hydra's interface hands it over (its own config, a callback's or a plugin's argument)"
 TESTING = "hpctrain.testing's public API: a project's tests pass the config they composed"
 
@@ -31,8 +30,6 @@ SEAMS = {
     "check_config(cfg)": DOOR,
     "_value(cfg)": DOOR,
     "_resolve_everything(cfg)": DOOR,
-    "_check_tensor_parallel(cfg)": DOOR,
-    "_check_precision(cfg)": DOOR,
     "_check_loggers(cfg)": DOOR,
     "_check_notify(cfg)": DOOR,
     "_check_folds(cfg)": DOOR,
@@ -76,10 +73,6 @@ SEAMS = {
     "check_checkpoint_entry(group)": NODE,
     "StartPoint.prepare(model_cfg)": NODE + ": the model's, against the checkpoint's",
     "StartPoint._check_checkpoint(model_cfg)": NODE + ": the model's, against the checkpoint's",
-    "strategy(trainer_cfg)": TRAINER,
-    "_processes(trainer_cfg)": TRAINER,
-    "predict(settings)": "the predict entry point's group (predict.*), checked by the schema's group keys",
-    "choose_source(settings)": "the predict entry point's group (predict.*), checked by the schema's group keys",
     # Hydra's interfaces
     "task_overrides(hydra_cfg)": HYDRA,
     "check_hydra_env(hydra_cfg)": HYDRA,

@@ -537,7 +537,7 @@ def test_compile_under_fsdp2_is_left_to_the_sharding_block_by_block(tmp_path: Pa
         cfg = compose_train(tmp_path, tmp_path, *compiled, f"trainer={trainer}")
         module = build.tune_model(build.model(cfg), Settings.of(cfg), cfg.trainer.strategy)
         assert (module.net._compiled_call_impl is not None) == whole, trainer
-    strategy = build.strategy(cfg.trainer, Settings.of(cfg).dist, compile_backend="eager")
+    strategy = build.strategy(Settings.of(cfg).trainer, Settings.of(cfg).dist, compile_backend="eager")
     assert strategy.compile_backend == "eager"
     block = module.net.blocks[0]
     fsdp._compiled_and_checkpointed(block, "eager", recompute=False)

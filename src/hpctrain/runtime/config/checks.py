@@ -61,18 +61,18 @@ def _resolve_everything(cfg: DictConfig) -> None:
         ) from err
 
 
-def _check_tensor_parallel(cfg: DictConfig, fsdp: bool) -> None:
+def _check_tensor_parallel(settings: Settings, fsdp: bool) -> None:
     """dist.tensor_parallel needs FSDP2 and a number of processes it divides (when the config fixes it)."""
-    tensor = _value(cfg, "dist.tensor_parallel")
-    if tensor is _ABSENT or tensor in (None, 1):
+    tensor, keys = settings.dist.tensor_parallel, settings.trainer
+    if tensor in (None, 1):
         return
     if not fsdp:
         raise UserError(
             f"dist.tensor_parallel={tensor} needs trainer=fsdp or trainer=fsdp_cpu (FSDP2's 2-D mesh); with "
-            f"trainer.strategy={_value(cfg, 'trainer.strategy')} pass dist.tensor_parallel=1."
+            f"trainer.strategy={keys.strategy} pass dist.tensor_parallel=1."
         )
     try:
-        processes = int(_value(cfg, "trainer.num_nodes")) * int(_value(cfg, "trainer.devices"))
+        processes = int(keys.num_nodes) * int(keys.devices)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return  # devices=auto: checked once the processes exist
     if processes % int(tensor):
@@ -80,8 +80,7 @@ def _check_tensor_parallel(cfg: DictConfig, fsdp: bool) -> None:
             f"dist.tensor_parallel={tensor} does not divide the {processes} processes "
             "(trainer.num_nodes x trainer.devices); pass a divisor of it."
         )
-    plan = _value(cfg, "dist.tensor_parallel_plan")
-    if plan is _ABSENT or not plan:
+    if not settings.dist.tensor_parallel_plan:
         raise UserError(
             f"dist.tensor_parallel={tensor}: the model's config ships no tensor-parallel plan "
             "(dist.tensor_parallel_plan), which hpctrain needs to split its layers; train with "
@@ -90,22 +89,22 @@ def _check_tensor_parallel(cfg: DictConfig, fsdp: bool) -> None:
         )
 
 
-def _check_precision(cfg: DictConfig) -> None:
-    precision = str(_value(cfg, "trainer.precision"))
-    accelerator = str(_value(cfg, "trainer.accelerator") or "auto")
+def _check_precision(settings: Settings) -> None:
+    keys = settings.trainer
+    precision, accelerator = str(keys.precision), keys.accelerator
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and allocated.visible_gpus() == 0)
-    fsdp = str(_value(cfg, "trainer.strategy")) == "fsdp"
+    fsdp = keys.strategy == "fsdp"
     if fsdp and accelerator == "mps":
         raise UserError(
             "trainer.strategy=fsdp with trainer.accelerator=mps: FSDP2 runs on CUDA GPUs and CPUs; train on GPUs "
             "(trainer=fsdp) or on CPU (trainer=fsdp_cpu)."
         )
-    if fsdp and on_cpu and _value(cfg, "dist.fsdp.cpu_offload") is True:
+    if fsdp and on_cpu and settings.dist.fsdp.cpu_offload is True:
         raise UserError(
             "dist.fsdp.cpu_offload=true with FSDP2 on CPU: it moves parameters and optimizer states from GPU "
             "memory to the host, and on CPU they are there already; drop it (or train on GPUs, trainer=fsdp)."
         )
-    _check_tensor_parallel(cfg, fsdp)
+    _check_tensor_parallel(settings, fsdp)
     if fsdp and precision in ("16", "16-mixed"):
         raise UserError(
             f"trainer.precision={precision} under FSDP2 (trainer.strategy=fsdp): Lightning's ModelParallelStrategy "
@@ -211,8 +210,7 @@ def check_config(cfg: DictConfig, where: Any = None) -> Settings:
         if not validate(value, key.schema):
             shown = value if not isinstance(value, str) else f"'{value}'"
             raise UserError(f"{key.path}={shown} is not {key.expected}; pass e.g. {key.path}={key.example}.")
-    if OmegaConf.select(cfg, "trainer.precision") is not None:
-        _check_precision(cfg)
+    _check_precision(settings)
     _check_loggers(cfg)
     _check_folds(cfg)
     _check_outputs(cfg)

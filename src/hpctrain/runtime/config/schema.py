@@ -15,26 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpctrain.runtime.config import settings
-from hpctrain.runtime.config.settings import POSITIVE_NUMBER, integer
+from hpctrain.runtime.config.settings import ACCELERATORS, POSITIVE_NUMBER, PRECISIONS, integer
 from hpctrain.runtime.config.validation import validate
 
-__all__ = ["KEYS", "Key", "json_schema", "validate"]
+__all__ = ["ACCELERATORS", "KEYS", "PRECISIONS", "Key", "json_schema", "validate"]
 
-# Lightning's precision values (lightning_fabric's _PRECISION_INPUT, without transformer-engine, which
-# needs NVIDIA's library); tests/test_schema.py fails if Lightning's list changes.
-PRECISIONS = (
-    "64",
-    "64-true",
-    "32",
-    "32-true",
-    "16",
-    "16-mixed",
-    "16-true",
-    "bf16",
-    "bf16-mixed",
-    "bf16-true",
-)
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 EXPORT_FORMATS = (
     "torch_export",
     "onnx",
@@ -55,33 +40,10 @@ class Key:
     description: str = ""
 
 
-# The keys of the groups hpctrain hands on whole (Lightning's trainer, the user's data and model, the entry
-# points' predict and export, paths): checked, not typed; hpctrain's own keys are its typed settings'
+# The keys of the groups hpctrain hands on whole (Lightning's trainer, the user's data and model, export's,
+# paths): checked, not typed; hpctrain's own keys (predict's, and the trainer's it reads) are its typed
+# settings'
 GROUP_KEYS: tuple[Key, ...] = (
-    Key("trainer.num_nodes", integer(1), "a positive integer", "2", "nodes (SLURM: --nodes)"),
-    Key(
-        "trainer.devices",
-        {
-            "anyOf": [
-                integer(1),
-                {"const": -1},
-                {"const": "auto"},
-                {"type": "string", "pattern": r"^\s*\d+\s*(,\s*\d+\s*)*,?\s*$"},
-                {"type": "array", "items": integer(0), "minItems": 1},
-            ]
-        },
-        "a positive integer, -1, auto, or a list of device ids",
-        "2",
-        "processes per node: GPUs per node (SLURM: --ntasks-per-node)",
-    ),
-    Key("trainer.accelerator", {"enum": list(ACCELERATORS)}, f"one of {', '.join(ACCELERATORS)}", "cpu"),
-    Key(
-        "trainer.precision",
-        {"enum": [*PRECISIONS, 64, 32, 16]},
-        f"one of {', '.join(PRECISIONS)}",
-        "bf16-mixed",
-        "32-true; bf16-mixed or 16-mixed on GPUs",
-    ),
     Key("trainer.max_epochs", integer(-1), "an integer, -1 or more (-1: no limit)", "10"),
     Key("trainer.min_epochs", {"type": ["integer", "null"], "minimum": 0}, "a non-negative integer", "1"),
     Key("trainer.max_steps", integer(-1), "an integer, -1 or more (-1: no limit)", "1000"),
@@ -139,17 +101,6 @@ GROUP_KEYS: tuple[Key, ...] = (
         "k-fold: which samples fall in which fold",
     ),
     Key("model.optimizer.lr", POSITIVE_NUMBER, "a positive number", "0.001", "learning rate"),
-    Key(
-        "predict.split",
-        {"enum": ["test", "val", "train"]},
-        "test, val or train",
-        "val",
-        "the split to predict",
-    ),
-    Key(
-        "predict.batch_size", {"type": ["integer", "null"], "minimum": 1}, "a positive integer or null", "256"
-    ),
-    Key("predict.num_workers", integer(0), "a non-negative integer", "4"),
     Key(
         "export.format",
         {"enum": list(EXPORT_FORMATS)},

@@ -30,6 +30,21 @@ from hpctrain.runtime.errors import UserError
 NOTIFY_EVENTS = ("completed", "failed", "nan", "hung", "budget", "sweep")  # notify's (tests/test_notify.py)
 POSITIVE_NUMBER = {"type": "number", "exclusiveMinimum": 0}
 STRINGS = {"type": "array", "items": {"type": "string"}}
+# Lightning's precision values (lightning_fabric's _PRECISION_INPUT, without transformer-engine, which
+# needs NVIDIA's library); tests/test_schema.py fails if Lightning's list changes.
+PRECISIONS = (
+    "64",
+    "64-true",
+    "32",
+    "32-true",
+    "16",
+    "16-mixed",
+    "16-true",
+    "bf16",
+    "bf16-mixed",
+    "bf16-true",
+)
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
 
 def integer(minimum: int | None = None) -> dict[str, Any]:
@@ -340,6 +355,66 @@ class Cluster:
         return _built(cls, content, "cluster", lambda key: _shown(path))
 
 
+@dataclass(frozen=True)
+class Predict:
+    """src/predict.py's (conf/predict.yaml): what is predicted, in what batches, into which file."""
+
+    split: str = setting(
+        "test", {"enum": ["test", "val", "train"]}, "test, val or train", "val", "the split to predict"
+    )
+    input: str | None = setting(
+        None, {"type": ["string", "null"]}, "a folder of images, a .pt/.npy file, or null", "photos/"
+    )
+    output: str | None = setting(None, {"type": ["string", "null"]}, "a file path or null", "predictions.csv")
+    batch_size: int | None = setting(
+        None, {"type": ["integer", "null"], "minimum": 1}, "a positive integer or null", "256"
+    )
+    num_workers: int = setting(0, integer(0), "a non-negative integer", "4")
+
+
+@dataclass(frozen=True)
+class TrainerKeys:
+    """The keys of Lightning's trainer group that hpctrain reads (the launch checks, the strategy, the CPU
+    plan, the precision notes). The group's other keys are Lightning's: passed to the Trainer whole,
+    neither read nor refused here (`lightnings`)."""
+
+    lightnings = True  # a key not named here is Lightning's, not a typo
+
+    num_nodes: int = setting(1, integer(1), "a positive integer", "2", "nodes (SLURM: --nodes)")
+    devices: int | str | list[int] = setting(
+        1,
+        {
+            "anyOf": [
+                integer(1),
+                {"const": -1},
+                {"const": "auto"},
+                {"type": "string", "pattern": r"^\s*\d+\s*(,\s*\d+\s*)*,?\s*$"},
+                {"type": "array", "items": integer(0), "minItems": 1},
+            ]
+        },
+        "a positive integer, -1, auto, or a list of device ids",
+        "2",
+        "processes per node: GPUs per node (SLURM: --ntasks-per-node)",
+    )
+    accelerator: str = setting(
+        "auto", {"enum": list(ACCELERATORS)}, f"one of {', '.join(ACCELERATORS)}", "cpu"
+    )
+    precision: str | int = setting(
+        "32-true",
+        {"enum": [*PRECISIONS, 64, 32, 16]},
+        f"one of {', '.join(PRECISIONS)}",
+        "bf16-mixed",
+        "32-true; bf16-mixed or 16-mixed on GPUs",
+    )
+    strategy: str | dict[str, Any] = setting(
+        "auto",
+        {"anyOf": [{"type": "string"}, {"type": "object"}]},
+        "a strategy name (auto, ddp, fsdp) or a strategy's config",
+        "ddp",
+        "fsdp: FSDP2; ddp, or auto with more than one process: DDP",
+    )
+
+
 SECTIONS: dict[str, type] = {
     "requeue": Requeue,
     "checkpoints": Checkpoints,
@@ -350,6 +425,7 @@ SECTIONS: dict[str, type] = {
     "init_from": InitFrom,
     "monitor": Monitor,
     "extras": Extras,
+    "trainer": TrainerKeys,
 }
 
 
@@ -366,7 +442,9 @@ class Settings:
     init_from: InitFrom = field(default_factory=InitFrom)
     monitor: Monitor | None = None  # None: the config has no monitor section (export)
     extras: Extras = field(default_factory=Extras)
+    trainer: TrainerKeys = field(default_factory=TrainerKeys)
     cluster: Cluster | None = None  # None: no preset chosen (cluster=null)
+    predict: Predict | None = None  # None: not src/predict.py's config
     # the top-level keys (conf/train.yaml): the entry points' and the build's switches
     seed: int = setting(
         12345,
@@ -406,12 +484,19 @@ class Settings:
         for name in (f.name for f in fields(cls)):
             if name not in cfg or OmegaConf.is_missing(cfg, name):
                 continue
-            node = cfg.get(name)
-            if node is not None or _section(cls, name) is None:
-                content[name] = (
-                    OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-                )
+            node, section = cfg.get(name), _section(cls, name)
+            if getattr(section, "lightnings", False) and OmegaConf.is_config(node):  # the keys read only
+                node = {key: node[key] for key in (f.name for f in fields(section)) if key in node}
+            if node is not None or section is None:
+                content[name] = _plain(node)
         return _built(cls, content, "", where or Sources())
+
+
+def _plain(node: Any) -> Any:
+    """A config value as plain Python, resolved (a mapping's values too)."""
+    if isinstance(node, dict):
+        return {key: _plain(value) for key, value in node.items()}
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def unset(value: Any) -> bool:
@@ -425,6 +510,8 @@ def _built(kind: type, content: Mapping[str, Any], prefix: str, where: Any) -> A
     values: dict[str, Any] = {}
     for key, value in content.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in known and getattr(kind, "lightnings", False):
+            continue
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
             hint = f"; did you mean {prefix}.{close[0]}?" if close else f"; its keys are {', '.join(known)}"
@@ -450,7 +537,7 @@ def _built(kind: type, content: Mapping[str, Any], prefix: str, where: Any) -> A
 def _section(kind: type, name: str) -> type | None:
     """The settings dataclass a field holds (a section of keys), or None for a plain value."""
     if kind is Settings:
-        return {**SECTIONS, "cluster": Cluster}.get(name)
+        return {**SECTIONS, "cluster": Cluster, "predict": Predict}.get(name)
     factory = next(f.default_factory for f in fields(kind) if f.name == name)
     return factory if factory is not MISSING and is_dataclass(factory) else None
 

@@ -31,12 +31,12 @@ import numpy as np
 import torch
 from lightning_fabric.utilities.apply_func import move_data_to_device  # namespace-free
 from lightning_utilities.core.apply_func import apply_to_collection
-from omegaconf import DictConfig
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from hpctrain.data import decode
 from hpctrain.data.loading import ResumableDataLoader, TensorDataset
+from hpctrain.runtime.config.settings import Predict
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.export import tensors
 from hpctrain.runtime.namespaces import LightningPart, is_overridden, namespace_of
@@ -59,13 +59,13 @@ TENSOR_SUFFIXES = (".pt", ".pth", ".npy")
 
 
 def predict(
-    run: Any, checkpoint: Path, settings: DictConfig, run_dir: str | Path, split_given: bool
+    run: Any, checkpoint: Path, settings: Predict, run_dir: str | Path, split_given: bool
 ) -> Path | None:
     """Predict what `settings` chooses with the checkpoint's weights; returns the output file (rank 0)."""
     source, paths = choose_source(run.datamodule, settings, split_given)
     if run.trainer.is_global_zero:
         log.info("predicting %s", source)
-    output = Path(str(settings.output)).expanduser() if settings.get("output") else None
+    output = Path(settings.output).expanduser() if settings.output else None
     writer = namespace_of(run.trainer).part(PredictionWriter)(
         run_dir, output, paths
     )  # the trainer's namespace
@@ -81,20 +81,19 @@ def predict(
 
 
 def choose_source(
-    datamodule: LightningDataModule, settings: DictConfig, split_given: bool
+    datamodule: LightningDataModule, settings: Predict, split_given: bool
 ) -> tuple[str, list[str] | None]:
     """Point the datamodule's `predict_dataloader` at what is to be predicted; returns its description and,
     for a folder of images, each sample's path."""
-    batch_size = int(settings.get("batch_size") or getattr(datamodule, "batch_size", None) or 64)
-    workers = int(settings.get("num_workers") or 0)
-    if settings.get("input"):
-        dataset, paths = input_dataset(Path(str(settings.input)).expanduser(), _image_shape(datamodule))
-        loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers)
+    batch_size = int(settings.batch_size or getattr(datamodule, "batch_size", None) or 64)
+    if settings.input:
+        dataset, paths = input_dataset(Path(settings.input).expanduser(), _image_shape(datamodule))
+        loader = DataLoader(dataset, batch_size=batch_size, num_workers=settings.num_workers)
         _serve(datamodule, lambda: loader)
         return f"{len(dataset)} samples of predict.input={settings.input}", paths
     if is_overridden("predict_dataloader", datamodule) and not split_given:
         return f"the datamodule's predict_dataloader ({type(datamodule).__name__})", None
-    split = str(settings.split)
+    split = settings.split
     stage, hook = SPLITS[split]
     if not is_overridden(hook, datamodule):
         raise UserError(
@@ -103,7 +102,7 @@ def choose_source(
 
     def split_loader() -> Any:
         datamodule.setup(stage)  # a datamodule written as in Lightning's docs sets a split up for its stage
-        return unshuffled(getattr(datamodule, hook)(), batch_size, workers)
+        return unshuffled(getattr(datamodule, hook)(), batch_size, settings.num_workers)
 
     _serve(datamodule, split_loader)
     return f"the {split} split", None

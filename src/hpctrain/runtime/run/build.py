@@ -54,7 +54,7 @@ from hpctrain.loggers import job_metadata, tag_runs
 from hpctrain.runtime import namespaces
 from hpctrain.runtime.config import redact, targets
 from hpctrain.runtime.config.arguments import check_arguments
-from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings
+from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings, TrainerKeys
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
@@ -167,10 +167,8 @@ def cpu_plan(cfg: DictConfig, settings: Settings) -> tuple[int, int | None, str]
     (a batch is one tensor index). Threads get what is left: threads beyond a process's CPUs spin
     against each other and slow every process on them many times over. An explicit value is taken as
     given."""
-    trainer_cfg = cfg.get("trainer") or {}
-    cpus, found = allocated.cpus_per_process(
-        trainer_cfg.get("devices"), accelerator=trainer_cfg.get("accelerator")
-    )
+    keys = settings.trainer
+    cpus, found = allocated.cpus_per_process(keys.devices, accelerator=keys.accelerator)
     asked_workers = (cfg.get("data") or {}).get("num_workers", 0)
     workers = None
     if asked_workers == "auto":
@@ -203,7 +201,7 @@ def run_objects(
     with namespace_of_run(cfg) as namespace:  # before anything is built: mixed imports are one sentence
         data = datamodule(cfg, settings)
         check_data_available(data)
-        module = tune_model(model(cfg), settings, cfg.trainer.get("strategy"))
+        module = tune_model(model(cfg), settings, settings.trainer.strategy)
         built = trainer(cfg, settings, run_dir, training=training, sweep=sweep)
     monitor = next((c for c in built.callbacks if isinstance(c, MonitoredMetric)), None)
     requeue = next((c for c in built.callbacks if isinstance(c, RequeueOnSignal)), None)
@@ -455,7 +453,7 @@ def callbacks(
         check_checkpoint_entry(cfg.get("callbacks"), run_dir)
     named = _instantiate_named(cfg.get("callbacks"), "callbacks")
     callback_list = list(named.values())
-    if cfg.trainer.get("strategy") == "fsdp":  # a callback that runs the model on one rank: one sentence
+    if settings.trainer.strategy == "fsdp":  # a callback that runs the model on one rank: one sentence
         callback_list.append(OneRankCalls({id(obj): name for name, obj in named.items()}))
     if not has_logger:
         lr_monitor = namespaces.current().get("pytorch_lightning.callbacks.LearningRateMonitor")
@@ -514,20 +512,20 @@ def check_checkpoint_entry(group: DictConfig | None, run_dir: str | Path) -> Non
         )
 
 
-def _processes(trainer_cfg: DictConfig) -> int | None:
+def _processes(keys: TrainerKeys) -> int | None:
     try:
-        return int(trainer_cfg.num_nodes) * int(trainer_cfg.devices)
+        return int(keys.num_nodes) * int(keys.devices)  # type: ignore[arg-type] (auto, a list: None)
     except (TypeError, ValueError):
         return None
 
 
 def strategy(
-    trainer_cfg: DictConfig, dist: Dist, async_save: bool = False, compile_backend: str | None = None
+    keys: TrainerKeys, dist: Dist, async_save: bool = False, compile_backend: str | None = None
 ) -> Any:
     """DDP and FSDP2 with the Hydra-aware launcher and the configured collective timeout; else as given.
     `compile_backend` (compile=true): FSDP2 compiles each block before sharding it (`tune_model` leaves
     those networks alone)."""
-    strategy_name = trainer_cfg.get("strategy", "auto")
+    strategy_name = keys.strategy
     # Created with the startup timeout; RankWatchdog sets dist.timeout_min once the first step is done.
     common = {
         "process_group_backend": dist.backend,
@@ -536,13 +534,13 @@ def strategy(
     if strategy_name == "fsdp":  # FSDP2 (distributed/fsdp.py: why FSDP1 is gone)
         return HydraModelParallelStrategy(
             FolderSaves(async_save),
-            fsdp=fsdp_dtypes(dataclasses.asdict(dist.fsdp), str(trainer_cfg.get("precision"))),
+            fsdp=fsdp_dtypes(dataclasses.asdict(dist.fsdp), str(keys.precision)),
             tensor_parallel_size=dist.tensor_parallel,
             tensor_parallel_plan=dist.tensor_parallel_plan,  # shipped with the model's config
             compile_backend=compile_backend,
             **common,
         )
-    if strategy_name == "ddp" or (strategy_name == "auto" and _processes(trainer_cfg) not in (None, 1)):
+    if strategy_name == "ddp" or (strategy_name == "auto" and _processes(keys) not in (None, 1)):
         # passed on to torch's DistributedDataParallel
         ddp_options = {k: True for k in ("find_unused_parameters", "static_graph") if getattr(dist, k)}
         return HydraDDPStrategy(**common, **ddp_options)
@@ -625,14 +623,17 @@ def _trainer(
         "logger": chosen_loggers or False,
         "callbacks": callbacks(cfg, settings, run_dir, bool(chosen_loggers), training, sweep),
         "strategy": strategy(
-            cfg.trainer, settings.dist, asynchronous, settings.compile_backend if settings.compile else None
+            settings.trainer,
+            settings.dist,
+            asynchronous,
+            settings.compile_backend if settings.compile else None,
         ),
         "plugins": [
             launch.lightning_cluster_environment(namespaces.current()),
             (AsyncAtomicCheckpointIO if asynchronous else AtomicCheckpointIO)(redact.environment_values(cfg)),
         ],
     }
-    if allocated.one_gpu_per_task() and str(cfg.trainer.get("accelerator")) in allocated.GPU_ACCELERATORS:
+    if allocated.one_gpu_per_task() and settings.trainer.accelerator in allocated.GPU_ACCELERATORS:
         kwargs["devices"] = 1  # each task drives the one GPU SLURM bound to it (allocated.one_gpu_per_task)
     kwargs.update(overrides)
     built = _of_the_run(_instantiate(cfg.trainer, **kwargs), "trainer")

@@ -138,16 +138,13 @@ class Job:
         requeue = settings.requeue
         # recorded, acted on later; a stop nothing answers ends the run after requeue.stop_grace_s
         signals.install(requeue.signal if requeue.enabled else None, requeue.stop_grace_s)
+        keys = settings.trainer
         if self.one_process:
-            launch_checks.preflight_one_process(cfg.task_name, cfg.trainer.num_nodes, cfg.trainer.devices)
+            launch_checks.preflight_one_process(cfg.task_name, keys.num_nodes, keys.devices)
         launch_checks.preflight(
-            cfg.trainer.num_nodes,
-            cfg.trainer.devices,
-            cfg.trainer.accelerator,
-            requeue.enabled,
-            backend=settings.dist.backend,
+            keys.num_nodes, keys.devices, keys.accelerator, requeue.enabled, backend=settings.dist.backend
         )
-        chosen = network.settle_gloo_interface(int_or_none(cfg.trainer.num_nodes))  # gloo's side groups
+        chosen = network.settle_gloo_interface(int_or_none(keys.num_nodes))  # gloo's side groups
         if chosen and launched.is_rank_zero():
             log.info(chosen)
         confined.check_no_links_out(self.run_dir)  # a received run dir continued in place: its own files only
@@ -189,7 +186,8 @@ class Job:
         stacks_signal = self.settings.diagnostics.stacks_signal
         if stacks_signal:  # scripts/stacks.py: where every rank is, from now on, even when it hangs
             stacks.register(self.run_dir, stacks_signal)
-        if str(cfg.trainer.get("accelerator")) in allocated.GPU_ACCELERATORS or flight_recorder.recording():
+        keys = self.settings.trainer
+        if keys.accelerator in allocated.GPU_ACCELERATORS or flight_recorder.recording():
             network.flight_recorder_dumps_into(self.run_dir)  # the record of the collectives of a hang
         console.apply_extras(cfg, self.settings.extras)
         if not training:
@@ -201,14 +199,12 @@ class Job:
 
             reading.check_matches_model(self.checkpoint, run.model)
         if launched.is_rank_zero():
-            cpus = allocated.cpus_per_process(
-                cfg.trainer.get("devices"), accelerator=cfg.trainer.get("accelerator")
-            )[0]
+            cpus = allocated.cpus_per_process(keys.devices, accelerator=keys.accelerator)[0]
             devices = attempts.devices_of(type(run.trainer.accelerator).__name__, cpus)
             self._write_record(cfg, run.trainer.world_size, devices)
             if training:
                 build.log_hyperparameters(run.trainer, cfg)
-            console.warn_if_bf16_is_emulated(run.trainer, cfg.trainer.precision)
+            console.warn_if_bf16_is_emulated(run.trainer, keys.precision)
             if run.trainer.world_size > 1:
                 console.log.info(network.network_summary(run.trainer.num_nodes))
         return run
