@@ -67,9 +67,10 @@ def _check_tensor_parallel(settings: Settings, fsdp: bool) -> None:
     if tensor in (None, 1):
         return
     if not fsdp:
+        strategy = keys.strategy
         raise UserError(
             f"dist.tensor_parallel={tensor} needs trainer=fsdp or trainer=fsdp_cpu (FSDP2's 2-D mesh); with "
-            f"trainer.strategy={keys.strategy} pass dist.tensor_parallel=1."
+            f"trainer.strategy={strategy} pass dist.tensor_parallel=1."
         )
     try:
         processes = int(keys.num_nodes) * int(keys.devices)  # type: ignore[arg-type]
