@@ -14,7 +14,7 @@ import yaml
 from hydra._internal.utils import _locate
 
 from hpctrain.runtime.config import targets
-from tests.helpers import ROOT
+from tests.helpers import ROOT, parsed
 
 # 0.3's `_target_`s in the shipped YAML, and names of its modules that moved -> where they live now (removed in 0.5, as the CHANGELOG says)
 OLD_TARGETS = {
@@ -116,7 +116,7 @@ def _snake(name: str) -> str:
 def test_each_callback_lives_in_the_module_named_after_it():
     misplaced = []
     for path in PACKAGE.glob("*.py"):
-        for node in ast.parse(path.read_text()).body:
+        for node in parsed(path.read_text()).body:
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
                 bases = {ast.unparse(b) for b in node.bases}
                 callback = any(b.endswith(("Callback", "Checkpoint", "EarlyStopping")) for b in bases)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, parsed
 
 MACHINERY = ROOT / "src" / "hpctrain"
 
@@ -105,7 +105,7 @@ def dict_config_parameters(root: Path) -> dict[str, str]:
                 visit(child, path, f"{prefix}{child.name}.")
 
     for path in sorted(root.rglob("*.py")):
-        visit(ast.parse(path.read_text()), path, "")
+        visit(parsed(path.read_text()), path, "")
     return found
 
 

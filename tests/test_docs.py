@@ -37,7 +37,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from hpctrain.runtime.config.compose import CONF_DIR, compose, config_groups, group_options
-from tests.helpers import PYTHON, ROOT, require_modules, run_dirs, run_entry, run_script
+from tests.helpers import PYTHON, ROOT, parsed, require_modules, run_dirs, run_entry, run_script
 
 DOCS = ROOT / "docs"
 PAGES = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
@@ -511,7 +511,7 @@ def _defines(module: Path, name: str) -> bool:
     text = module.read_text()
     if re.search(rf"['\"]{re.escape(name)}['\"]\s*:", text):  # a lazily imported public name (_PUBLIC)
         return True
-    for node in ast.parse(text).body:
+    for node in parsed(text).body:
         if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name:
             return True
         targets = [getattr(node, "target", None), *getattr(node, "targets", [])]
@@ -538,7 +538,7 @@ PUBLIC = {"hpctrain", "hpctrain.load", "hpctrain.UserError", "hpctrain.__version
 
 
 def _public_data_names() -> set[str]:
-    tree = ast.parse((ROOT / "src" / "hpctrain" / "data" / "__init__.py").read_text())
+    tree = parsed((ROOT / "src" / "hpctrain" / "data" / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.AnnAssign | ast.Assign) and "_PUBLIC" in ast.unparse(node).split("=")[0]:
             return {f"hpctrain.data.{k.value}" for k in node.value.keys}  # type: ignore[union-attr]
@@ -575,7 +575,7 @@ def test_every_hpctrain_name_a_page_names_exists_and_the_guides_use_the_public_a
 def _flags_of(script: Path) -> frozenset[str]:
     """The flags a script (or the hpctrain module whose main it runs) defines: its '--x' string literals."""
     sources = [script]
-    tree = ast.parse(script.read_text())
+    tree = parsed(script.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hpctrain"):
             module = _module_file(node.module.split("."))  # type: ignore[union-attr]
@@ -583,7 +583,7 @@ def _flags_of(script: Path) -> frozenset[str]:
                 sources.append(module)
     flags = set()
     for source in sources:
-        for node in ast.walk(ast.parse(source.read_text())):
+        for node in ast.walk(parsed(source.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("-"):
                 flags.add(node.value.split("=")[0])
     return frozenset(flags)
@@ -633,7 +633,7 @@ def test_every_script_flag_a_page_names_exists():
 def _exit_statuses(script: Path) -> set[int]:
     """The statuses a script can end with: the integers it returns from main or passes to sys.exit, 2 for
     argparse's usage errors, 0."""
-    tree = ast.parse(script.read_text())
+    tree = parsed(script.read_text())
     found = {0}
     for node in ast.walk(tree):
         value = None
@@ -653,7 +653,7 @@ def test_a_scripts_one_sentence_error_exits_2_and_the_exit_statuses_the_pages_na
     from every script alike; an exit status a page gives a script is one the script can end with."""
     failures = []
     for script in sorted((ROOT / "scripts").glob("*.py")):
-        for node in ast.walk(ast.parse(script.read_text())):
+        for node in ast.walk(parsed(script.read_text())):
             if isinstance(node, ast.ExceptHandler) and "UserError" in ast.unparse(node.type or ast.Pass()):
                 for inner in ast.walk(node):
                     code = None

@@ -22,7 +22,7 @@ import ast
 import functools
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, parsed
 
 SRC = ROOT / "src"
 
@@ -91,7 +91,7 @@ def _type_checking(node: ast.If) -> bool:
 @functools.cache  # each module is asked about many times (every light path, every inner import)
 def imports(module: str) -> tuple[frozenset[str], tuple[tuple[int, str], ...]]:
     """What `module` imports at its top (run when it is imported), and inside functions (line, module)."""
-    tree = ast.parse(MODULES[module].read_text())
+    tree = parsed(MODULES[module].read_text())
     top: set[str] = set()
     inner: list[tuple[int, str]] = []
 

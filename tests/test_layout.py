@@ -23,7 +23,7 @@ import pytest
 
 import hpctrain
 import hpctrain.data
-from tests.helpers import ROOT
+from tests.helpers import ROOT, parsed
 
 SRC = ROOT / "src"
 MACHINERY = "hpctrain"
@@ -78,7 +78,7 @@ def imported_names(found: dict[str, Path]) -> dict[str, set[str]]:
     imports: dict[str, set[str]] = {}
     for name, path in found.items():
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and _ours(node.module):
                 targets.update(f"{node.module}:{alias.name}" for alias in node.names)
             elif isinstance(node, ast.Import):

@@ -27,7 +27,17 @@ from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import LIGHTNING, PYTORCH_LIGHTNING, MixedNamespaces
 from hpctrain.runtime.run import build
 from tests.differential import user_code, user_code_lightning
-from tests.helpers import EXAMPLES, ROOT, assert_ok, compose_train, read_metrics, run_dirs, run_entry, train
+from tests.helpers import (
+    EXAMPLES,
+    ROOT,
+    assert_ok,
+    compose_train,
+    parsed,
+    read_metrics,
+    run_dirs,
+    run_entry,
+    train,
+)
 
 SRC = ROOT / "src"
 
@@ -106,7 +116,7 @@ def _parts() -> list[type]:
     """Every LightningPart hpctrain defines (found in its source: `lightning=` in a class statement)."""
     found = []
     for path in sorted((SRC / "hpctrain").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path.read_text())):
             if isinstance(node, ast.ClassDef) and any(k.arg == "lightning" for k in node.keywords):
                 module = ".".join(path.relative_to(SRC).with_suffix("").parts)
                 found.append(getattr(importlib.import_module(module), node.name))
@@ -236,7 +246,7 @@ def test_hpctrain_imports_from_lightning_only_what_is_the_same_in_both_namespace
     run's namespace (`Namespace.get`). Type hints (under TYPE_CHECKING) name pytorch_lightning's."""
     wrong = []
     for path in sorted((SRC / "hpctrain").rglob("*.py")):
-        tree = ast.parse(path.read_text())
+        tree = parsed(path.read_text())
         hints = {
             id(n)
             for block in ast.walk(tree)

@@ -32,7 +32,9 @@ def _top_level_names(source: str | None) -> set[str]:
         return set()
     try:
         tree = ast.parse(Path(source).read_text())
-    except (OSError, SyntaxError, ValueError):
+    # SystemError: CPython 3.11's spurious "recursion depth mismatch" (python/cpython#106905); the
+    # sentence that reports the target then stands without a suggestion
+    except (OSError, SyntaxError, ValueError, SystemError):
         return set()
     names: set[str] = set()
     for node in tree.body:
