@@ -108,9 +108,9 @@ def _as_python_would(
     script: str, args: list[str], cwd: str, env: dict[str, str], output: str, base_path: list[str]
 ) -> None:
     """The forked process: become `python -u <script> args...` and run it; never returns."""
+    ranks = _Ranks(base_path)  # before anything of the run (its files too): its other ranks start from here
     stdin = os.open(os.devnull, os.O_RDONLY)
     out = os.open(output, os.O_WRONLY | os.O_APPEND)
-    ranks = _Ranks(base_path)  # before anything of the run: its other ranks start from this state
     subprocess.Popen = type("Popen", (_RankOrCommand,), {"ranks": ranks})  # type: ignore[misc]
     _become(script, args, cwd, env, [stdin, out, out], base_path)
 

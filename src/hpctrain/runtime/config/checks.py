@@ -72,9 +72,8 @@ def _check_tensor_parallel(settings: Settings, fsdp: bool) -> None:
             f"dist.tensor_parallel={tensor} needs trainer=fsdp or trainer=fsdp_cpu (FSDP2's 2-D mesh); with "
             f"trainer.strategy={strategy} pass dist.tensor_parallel=1."
         )
-    try:
-        processes = int(keys.num_nodes) * int(keys.devices)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    processes = keys.processes
+    if processes is None:
         return  # devices=auto: checked once the processes exist
     if processes % int(tensor):
         raise UserError(

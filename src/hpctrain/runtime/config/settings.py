@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.runtime.config.compose import CONF_DIR, group_options
 from hpctrain.runtime.config.validation import validate
+from hpctrain.runtime.environment.variables import int_or_none
 from hpctrain.runtime.errors import UserError
 
 NOTIFY_EVENTS = ("completed", "failed", "nan", "hung", "budget", "sweep")  # notify's (tests/test_notify.py)
@@ -413,6 +414,12 @@ class TrainerKeys:
         "ddp",
         "fsdp: FSDP2; ddp, or auto with more than one process: DDP",
     )
+
+    @property
+    def processes(self) -> int | None:
+        """num_nodes x devices, or None where devices is not a count (auto, a list of device ids)."""
+        devices = int_or_none(self.devices)
+        return None if devices is None else self.num_nodes * devices
 
 
 SECTIONS: dict[str, type] = {

@@ -512,13 +512,6 @@ def check_checkpoint_entry(group: DictConfig | None, run_dir: str | Path) -> Non
         )
 
 
-def _processes(keys: TrainerKeys) -> int | None:
-    try:
-        return int(keys.num_nodes) * int(keys.devices)  # type: ignore[arg-type] (auto, a list: None)
-    except (TypeError, ValueError):
-        return None
-
-
 def strategy(
     keys: TrainerKeys, dist: Dist, async_save: bool = False, compile_backend: str | None = None
 ) -> Any:
@@ -540,7 +533,7 @@ def strategy(
             compile_backend=compile_backend,
             **common,
         )
-    if strategy_name == "ddp" or (strategy_name == "auto" and _processes(keys) not in (None, 1)):
+    if strategy_name == "ddp" or (strategy_name == "auto" and keys.processes not in (None, 1)):
         # passed on to torch's DistributedDataParallel
         ddp_options = {k: True for k in ("find_unused_parameters", "static_graph") if getattr(dist, k)}
         return HydraDDPStrategy(**common, **ddp_options)

@@ -45,7 +45,6 @@ from hpctrain.runtime.distributed import (
 )
 from hpctrain.runtime.distributed.requeue import requeue_and_wait
 from hpctrain.runtime.environment import allocated, launch_checks, launched, network
-from hpctrain.runtime.environment.variables import int_or_none
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
 from hpctrain.runtime.storage import attempts, records
@@ -144,7 +143,7 @@ class Job:
         launch_checks.preflight(
             keys.num_nodes, keys.devices, keys.accelerator, requeue.enabled, backend=settings.dist.backend
         )
-        chosen = network.settle_gloo_interface(int_or_none(keys.num_nodes))  # gloo's side groups
+        chosen = network.settle_gloo_interface(keys.num_nodes)  # gloo's side groups
         if chosen and launched.is_rank_zero():
             log.info(chosen)
         confined.check_no_links_out(self.run_dir)  # a received run dir continued in place: its own files only
