@@ -304,7 +304,7 @@ def clip_grad_norm_over_meshes(
     else:
         total = sum(part.pow(norm_type) / copies for part, copies in zip(parts, by_copies, strict=True))
     if world > 1:
-        # cpu_offload
+        # under cpu_offload the norm is on the host, and NCCL reduces GPU tensors only
         on = total.cuda() if total.device.type == "cpu" and dist.get_backend() == "nccl" else total
         dist.all_reduce(on, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
         total = on.to(device)

@@ -24,6 +24,7 @@ def _pyplot() -> Any:
 
 
 def _saved(plt: Any, figure: Any, path: Path) -> Path:
+    """`figure` laid out and written to `path` as a PNG, then closed; the path."""
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)  # pyplot holds every figure until it is closed
