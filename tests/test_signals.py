@@ -74,3 +74,38 @@ def test_a_signal_after_the_run_completed_is_noted_and_ignored_until_the_process
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize(
+    ("returncode", "ends_with"),
+    [(-signal.SIGTERM, None), (1, 1)],
+    ids=["scontrol ended by the requeue", "scontrol refused"],
+)
+def test_a_requeue_whose_scontrol_slurm_ends_first_is_not_a_failure(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, returncode: int, ends_with: int | None
+):
+    """SLURM ends a requeued job's processes, and the `scontrol requeue` that asked may be the first it
+    ends (a job with nothing left to train requeues within the second): the attempt waits to be ended as
+    a requeued one. Only scontrol's own refusal (a positive status) ends the process with status 1."""
+    import subprocess
+
+    from hpctrain.runtime.distributed import requeue
+    from hpctrain.runtime.environment import slurm_job
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    for name in ("RANK", "SLURM_PROCID", "PMI_RANK", requeue.launched.PACK_POINT):
+        monkeypatch.delenv(name, raising=False)
+    done = subprocess.CompletedProcess(["scontrol", "requeue", "42"], returncode, stdout="", stderr="")
+    monkeypatch.setattr(slurm_job, "requeue_job", lambda: done)
+    monkeypatch.setattr(requeue.signal_module, "signal", lambda *args: None)  # the test's own handlers stay
+    caplog.set_level("INFO", logger=requeue.log.name)
+    monkeypatch.setattr(requeue.log, "handlers", [caplog.handler])  # (hpctrain's loggers may not propagate)
+    interrupted = signals.Interrupted(signals.REQUEUE, None, "during training")
+    assert interrupted.requeue
+    if ends_with is None:
+        requeue.requeue_and_wait(interrupted, wait_s=0)
+        assert "requeued SLURM job 42" in caplog.text and "failed" not in caplog.text
+    else:
+        with pytest.raises(SystemExit) as ended:
+            requeue.requeue_and_wait(interrupted, wait_s=0)
+        assert ended.value.code == ends_with and "scontrol requeue 42 failed" in caplog.text

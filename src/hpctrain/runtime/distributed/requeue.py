@@ -90,7 +90,10 @@ def requeue_and_wait(interrupted: signals.Interrupted, wait_s: float = REQUEUE_W
         sys.exit(signals.exit_code())  # 143 after SIGTERM, 130 after Ctrl-C
     if launched.is_rank_zero():
         result = slurm_job.requeue_job()
-        if result.returncode != 0:
+        # scontrol ended by a signal (returncode < 0): the requeue it asked for is under way and SLURM is
+        # ending this attempt's processes, scontrol first; not a failure (exiting 1 here would record the
+        # attempt as failed, and the next one could not tell that this one was requeued at its step)
+        if result.returncode > 0:
             log.error(
                 "scontrol requeue %s failed: %s",
                 launched.slurm_job_id(),
