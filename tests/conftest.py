@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,9 +32,31 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 def pytest_configure(config: pytest.Config) -> None:
     """Where tests run (not in the process that only hands them to `pytest -n`'s workers), each config
-    file Hydra reads is read once (tests/loaded_configs.py), before collection composes the first."""
+    file Hydra reads is read once (tests/loaded_configs.py), before collection composes the first; and
+    Lightning's notices that hpctrain's runs drop (`quiet_lightning`: the srun hint, a torch deprecation
+    inside Lightning) are dropped in the tests' own processes too. A warning a worker reports is rebuilt
+    in the main process by importing its category's module: one of Lightning's costs it 5 s of CPU,
+    which the two workers share two cores with."""
     if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        from hpctrain.runtime.report.console import quiet_lightning
+
         loaded_configs.install()
+        quiet_lightning()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A worker of `pytest -n` ends here, its results already with the main process, without tearing down
+    its interpreter: freeing the objects of torch, Lightning and torchmetrics one by one takes 1.4 to 1.8 s
+    (tests/preload.py's runs end the same way), and the main process waits for both workers to end before
+    it reports. The atexit handlers run first, as at a normal end."""
+    if hasattr(config, "workerinput"):
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 @pytest.fixture(scope="session")
