@@ -78,6 +78,7 @@ def _result(status: str, **details: object) -> str:
     return f"import sys, pathlib; pathlib.Path(sys.argv[1], 'result.json').write_text({payload!r})"
 
 
+@pytest.mark.slow  # it waits for a hung check's timeout, 2 s
 def test_a_crash_and_a_hang_are_rows_and_every_result_is_on_disk_as_it_comes(
     tool: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ):
@@ -181,6 +182,7 @@ def test_one_gpu_runs_nccl_fsdp2_async_dcp_and_the_watchdog_first(tool: ModuleTy
     assert counts == sorted(counts)
 
 
+@pytest.mark.slow  # a check sleeps 1.8 s of its 3 s budget
 def test_a_budget_that_runs_out_leaves_rows_that_say_so_and_a_partial_exit_status(
     tool: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ):
