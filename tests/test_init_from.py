@@ -172,6 +172,7 @@ def _fit(module: _Module, callback: FrozenParts, epochs: int) -> None:
     ).fit(module, data)
 
 
+@pytest.mark.filterwarnings(r"ignore:Found 1 module\(s\) in eval mode")  # the frozen BatchNorm, as meant
 def test_unfreezing_at_an_epoch_trains_the_frozen_part_from_then_on():
     torch.manual_seed(0)
     module = _Module()
