@@ -130,6 +130,40 @@ PREFLIGHT_CASES = {
 }
 
 
+@pytest.mark.parametrize("workers", range(1, 9))
+def test_the_workers_clusters_give_no_two_jobs_one_master_port(workers: int):
+    """Each pytest-xdist worker's cluster numbers its jobs from its own first id: over the ids each submits
+    (up to its share), the MASTER_PORTs slurm/job_env.sh derives (15000 + id % 15000) never meet."""
+    from hpctrain.testing.plugin import first_job_id
+
+    firsts = [first_job_id(f"gw{i}", workers) for i in range(workers)]
+    share = min(b - a for a, b in zip(firsts, [*firsts[1:], firsts[0] + 15000], strict=True))
+    assert share >= 1000  # a session's jobs per worker: a few hundred
+    ports = [{15000 + (first + k) % 15000 for k in range(share)} for first in firsts]
+    assert sum(map(len, ports)) == len(set().union(*ports)) == share * workers
+
+
+def test_a_cluster_started_on_the_ports_of_another_refuses_and_leaves_it_alone(
+    slurm_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Two clusters started at once on one machine pick their ports in turn; one that still finds its
+    ports taken (by a daemon outside the suite) says so, instead of sending its jobs to the other."""
+    from hpctrain.testing import local_slurm
+
+    conf = slurm_cluster.conf.read_text()
+    first_node, last_node = map(int, re.search(r" Port=\[(\d+)-(\d+)\]", conf).groups())
+    taken = [
+        int(re.search(r"^SlurmctldPort=(\d+)$", conf, re.MULTILINE)[1]),
+        *range(first_node, last_node + 1),
+    ]
+    monkeypatch.setattr(local_slurm, "_free_ports", lambda count: taken[:count])
+    other = local_slurm.LocalSlurmCluster(tmp_path / "other", first_job_id=slurm_cluster.first_job_id + 500)
+    with pytest.raises(local_slurm.ClusterUnavailable, match="another Slurm controller answers on this"):
+        other.start(timeout_s=20)
+    job = slurm_cluster.sbatch(f"--output={tmp_path}/%j.out", "--wrap=true", cwd=tmp_path)
+    assert slurm_cluster.wait(job, timeout_s=60)["JobState"] == "COMPLETED"
+
+
 @pytest.mark.parametrize("case", PREFLIGHT_CASES)
 def test_preflight_mismatch_fails_fast_with_one_sentence(slurm_cluster, tmp_path: Path, case: str):
     args, sentence = PREFLIGHT_CASES[case]
@@ -141,6 +175,7 @@ def test_preflight_mismatch_fails_fast_with_one_sentence(slurm_cluster, tmp_path
         cwd=ROOT,
         env={"CUDA_VISIBLE_DEVICES": "0,1"} if case == "gpus_not_matching_tasks" else None,
     )
+    assert int(job) >= slurm_cluster.first_job_id  # this worker's ids: a MASTER_PORT of its own
     info = slurm_cluster.wait(job, timeout_s=120)  # a hang would time out here
     output = _output(tmp_path, job)
     assert info["JobState"] == "FAILED", output[-3000:]

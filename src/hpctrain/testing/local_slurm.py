@@ -13,17 +13,24 @@ daemons run as root and the node names are added to /etc/hosts.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "srun")
 NODE_NAMES = ("node1", "node2")
+# Held while a cluster picks its ports and until its daemons listen on them: two clusters started at once
+# (one per pytest-xdist worker) would otherwise pick the same free ports, and one's daemons would fail to
+# bind while its clients talked to the other's.
+STARTING_LOCK = Path(tempfile.gettempdir()) / "hpctrain-local-slurm.lock"
 
 
 class ClusterUnavailable(RuntimeError):
@@ -92,12 +99,18 @@ def ensure_node_names_resolve() -> None:
 class LocalSlurmCluster:
     """slurmctld and one slurmd per node name, all state and logs under `root`."""
 
-    def __init__(self, root: Path, cpus_per_node: int = 16, memory_mb: int = 8000) -> None:
+    def __init__(
+        self, root: Path, cpus_per_node: int = 16, memory_mb: int = 8000, first_job_id: int = 1
+    ) -> None:
         """`cpus_per_node` may exceed the machine's cores (SlurmdParameters=config_overrides), so the
-        sbatch templates' GPU-cluster-sized --cpus-per-task fit on a laptop-sized test machine."""
+        sbatch templates' GPU-cluster-sized --cpus-per-task fit on a laptop-sized test machine.
+        `first_job_id`: where its job ids start. A job's MASTER_PORT comes from its id (slurm/job_env.sh,
+        as Lightning's): clusters side by side on one machine need ids of their own, or two jobs of the
+        same id, one in each, would both listen on one port of 127.0.0.1."""
         self.root = Path(root).resolve()
         self.cpus_per_node = cpus_per_node
         self.memory_mb = memory_mb
+        self.first_job_id = first_job_id
         self.conf = self.root / "slurm.conf"
 
     @property
@@ -115,11 +128,27 @@ class LocalSlurmCluster:
         ensure_node_names_resolve()
         for sub in ("state", "log", "spool"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        self._write_conf()
-        subprocess.run([_sbin("slurmctld"), "-f", str(self.conf)], env=self.env, check=True)
-        for node in NODE_NAMES:
-            subprocess.run([_sbin("slurmd"), "-f", str(self.conf), "-N", node], env=self.env, check=True)
-        self._wait_until_idle(timeout_s)
+        with _starting_alone():
+            self._write_conf()
+            subprocess.run([_sbin("slurmctld"), "-f", str(self.conf)], env=self.env, check=True)
+            for node in NODE_NAMES:
+                subprocess.run([_sbin("slurmd"), "-f", str(self.conf), "-N", node], env=self.env, check=True)
+            self._wait_until_idle(timeout_s)
+        self._check_it_answers()
+
+    def _check_it_answers(self) -> None:
+        """The controller that answers on this cluster's port is its own (its state folder), not another's
+        that holds the port."""
+        shown = self.run("scontrol", "show", "config").stdout
+        state = next(
+            (line.split("=", 1)[1].strip() for line in shown.splitlines() if "StateSaveLocation" in line), ""
+        )
+        if not state or Path(state).resolve() != (self.root / "state").resolve():
+            self._stop_daemons()  # those of its own that started: the other cluster's jobs go on
+            raise ClusterUnavailable(
+                f"another Slurm controller answers on this cluster's port (its state in {state or 'unknown'}); "
+                f"logs in {self.root}/log"
+            )
 
     def stop(self) -> None:
         # Cancel what is left (a failed test's jobs) first: slurmstepd outlives the daemons otherwise.
@@ -127,6 +156,9 @@ class LocalSlurmCluster:
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and self.run("squeue", "-h").stdout.strip():
             time.sleep(0.5)
+        self._stop_daemons()
+
+    def _stop_daemons(self) -> None:
         for pid_file in self.root.glob("*.pid"):
             with contextlib.suppress(ValueError, ProcessLookupError):
                 os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
@@ -199,6 +231,7 @@ AuthType=auth/munge
 AuthInfo=cred_expire=10
 CredType=cred/munge
 SlurmctldPort={ctld_port}
+FirstJobId={self.first_job_id}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
@@ -240,6 +273,16 @@ PartitionName=debug Nodes=node[1-{len(NODE_NAMES)}] Default=YES MaxTime=INFINITE
         raise ClusterUnavailable(
             f"Slurm nodes not idle after {timeout_s:.0f} s (sinfo: {out!r}); logs in {self.root}/log"
         )
+
+
+@contextlib.contextmanager
+def _starting_alone() -> Iterator[None]:
+    with open(STARTING_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _alive(pid_file: Path) -> bool:

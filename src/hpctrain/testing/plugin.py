@@ -56,6 +56,19 @@ def contract(pair, tmp_path: Path):
     return Contract(pair, tmp_path)
 
 
+PORTS = 15000  # slurm/job_env.sh: MASTER_PORT = 15000 + the job id modulo 15000
+
+
+def first_job_id(worker: str | None = None, workers: int | None = None) -> int:
+    """The first job id of this pytest-xdist worker's cluster: the workers split job_env.sh's 15000 ports
+    (two workers: ids from 1 and from 7501), so two jobs of two workers never share a MASTER_PORT while
+    each submits fewer than 15000 / workers (a session submits a few hundred)."""
+    worker = worker or os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    workers = workers or int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
+    return 1 + PORTS // workers * index
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
     """A real two-node Slurm cluster (slurmctld + slurmd node1, node2) for the whole session; under
@@ -69,7 +82,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
         if missing
         else None
     )
-    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"))
+    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"), first_job_id=first_job_id())
     if reason is None:
         try:
             cluster.start()
