@@ -47,7 +47,7 @@ import time
 import types
 from multiprocessing import process as mp_process
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 # What every entry point imports first and longest; a module missing here is imported by the run.
 PRELOAD = (
@@ -156,13 +156,21 @@ def _become(
     except BaseException:
         sys.excepthook(*sys.exc_info())
     finally:
-        try:  # as the interpreter ends: wait for the non-daemon threads, then the atexit handlers
+        try:  # as the interpreter ends: wait for the non-daemon threads first
             threading._shutdown()
-            atexit._run_exitfuncs()
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            end_without_teardown(code)
+
+
+def end_without_teardown(code: int) -> NoReturn:
+    """End this process with exit status `code` after its atexit handlers, as the interpreter would, but
+    without freeing its objects one by one: 1.4 to 1.8 s once torch, Lightning and torchmetrics are imported."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run(

@@ -134,12 +134,12 @@ PREFLIGHT_CASES = {
 def test_the_workers_clusters_give_no_two_jobs_one_master_port(workers: int):
     """Each pytest-xdist worker's cluster numbers its jobs from its own first id: over the ids each submits
     (up to its share), the MASTER_PORTs slurm/job_env.sh derives (15000 + id % 15000) never meet."""
-    from hpctrain.testing.plugin import first_job_id
+    from hpctrain.testing.plugin import PORTS, first_job_id
 
     firsts = [first_job_id(f"gw{i}", workers) for i in range(workers)]
-    share = min(b - a for a, b in zip(firsts, [*firsts[1:], firsts[0] + 15000], strict=True))
+    share = min(b - a for a, b in zip(firsts, [*firsts[1:], firsts[0] + PORTS], strict=True))
     assert share >= 1000  # a session's jobs per worker: a few hundred
-    ports = [{15000 + (first + k) % 15000 for k in range(share)} for first in firsts]
+    ports = [{15000 + (first + k) % PORTS for k in range(share)} for first in firsts]
     assert sum(map(len, ports)) == len(set().union(*ports)) == share * workers
 
 

@@ -65,7 +65,8 @@ def first_job_id(worker: str | None = None, workers: int | None = None) -> int:
     each submits fewer than 15000 / workers (a session submits a few hundred)."""
     worker = worker or os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     workers = workers or int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
+    number = worker.removeprefix("gw")
+    index = int(number) if number.isdigit() else 0
     return 1 + PORTS // workers * index
 
 
