@@ -72,13 +72,26 @@ def mnist_dir(data_dir: Path) -> Path:
     return data_dir
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--ondemand",
+        action="store_true",
+        help="also run the cells marked ondemand (the matrices' cells beyond those CI runs)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest tests first, by the seconds each took when the suite was last measured
     (tests/durations.json, written by `make durations`); a test not measured yet by its tier's typical
     time (Slurm tests wait for nodes, credentials and requeues). Under pytest-xdist (`-n 2 --dist
     worksteal`, the README's test command) the longest start first and the quick ones fill the gaps at
     the end; a worker that runs out takes half of the other's queue, so both finish at about the same
-    time. Ties keep the collection order."""
+    time. Ties keep the collection order. Cells marked `ondemand` are skipped unless `--ondemand` is given."""
+    if not config.getoption("--ondemand"):
+        on_demand = pytest.mark.skip(reason="a cell run on demand: pytest --ondemand (CI runs the others)")
+        for item in items:
+            if item.get_closest_marker("ondemand"):
+                item.add_marker(on_demand)
     measured = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     items.sort(key=lambda item: -measured.get(item.nodeid, TYPICAL_SECONDS[tier(item)]))  # stable
 
