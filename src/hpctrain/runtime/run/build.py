@@ -272,7 +272,7 @@ def built_from_file(node: Any, key: str) -> Any:
     its plain values (`targets.build_stored`: no interpolation on a file's strings), and checked as the
     project's own are, in the Lightning namespace of the run being built, else of the class it names."""
     target = node.get(targets.TARGET) if isinstance(node, dict) else None
-    named = targets.resolve(target) if isinstance(target, str) else None
+    named = targets.locate(target) if isinstance(target, str) else None
     namespace = namespaces.being_built() or namespaces.choose({key: named} if isinstance(named, type) else {})
     try:
         with namespaces.building(namespace):
@@ -323,7 +323,7 @@ def _respelled(node: Any, namespace: Namespace) -> Any:
 
 def _import_failure(err: InstantiationException) -> str | None:
     """One sentence for a `_target_` that cannot be imported when Hydra builds it (a module that imports
-    something missing as the class is built; a path is checked before, by `targets.resolve`), instead of
+    something missing as the class is built; a path is checked before, by `targets.locate`), instead of
     Hydra's three chained tracebacks."""
     cause = err.__cause__
     found = re.search(r"target '([^']+)'", str(err))
