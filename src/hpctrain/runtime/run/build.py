@@ -101,13 +101,32 @@ class Run:
             self.requeue.after_fit(self.trainer)  # a signal during the last validation
 
     def test(self, checkpoint: str | Path | None) -> None:
+        self._evaluate(self.trainer.test, checkpoint)
+
+    def evaluate(self, checkpoint: str | Path, split: str | None) -> None:
+        """src/eval.py: `checkpoint` on `split` (None: the test split where the model and the data have one,
+        else the validation split, said in one line)."""
+        lacking = {
+            "test": missing_test(self.model, self.datamodule),
+            "val": missing_hook(self.model, self.datamodule, "validation_step", "val_dataloader"),
+        }
+        if split is None:
+            split = "test" if lacking["test"] is None else "val"
+            if split == "val" and launched.is_rank_zero():
+                log.info("eval: %s, so the checkpoint is evaluated on the validation split", lacking["test"])
+        if lacking[split] is not None:
+            other = "val" if split == "test" else "test"
+            raise UserError(f"eval.split={split}, but {lacking[split]}; pass eval.split={other}.")
+        self._evaluate(self.trainer.test if split == "test" else self.trainer.validate, checkpoint)
+
+    def _evaluate(self, loop: Any, checkpoint: str | Path | None) -> None:
         self.check_namespace()
         if checkpoint is not None and Path(checkpoint).is_dir() and not _sharded_strategy(self.trainer):
-            with tempfile.TemporaryDirectory() as tmp:  # a sharded checkpoint tested on one process, whole
+            with tempfile.TemporaryDirectory() as tmp:  # a sharded checkpoint evaluated on one process, whole
                 single = consolidate(checkpoint, Path(tmp) / "model.ckpt", safetensors=False)[0]
-                self.trainer.test(self.model, self.datamodule, ckpt_path=single, weights_only=True)
+                loop(self.model, self.datamodule, ckpt_path=single, weights_only=True)
             return
-        self.trainer.test(self.model, self.datamodule, ckpt_path=checkpoint, weights_only=True)
+        loop(self.model, self.datamodule, ckpt_path=checkpoint, weights_only=True)
 
     def best_checkpoint(self) -> str | None:
         return best_checkpoint(self.trainer)
@@ -650,16 +669,25 @@ def log_hyperparameters(trainer: Trainer, cfg: DictConfig) -> None:
 def can_test(module: LightningModule, data: LightningDataModule) -> bool:
     """Whether `test=true` can test this model on this data: a module without a test_step (a GAN, say)
     or data without a test split is not an error, it is said once and the run completes."""
-    for owner, what, hook in ((module, "model", "test_step"), (data, "datamodule", "test_dataloader")):
+    missing = missing_test(module, data)
+    if missing is not None and launched.is_rank_zero():
+        log.info("no test: %s (pass test=false to skip it silently)", missing)
+    return missing is None
+
+
+def missing_test(module: LightningModule, data: LightningDataModule) -> str | None:
+    """Why this model cannot be tested on this data (None: it can)."""
+    missing = missing_hook(module, data, "test_step", "test_dataloader")
+    if missing is None and not getattr(data, "has_test", True):  # e.g. an image folder without test/
+        return "the datamodule has no test split"
+    return missing
+
+
+def missing_hook(module: LightningModule, data: LightningDataModule, step: str, loader: str) -> str | None:
+    for owner, what, hook in ((module, "model", step), (data, "datamodule", loader)):
         if not namespaces.is_overridden(hook, owner):
-            if launched.is_rank_zero():
-                log.info("no test: the %s has no %s (pass test=false to skip it silently)", what, hook)
-            return False
-    if not getattr(data, "has_test", True):  # e.g. an image folder without test/
-        if launched.is_rank_zero():
-            log.info("no test: the datamodule has no test split (pass test=false to skip it silently)")
-        return False
-    return True
+            return f"the {what} has no {hook}"
+    return None
 
 
 def best_checkpoint(trainer: Trainer) -> str | None:
