@@ -44,7 +44,6 @@ from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
 from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
 from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
 from hpctrain.callbacks.one_rank_calls import OneRankCalls
-from hpctrain.callbacks.performance_log import PerformanceLog
 from hpctrain.callbacks.rank_watchdog import RankWatchdog
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.callbacks.resume_state import ResumeState
@@ -477,8 +476,6 @@ def callbacks(
     if not has_logger:
         lr_monitor = namespaces.current().get("pytorch_lightning.callbacks.LearningRateMonitor")
         callback_list = [c for c in callback_list if not isinstance(c, lr_monitor)]
-    for performance in (c for c in callback_list if isinstance(c, PerformanceLog)):
-        performance.model_config = cfg.get("model")  # its FLOPs are counted on a meta copy built from it
     callback_list.append(TrainableOnly(settings.checkpoints.trainable_only))  # how eval reads them too
     callback_list.append(
         RankWatchdog(
