@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from pytorch_lightning.loggers.logger import rank_zero_experiment  # namespace-f
 
 from hpctrain.runtime import namespaces
 from hpctrain.runtime.environment import allocated, launched
+from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.storage.records import read_run_record
 
@@ -76,7 +78,31 @@ def stable_run_key(run_dir: str | os.PathLike[str]) -> str:
 
 
 class _AppendingWriter(LightningPart, lightning="pytorch_lightning.loggers.csv_logs.ExperimentWriter"):
-    """Lightning's CSV writer deletes an existing metrics.csv; this one keeps it and appends."""
+    """Lightning's CSV writer deletes an existing metrics.csv; this one keeps it and appends. It takes
+    TensorBoard's `add_image` too (Lightning's GAN example logs its samples so), as
+    <run dir>/images/<tag>/<step>.png; TensorBoard's other `add_*` are one sentence."""
+
+    def add_image(
+        self, tag: str, img_tensor: Any, global_step: int | None = None, dataformats: str = "CHW", **_: Any
+    ) -> None:
+        import torch
+        from torchvision.utils import save_image
+
+        image = torch.as_tensor(img_tensor).detach().cpu()
+        if dataformats in ("HWC", "HW"):
+            image = image.permute(2, 0, 1) if dataformats == "HWC" else image[None]
+        image = image.float() / 255 if not image.is_floating_point() else image
+        path = Path(self.log_dir, "images", re.sub(r"\W+", "_", tag).strip("_") or "image")
+        path.mkdir(parents=True, exist_ok=True)
+        save_image(image, path / f"{global_step or 0:06d}.png")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("add_"):
+            raise UserError(
+                f"logger.experiment.{name}(...) is TensorBoard's, and the csv logger keeps metrics and images "
+                "(add_image) only; log it with logger=tensorboard (or logger=many: csv and tensorboard)."
+            )
+        raise AttributeError(name)
 
     def _check_log_dir_exists(self) -> None:
         if os.path.isfile(self.metrics_file_path):
