@@ -142,6 +142,10 @@ class MonitoredMetric(LightningPart, lightning="pytorch_lightning.Callback"):
         self._check(trainer)
         self._record(trainer)
 
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not has_validation(trainer):  # its metrics come from training only: they exist by now
+            self._check(trainer)
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         missing = self.metric is not None and self.metric not in trainer.callback_metrics
         if missing and not metric_is_due(trainer, self._validated):  # a short run: not computed yet
