@@ -109,6 +109,10 @@ class Run:
             "test": missing_test(self.model, self.datamodule),
             "val": missing_hook(self.model, self.datamodule, "validation_step", "val_dataloader"),
         }
+        if split is None and lacking["test"] and lacking["val"]:
+            raise UserError(
+                f"nothing to evaluate: {lacking['test']}, and {lacking['val']}; add a validation_step."
+            )
         if split is None:
             split = "test" if lacking["test"] is None else "val"
             if split == "val" and launched.is_rank_zero():
