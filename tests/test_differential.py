@@ -35,7 +35,9 @@ OWN_TEST = (
     "two_val_sets",
     "best_before_resume",
 )
-SINGLE_RUN = [name for name in CASES if name not in OWN_TEST]
+SINGLE_RUN = [
+    name for name in CASES if name not in OWN_TEST and not name.startswith("corpus_")
+]  # tests/test_corpus.py
 # written with `import lightning as L` too: a module, a datamodule, a callback of the user's and one of
 # Lightning's (DDP under the lightning package: tests/test_namespaces.py runs quickstart's model so)
 WRITTEN_WITH_LIGHTNING = ["lambda_callback"]

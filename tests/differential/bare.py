@@ -28,7 +28,7 @@ from tests.differential.cases import (  # noqa: E402
     TRAINER,
     WRITTEN_WITH,
     callback_configs,
-    target,
+    config_of,
     written_with,
 )
 
@@ -53,10 +53,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     pl.seed_everything(SEED, workers=True)
-    data = instantiate(written_with(args.package, {"_target_": target(case.data)}))
-    model = instantiate(
-        written_with(args.package, {"_target_": target(case.module), **case.model}), _convert_="all"
-    )
+    data = instantiate(written_with(args.package, config_of(case, "data")), _convert_="all")
+    model = instantiate(written_with(args.package, config_of(case, "model")), _convert_="all")
     callbacks = [
         instantiate(c, _convert_="all")
         for c in callback_configs(case, str(args.out / "checkpoints"), args.package).values()
@@ -68,10 +66,14 @@ def main() -> None:
         options["max_epochs"] = args.max_epochs
     if case.processes > 1:
         options["strategy"] = pl.strategies.DDPStrategy(find_unused_parameters=case.find_unused_parameters)
+    csv = pl.loggers.CSVLogger(args.out, name="", version="")
+    tensorboard = (
+        [pl.loggers.TensorBoardLogger(args.out, name="tensorboard")] if case.bare_tensorboard else []
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=case.processes,
-        logger=pl.loggers.CSVLogger(args.out, name="", version=""),
+        logger=[*tensorboard, csv],
         callbacks=callbacks,
         enable_model_summary=False,
         **options,
