@@ -199,15 +199,21 @@ def _folder(tokenizers: dict[str, Path], base: str) -> Path:
 @pytest.fixture
 def instructions(tokenizers: dict[str, Path], tmp_path: Path):
     """`make(lines, base=..., **settings)`: an InstructionsDataModule over a file of `lines` (objects are
-    written as JSON, strings as they are) and the base's tokenizer."""
+    written as JSON, strings and bytes as they are) and the base's tokenizer."""
     from myproject.data.instructions import InstructionsDataModule
 
     def make(lines=(), base: str = "qwen2.5", name: str = "data.jsonl", **settings) -> InstructionsDataModule:
         path = tmp_path / name
-        path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+        path.write_bytes(b"".join(_line(x) + b"\n" for x in lines))
         return InstructionsDataModule(str(path), str(tokenizers[base]), str(tmp_path / "tokens"), **settings)
 
     return make
+
+
+def _line(line: object) -> bytes:
+    if isinstance(line, bytes):
+        return line
+    return (line if isinstance(line, str) else json.dumps(line)).encode()
 
 
 def tokenized(data) -> dict[str, list]:
@@ -390,6 +396,7 @@ USER, ANSWER = {"role": "user", "content": "Reverse the word kalo."}, {"role": "
 # (a bad line, the base whose template reads it, what the sentence says)
 BAD_LINES = {
     "not JSON": ('{"messages": [', "qwen2.5", r"is not JSON \(.*\); write one JSON object a line"),
+    "not UTF-8": (b'{"text": "caf\xe9"}', "qwen2.5", r"is not UTF-8 text \(invalid continuation byte\)"),
     "not an object": ("[1, 2]", "qwen2.5", r"is a JSON list, not an object"),
     "no known shape": (
         {"question": "q", "answer": "a"},

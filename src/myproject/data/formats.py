@@ -61,11 +61,15 @@ def check_fields(fields: dict[str, str] | None) -> dict[str, str]:
 def read_examples(path: Path, fields: dict[str, str]) -> list[Example]:
     """Every line of `path` read, in order (empty lines skipped); the first bad one is one sentence."""
     examples = []
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, 1):
+    with open(path, "rb") as file:
+        for number, raw in enumerate(file, 1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(f"{where} is not UTF-8 text ({err.reason}); save the file as UTF-8.") from err
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
