@@ -1,18 +1,19 @@
 """Instruction data for a causal language model: `data=instructions`.
 
-`path` is a `.jsonl` file, one example a line, in one of three shapes:
+`path` is a `.jsonl` file, one example a line: chat messages, ShareGPT conversations, prompt/completion
+pairs, alpaca's instruction/input/output, or plain text (`myproject.data.formats`; `fields` maps other
+names onto these). Every line is read and checked before anything is tokenized: a bad one is one
+sentence naming its file and line.
 
-    {"messages": [{"role": "system", "content": ...}, {"role": "user", ...}, {"role": "assistant", ...}]}
-    {"prompt": "...", "completion": "..."}           (a user turn and the assistant's answer)
-    {"text": "..."}                                  (plain text)
-
-The tokenizer (`tokenizer`: a Hugging Face folder, usually the base model's) renders messages with its
-chat template. `loss_on=assistant` takes the loss on the assistant's tokens only: each assistant turn's
-tokens are found as what the template adds after the conversation before it, so any template works
-(no `{% generation %}` markers needed); `loss_on=all` on every token. `packing=concat` (plain text:
-requires `loss_on=all`) fills rows of `max_length` tokens with consecutive examples, each attending only
-to itself (its positions restart at 0); `packing=none` pads each batch to its longest example. An example
-longer than `max_length` is cut, and one left without a token to learn from is skipped (and counted).
+The tokenizer (`tokenizer`: a Hugging Face folder, usually the base model's) renders conversations with
+its chat template, or with `chat_template` (a named template or a Jinja file) in its place; a base without
+one is told so before anything is tokenized. `loss_on=assistant` takes the loss on the assistant's tokens
+(`myproject.data.chat`: those the template marks with `{% generation %}`, or else each assistant turn's
+text and what the template closes it with); `loss_on=all` on every token; plain text always on every
+token. `packing=concat` (plain text: requires `loss_on=all`) fills rows of `max_length` tokens with
+consecutive examples, each attending only to itself (its positions restart at 0); `packing=none` pads each
+batch to its longest example. An example longer than `max_length` is cut, and one left without a token to
+learn from is skipped: both counted and said per split, and a split left empty is one sentence.
 
 Tokenized once into shards keyed by the digest of the data, the tokenizer's files and these settings,
 staged per node, resumable mid-epoch: `hpctrain.data.TokenizedDataModule`. With `demo: true`, a missing
@@ -21,7 +22,6 @@ staged per node, resumable mid-epoch: `hpctrain.data.TokenizedDataModule`. With 
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Iterator
@@ -30,10 +30,11 @@ from typing import Any
 
 from hpctrain import UserError
 from hpctrain.data import DataUnavailable, TokenizedDataModule, made_once
-from myproject.data import tiny_llm
+from myproject.data import chat, tiny_llm
+from myproject.data.formats import Example, Line, check_fields, read_examples
 
 log = logging.getLogger(__package__.split(".")[0])
-IGNORE = -100
+IGNORE = chat.IGNORE
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -58,6 +59,8 @@ class InstructionsDataModule(TokenizedDataModule):
         packing: str = "none",
         val_fraction: float = 0.05,
         batch_size: int = 8,
+        fields: dict[str, str] | None = None,
+        chat_template: str | None = None,
         demo: bool = False,
         stage_dir: str | None = None,
         num_workers: int = 0,
@@ -66,9 +69,13 @@ class InstructionsDataModule(TokenizedDataModule):
     ) -> None:
         super().__init__(cache_dir, batch_size, stage_dir, num_workers, pin_memory, seed)
         if loss_on not in LOSS_ON:
-            raise UserError(f"data.loss_on={loss_on} is not one of {', '.join(LOSS_ON)}; pass data.loss_on=assistant or all.")
+            raise UserError(
+                f"data.loss_on={loss_on} is not one of {', '.join(LOSS_ON)}; pass data.loss_on=assistant or all."
+            )
         if packing not in PACKING:
-            raise UserError(f"data.packing={packing} is not one of {', '.join(PACKING)}; pass data.packing=none or concat.")
+            raise UserError(
+                f"data.packing={packing} is not one of {', '.join(PACKING)}; pass data.packing=none or concat."
+            )
         if packing == "concat" and loss_on != "all":
             raise UserError(
                 "data.packing=concat packs plain text and trains on every token, but data.loss_on=assistant; "
@@ -79,19 +86,25 @@ class InstructionsDataModule(TokenizedDataModule):
         self.path, self.tokenizer_path = Path(path).expanduser(), Path(tokenizer).expanduser()
         self.max_length, self.loss_on, self.packing = int(max_length), loss_on, packing
         self.val_fraction, self.demo = val_fraction, demo
+        self.fields = check_fields(fields)
+        self.chat_template = chat.chat_template(chat_template)  # None: the tokenizer's own
         self._tokenizer: Any = None
         self._pad_id: int | None = None
 
     def sources(self) -> list[Path]:
-        return [self.path] + [self.tokenizer_path / f for f in TOKENIZER_FILES if (self.tokenizer_path / f).is_file()]
+        return [self.path] + [
+            self.tokenizer_path / f for f in TOKENIZER_FILES if (self.tokenizer_path / f).is_file()
+        ]
 
     def settings(self) -> dict[str, Any]:
         return {
-            "format": 1,
+            "format": 2,
             "max_length": self.max_length,
             "loss_on": self.loss_on,
             "packing": self.packing,
             "val_fraction": self.val_fraction,
+            "fields": dict(sorted(self.fields.items())),
+            "chat_template": chat.digest(self.chat_template),
         }
 
     def check_available(self) -> None:
@@ -101,8 +114,8 @@ class InstructionsDataModule(TokenizedDataModule):
                 log.info("made the demo base model and instructions in %s", folder)
         if not self.path.is_file():
             raise DataUnavailable(
-                f"data.path={self.path} does not exist; pass a .jsonl file of instructions (one {{\"messages\": "
-                "[...]}, {\"prompt\", \"completion\"} or {\"text\"} object a line)."
+                f'data.path={self.path} does not exist; pass a .jsonl file of instructions (one {{"messages": '
+                '[...]}, {"prompt", "completion"}, {"instruction", "output"} or {"text"} object a line).'
             )
         if not any((self.tokenizer_path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
             raise DataUnavailable(
@@ -113,10 +126,13 @@ class InstructionsDataModule(TokenizedDataModule):
 
     @property
     def tokenizer(self) -> Any:
+        """The data's tokenizer, with `data.chat_template` as its chat template where one is given."""
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path))
+            if self.chat_template is not None:
+                self._tokenizer.chat_template = self.chat_template
         return self._tokenizer
 
     @property
@@ -128,81 +144,93 @@ class InstructionsDataModule(TokenizedDataModule):
         return self._pad_id
 
     def tokenize(self) -> dict[str, Iterator[tuple[list[int], list[int], list[int]]]]:
-        records = self._records()
-        order = list(range(len(records)))
+        examples = read_examples(self.path, self.fields)
+        self._check_template(examples)
+        count = len(examples)
+        held = max(1, round(count * self.val_fraction))
+        if count - held < 1:
+            raise UserError(
+                f"data.path={self.path} holds {count} example(s) and data.val_fraction={self.val_fraction} holds out "
+                f"{held} for validation, leaving none to train on; add lines or lower data.val_fraction."
+            )
+        order = list(range(count))
         random.Random(0).shuffle(order)  # which examples validate: fixed by the data, not the run's seed
-        held = max(1, round(len(records) * self.val_fraction))
         chosen = {"train": sorted(order[held:]), "val": sorted(order[:held])}
-        return {split: self._examples([records[i] for i in numbers], split) for split, numbers in chosen.items()}
+        return {
+            split: self._examples([examples[i] for i in numbers], split) for split, numbers in chosen.items()
+        }
 
-    def _records(self) -> list[dict[str, Any]]:
-        records = []
-        with open(self.path) as file:
-            for number, line in enumerate(file, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise UserError(f"{self.path}:{number} is not JSON ({err.msg}); write one JSON object a line.") from err
-                if not isinstance(record, dict) or not ({"messages", "text"} & record.keys() or {"prompt", "completion"} <= record.keys()):
-                    raise UserError(
-                        f"{self.path}:{number} has none of messages, prompt and completion, or text; write each "
-                        'line as {"messages": [{"role": ..., "content": ...}, ...]}, {"prompt": ..., "completion": ...} '
-                        'or {"text": ...}.'
-                    )
-                records.append(record)
-        if len(records) < 2:
-            raise UserError(f"{self.path} holds {len(records)} example(s); at least 2 are needed (train and val).")
-        return records
+    def _check_template(self, examples: list[Example]) -> None:
+        """A conversation needs a chat template: one sentence, before anything is tokenized; says which rule
+        decides the loss."""
+        first = next((e for e in examples if e.messages is not None), None)
+        if first is None:
+            return
+        if not self.tokenizer.chat_template:
+            raise UserError(
+                f"{self.path}:{first.line} is a conversation, but the tokenizer in data.tokenizer={self.tokenizer_path} "
+                "has no chat template to render it; pass data.chat_template=chatml (or a Jinja file of yours)."
+            )
+        if self.loss_on == "assistant":
+            rule = (
+                "as the chat template marks them ({% generation %})"
+                if chat.marked(self.tokenizer)
+                else ("each assistant turn's text and what the chat template closes it with")
+            )
+            log.info("the loss is on the assistant's tokens: %s", rule)
 
-    def _examples(self, records: list[dict[str, Any]], split: str) -> Iterator[tuple[list[int], list[int], list[int]]]:
-        skipped = 0
-        pieces = (self.tokens(record) for record in records)
+    def _examples(
+        self, examples: list[Example], split: str
+    ) -> Iterator[tuple[list[int], list[int], list[int]]]:
+        pieces = (self._tokens(example) for example in examples)
         if self.packing == "concat":
             yield from _packed(pieces, self.max_length)
             return
+        cut = skipped = longest = 0
+        shortest = None
         for ids, labels in pieces:
-            ids, labels = ids[: self.max_length], labels[: self.max_length]
+            longest, shortest = max(longest, len(ids)), min(shortest or len(ids), len(ids))
+            if len(ids) > self.max_length:
+                cut += 1
+                ids, labels = ids[: self.max_length], labels[: self.max_length]
             if all(label == IGNORE for label in labels[1:]):
-                skipped += 1  # nothing left to learn from once cut (or an empty answer)
+                skipped += 1  # nothing left to learn from once cut
                 continue
             yield ids, labels, list(range(len(ids)))
-        if skipped:
-            log.info("%s: %d example(s) skipped: no token to learn from within data.max_length=%d", split, skipped, self.max_length)
+        if skipped == len(examples):
+            raise UserError(
+                f"data.max_length={self.max_length} leaves none of the {len(examples)} {split} examples a token to "
+                f"learn from (they have {shortest} to {longest} tokens, and what comes before the "
+                "assistant's answer fills the rest); raise data.max_length."
+            )
+        if cut:
+            log.info(
+                "%s: %d of %d examples were longer than data.max_length=%d and cut; %d of them left nothing to "
+                "learn from and were skipped",
+                split,
+                cut,
+                len(examples),
+                self.max_length,
+                skipped,
+            )
 
     def tokens(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
-        """One record's token ids and labels (IGNORE where no loss is taken)."""
+        """One record's token ids and labels (IGNORE where no loss is taken), as a line of the file is read."""
+        return self._tokens(Line(record, self.fields, str(self.path)).example(0))
+
+    def _tokens(self, example: Example) -> tuple[list[int], list[int]]:
         tokens = self.tokenizer
-        if "text" in record and "messages" not in record:
-            ids = tokens(record["text"], add_special_tokens=True)["input_ids"]
+        if example.messages is None:
+            ids = tokens(example.text, add_special_tokens=True)["input_ids"]
             if tokens.eos_token_id is not None:
                 ids = [*ids, tokens.eos_token_id]
             return ids, list(ids)
-        messages = record.get("messages") or [
-            {"role": "user", "content": record["prompt"]},
-            {"role": "assistant", "content": record["completion"]},
-        ]
-        ids = self._chat(messages)
-        if self.loss_on == "all":
-            return ids, list(ids)
-        labels = [IGNORE] * len(ids)
-        for turn, message in enumerate(messages):
-            if message.get("role") != "assistant":
-                continue
-            start = len(self._chat(messages[:turn], prompt=True))
-            end = len(self._chat(messages[: turn + 1]))
-            labels[start:end] = ids[start:end]
-        return ids, labels
-
-    def _chat(self, messages: list[dict[str, Any]], prompt: bool = False) -> list[int]:
-        if not messages:
-            return []
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt, return_dict=True)
-        return list(rendered["input_ids"])
+        return chat.chat_tokens(tokens, example.messages, f"{self.path}:{example.line}", self.loss_on)
 
 
-def _packed(pieces: Iterator[tuple[list[int], list[int]]], length: int) -> Iterator[tuple[list[int], list[int], list[int]]]:
+def _packed(
+    pieces: Iterator[tuple[list[int], list[int]]], length: int
+) -> Iterator[tuple[list[int], list[int], list[int]]]:
     """Rows of `length` tokens filled with consecutive examples; positions restart where each begins."""
     ids: list[int] = []
     labels: list[int] = []

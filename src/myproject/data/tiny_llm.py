@@ -66,8 +66,9 @@ def instructions(count: int = 600, seed: int = 0) -> list[dict]:
     return records
 
 
-def make(folder: Path, seed: int = 0) -> None:
-    """Write `<folder>/base/` and `<folder>/sft.jsonl` (see the module docstring)."""
+def make(folder: Path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """Write `<folder>/base/` and `<folder>/sft.jsonl` (see the module docstring); `chat_template=None`
+    makes a base without one, as a pretrained base that was never tuned for chat comes."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -95,7 +96,7 @@ def make(folder: Path, seed: int = 0) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     base = folder / "base"
     fast.save_pretrained(base)
 

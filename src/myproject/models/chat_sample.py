@@ -16,7 +16,8 @@ log = logging.getLogger(__package__.split(".")[0])
 class ChatSample(L.Callback):
     """After every validation (not the sanity check), answer `prompt` with the model being trained: the
     prompt rendered with the data's tokenizer and its chat template, then sampled up to `max_new_tokens`
-    or the end-of-turn token. Rank 0's answer is logged (`last` on every rank holds its own).
+    or the end-of-turn token; where the tokenizer has no chat template (a base trained on plain text), the
+    prompt as plain text, continued. Rank 0's answer is logged (`last` on every rank holds its own).
 
     Every rank generates, each with its own draws (a seed of the epoch and the rank), so ranks stop at
     different steps: under FSDP2 each step gathers parameters from every rank, and `synced_gpus` keeps a
@@ -35,12 +36,18 @@ class ChatSample(L.Callback):
         if trainer.sanity_checking:
             return
         tokenizer = trainer.datamodule.tokenizer  # type: ignore[attr-defined]
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": self.prompt}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )["input_ids"].to(pl_module.device)
+        chat = bool(tokenizer.chat_template)
+        if chat:
+            encoded = tokenizer.apply_chat_template(
+                [{"role": "user", "content": self.prompt}],
+                add_generation_prompt=True,
+                return_tensors="pt",
+                return_dict=True,
+            )
+        else:
+            encoded = tokenizer(self.prompt, return_tensors="pt")
+        prompt = encoded["input_ids"].to(pl_module.device)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         net = pl_module.net
         was_training = net.training
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
@@ -57,11 +64,12 @@ class ChatSample(L.Callback):
                 use_cache=True,
                 synced_gpus=trainer.world_size > 1,
                 eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
+                pad_token_id=pad,
             )
         net.train(was_training)
         answer = out[0, prompt.shape[1] :]
         self.new_tokens = int(answer.numel())
         self.last = tokenizer.decode(answer, skip_special_tokens=True)
         if trainer.is_global_zero:
-            log.info("sample after epoch %d: %s -> %s", trainer.current_epoch, self.prompt, self.last)
+            kind = "" if chat else " (plain text: the tokenizer has no chat template)"
+            log.info("sample after epoch %d%s: %s -> %s", trainer.current_epoch, kind, self.prompt, self.last)
