@@ -6,6 +6,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from omegaconf import OmegaConf
@@ -250,9 +251,18 @@ def test_an_object_a_checkpoint_could_not_be_read_back_with_is_refused_before_wr
     from hpctrain.runtime.storage.checkpoints.writing import AtomicCheckpointIO
 
     checkpoint = {"state_dict": {"w": torch.ones(2)}, "callbacks": {"Mine": {"seen": torch.nn.ReLU()}}}
-    with pytest.raises(UnreadableCheckpoint, match=r"checkpoint's callbacks\.Mine\.seen holds a torch\.nn\."):
+    said = r"checkpoint's callbacks\.Mine\.seen \(from callback Mine's state_dict\) holds a torch\.nn\."
+    with pytest.raises(UnreadableCheckpoint, match=said):
         AtomicCheckpointIO().save_checkpoint(checkpoint, tmp_path / "last.ckpt")
     assert not list(tmp_path.iterdir())
+    # what a scheduler written with numpy leaves in the optimizer's state is saved as plain numbers
+    numpy = {"state_dict": {}, "optimizer_states": [{"param_groups": [{"lr": np.float64(0.1)}], "state": {}}]}
+    numpy["lr_schedulers"] = [{"_last_lr": [np.float64(0.1)], "base": np.ones(2)}]
+    AtomicCheckpointIO().save_checkpoint(numpy, tmp_path / "numpy.ckpt")
+    saved = torch.load(tmp_path / "numpy.ckpt", weights_only=True)
+    assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == 0.1
+    assert type(saved["lr_schedulers"][0]["_last_lr"][0]) is float
+    assert torch.equal(saved["lr_schedulers"][0]["base"], torch.ones(2, dtype=torch.float64))
 
 
 def test_eval_takes_the_checkpoints_config_and_reads_this_commands_data_dir(
