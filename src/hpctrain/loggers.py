@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from pytorch_lightning.loggers.logger import rank_zero_experiment  # namespace-free: rank 0 or not
+from torchvision.utils import save_image
 
 from hpctrain.runtime import namespaces
 from hpctrain.runtime.environment import allocated, launched
@@ -85,9 +87,6 @@ class _AppendingWriter(LightningPart, lightning="pytorch_lightning.loggers.csv_l
     def add_image(
         self, tag: str, img_tensor: Any, global_step: int | None = None, dataformats: str = "CHW", **_: Any
     ) -> None:
-        import torch
-        from torchvision.utils import save_image
-
         image = torch.as_tensor(img_tensor).detach().cpu()
         if dataformats in ("HWC", "HW"):
             image = image.permute(2, 0, 1) if dataformats == "HWC" else image[None]
