@@ -104,8 +104,10 @@ def test_public_code_fits_resumes_and_evaluates_as_under_bare_lightning(name: st
 
     assert hooks(tmp_path / "template") == hooks(tmp_path / "bare")  # every hook, and where training ended
     assert_same_rows(rows(run / "metrics.csv"), rows(tmp_path / "bare" / "metrics.csv"))
-    ended = hooks(tmp_path / "bare")["hooks-rank0.json"]["notes"]["last_epoch_end"]
-    assert list(last_checkpoint(run)[:2]) == ended
+    notes = hooks(tmp_path / "bare")["hooks-rank0.json"]["notes"]
+    assert list(last_checkpoint(run)[:2]) == notes["last_epoch_end"]
+    if name == "finetuning":  # its constructor reads its backbone's file and counts itself: once, as bare
+        assert notes["inits"] == 1
     assert_no_warning_bare_does_not_print(said, said_bare)
     # the template's checkpoints load with weights_only=True (bare Lightning's may not: the transformer's)
     for checkpoint in (run / "checkpoints").glob("*.ckpt"):
@@ -140,13 +142,18 @@ def test_public_code_fits_resumes_and_evaluates_as_under_bare_lightning(name: st
         assert "eval: the model has no test_step, so the checkpoint is evaluated on the validation split" in (
             evaluated.stdout
         )
+        refused = evaluate(name, resumed, tmp_path / "refused", "eval.split=test")
+        assert refused.returncode == 2, refused.stdout[-3000:]
+        assert (
+            "error: eval.split=test, but the model has no test_step; pass eval.split=val." in refused.stdout
+        )
     (eval_run,) = run_dirs(tmp_path / "eval", "eval")
     logged = {k: v for r in read_metrics(eval_run) for k, v in r.items() if k.startswith("val") and v}
     last_epoch = [r for r in rows(resumed / "metrics.csv") if any(k.startswith("val") for k in r)][-1]
     assert logged and all(float(logged[k]) == pytest.approx(float(last_epoch[k]), rel=1e-6) for k in logged)
 
 
-def evaluate(name: str, run: Path, logs: Path) -> subprocess.CompletedProcess[str]:
+def evaluate(name: str, run: Path, logs: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     """src/eval.py on the run's last.ckpt, as its user types it: the configs' folder, the checkpoint, what the
     stored config read from this machine's environment (the fine-tuning example's backbone path), and the
     training's seed (the tutorial's data is drawn at random when it is built)."""
@@ -160,7 +167,7 @@ def evaluate(name: str, run: Path, logs: Path) -> subprocess.CompletedProcess[st
         f"paths.log_dir={logs}",
         f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
         f"seed={SEED}",
-        *split,
+        *(overrides or split),
         *backbone,
         env=_env(logs),
     )
