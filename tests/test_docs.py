@@ -219,7 +219,11 @@ def overrides(args: list[str]) -> list[str] | None:
         if arg.startswith(("-", "[", "hydra.")) or "=" not in arg or _placeholder(arg):
             continue
         key, value = arg.split("=", 1)
-        if "," in value and not value.startswith(("[", "{", "'", '"')) and not key.startswith("hparams_search"):
+        if (
+            "," in value
+            and not value.startswith(("[", "{", "'", '"'))
+            and not key.startswith("hparams_search")
+        ):
             value = value.split(",", 1)[0]  # a sweep: its first point
         chosen.append(f"{key}={value}")
     return chosen
