@@ -28,13 +28,14 @@ def main(cfg: DictConfig) -> str | None:
         chosen = export.check_installed(cfg.export.format)  # onnx and safetensors need the `export` extra
         path = export.output_path(chosen, cfg.export.output, job.run_dir)
         checkpoint = existing_checkpoint(job.settings.ckpt_path)
-        # model(preprocess(raw inputs)), built from the classes this project's configs name, as the checkpoint's config says
-        trusted = job.settings.checkpoints.trusted_targets
+        job.from_checkpoint(
+            checkpoint
+        )  # the model and data this project composes from what the checkpoint proposes
         from hpctrain.runtime.inference import loaded  # torch: only once the preflight passed
 
-        predictor = loaded.load(checkpoint, trusted, from_config=True)
+        predictor = loaded.load(checkpoint, job.chosen)  # model(preprocess(raw inputs)), composed so too
         # one sample more than the traced batch: the export is checked at a batch size it was not traced with
-        inputs = export.sample_inputs(predictor, cfg.paths.data_dir, rows=cfg.export.batch_size + 1)
+        inputs = export.sample_inputs(predictor, job.cfg, rows=cfg.export.batch_size + 1)
         job.record()  # config.yaml and run.yaml in the run dir, as for train and eval
         exported = export.write(predictor, chosen, path, inputs, cfg.export.batch_size)
         card = model_card.write(exported, predictor, checkpoint)  # beside the export

@@ -40,6 +40,8 @@ SEAMS = {
     "run_job(task)": DOOR,
     "config_from_checkpoint(cfg)": "eval and predict: the composition with the checkpoint's model and data, "
     "checked again",
+    "composed(compose)": "a file's proposal composed by the project's own configs (its model, data, monitor)",
+    "_flat_keys(cfg)": "a file's proposal composed by the project's own configs (its model, data, monitor)",
     # the composition recorded
     "recorded(cfg)": RECORD,
     "environment_values(cfg)": RECORD,
@@ -64,6 +66,9 @@ SEAMS = {
     "callbacks(cfg)": BUILD,
     "trainer(cfg)": BUILD,
     "_trainer(cfg)": BUILD,
+    "sample_inputs(cfg)": BUILD + "; export: the job's data, for inputs",
+    "_first_batch_inputs(cfg)": BUILD + "; export: the job's data, for inputs",
+    "instantiated(node)": NODE,
     "check_arguments(node)": NODE,
     "_data_class_has(node)": NODE,
     "_instantiate(node)": NODE,
@@ -75,6 +80,7 @@ SEAMS = {
     "StartPoint._check_checkpoint(model_cfg)": NODE + ": the model's, against the checkpoint's",
     # Hydra's interfaces
     "task_overrides(hydra_cfg)": HYDRA,
+    "searchpath_overrides(hydra_cfg)": HYDRA,
     "check_hydra_env(hydra_cfg)": HYDRA,
     "write_run_record(hydra_cfg)": HYDRA,
     "SweepSummary.on_multirun_start(config)": HYDRA,

@@ -154,11 +154,10 @@ def test_public_code_fits_resumes_and_evaluates_as_under_bare_lightning(name: st
 
 
 def evaluate(name: str, run: Path, logs: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """src/eval.py on the run's last.ckpt, as its user types it: the configs' folder, the checkpoint, what the
-    stored config read from this machine's environment (the fine-tuning example's backbone path), and the
-    training's seed (the tutorial's data is drawn at random when it is built)."""
+    """src/eval.py on the run's last.ckpt, as its user types it: the configs' folder, the checkpoint, and the
+    training's seed (the tutorial's data is drawn at random when it is built). The checkpoint proposes its
+    options and values; the fine-tuning example's backbone path is this machine's, as its config reads it."""
     split = [] if name in ("gan", "finetuning", "ema") else ["eval.split=val"]
-    backbone = [f"+model.backbone_path={logs}/backbone.pt"] if name == "finetuning" else []
     logs.mkdir(parents=True, exist_ok=True)
     _backbone(logs)
     return run_entry(
@@ -168,7 +167,6 @@ def evaluate(name: str, run: Path, logs: Path, *overrides: str) -> subprocess.Co
         f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
         f"seed={SEED}",
         *(overrides or split),
-        *backbone,
         env=_env(logs),
     )
 

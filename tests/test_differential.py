@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from tests.differential.cases import CASES, template_overrides, trust_user_code, user_classes
+from tests.differential.cases import CASES, reader_overrides, template_overrides
 from tests.helpers import ROOT, TIMING_PREFIXES, assert_ok, run_dirs, run_entry, run_script, train
 
 pytestmark = pytest.mark.slow
@@ -170,7 +170,8 @@ def test_a_network_kept_in_save_hyperparameters_trains_tests_resumes_and_is_used
     )
     assert_ok(resumed)
     assert last_checkpoint(run_dirs(logs)[0])[0] == 3  # a fourth epoch after the three it resumed
-    common = (f"paths.log_dir={logs}", "extras.print_config=false", f"ckpt_path={last}", trust_user_code())
+    common = (f"paths.log_dir={logs}", "extras.print_config=false", f"ckpt_path={last}")
+    common += (*reader_overrides(CASES["net_in_hparams"]),)  # its classes and keys, named again
     evaluated = run_entry("eval.py", *common, env=env)
     assert_ok(evaluated)
     assert "Please add the following callbacks" not in evaluated.stdout  # the template's own, not the user's
@@ -190,7 +191,7 @@ def test_a_network_kept_in_save_hyperparameters_trains_tests_resumes_and_is_used
 
     import hpctrain
 
-    model = hpctrain.load(last, trusted_targets=user_classes())
+    model = hpctrain.load(last, reader_overrides(CASES["net_in_hparams"]))
     assert model(torch.zeros(2, 64)).shape == (2, 10)
 
 

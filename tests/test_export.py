@@ -20,7 +20,7 @@ from hpctrain.runtime.config.schema import EXPORT_FORMATS
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference import export, exporter_errors
 from hpctrain.runtime.storage.checkpoints.reading import CONFIG_KEY
-from tests.differential.cases import trust_user_code, user_classes, user_overrides
+from tests.differential.cases import user_code, user_overrides
 from tests.helpers import PYTHON, ROOT, assert_ok, local_env, require_modules, run_dirs, run_entry, train
 
 SUFFIX = {"torch_export": ".pt2", "onnx": ".onnx", "safetensors": ".safetensors", "peft": "", "hf_merged": ""}
@@ -29,9 +29,8 @@ ANY_MODEL = ("torch_export", "onnx", "safetensors")
 TRACED, CHECKED = 2, 5  # export.batch_size (the default), and the batch the tests run the artifact on
 
 # Loads an artifact as its model card says, in a fresh process where what it must not need cannot be
-# imported: the template's code for the two graphs (ONNX not even torch), and for safetensors
-# hpctrain.load and the checkpoint code (the model's own classes are needed: the file holds weights
-# and config only).
+# imported: the template's code for the two graphs (ONNX not even torch); a safetensors file holds weights
+# and a proposal of its config only, so the project that trained it builds the model (hpctrain.load).
 LOAD_WITHOUT_THE_TEMPLATE = r"""
 import json, sys
 
@@ -40,7 +39,7 @@ from pathlib import Path
 blocked = {
     "torch_export": ["hpctrain", "pytorch_lightning", "lightning"],
     "onnx": ["torch", "hpctrain", "pytorch_lightning", "lightning"],
-    "safetensors": ["hpctrain.runtime.run", "hpctrain.runtime.storage", "hpctrain.runtime.inference"],
+    "safetensors": [],
 }[fmt]
 for name in blocked:
     sys.modules[name] = None  # importing it fails from here on
@@ -173,14 +172,14 @@ def test_a_users_own_lightning_module_exports_to_onnx(tmp_path: Path):
     assert_ok(train(logs, *user_overrides("LitClassifier"), "trainer=cpu", "trainer.max_epochs=1", env=env))
     (trained,) = run_dirs(logs)
     checkpoint = trained / "checkpoints" / "last.ckpt"
-    assert_ok(run_export(logs, checkpoint, "export.format=onnx", trust_user_code(), env=env))
+    assert_ok(run_export(logs, checkpoint, "export.format=onnx", *user_code("LitClassifier"), env=env))
     (run,) = run_dirs(logs, task="export")
 
     from tests.differential.user_code import _digits
 
     inputs = _digits(CHECKED)[0]
     with torch.no_grad():
-        want = hpctrain.load(checkpoint, trusted_targets=user_classes())(inputs)
+        want = hpctrain.load(checkpoint, user_code("LitClassifier"))(inputs)
     assert_same_predictions(outputs_without_the_template("onnx", run / "model.onnx", inputs, tmp_path), want)
     card = (run / "model_card.md").read_text()
     assert "LitClassifier on DigitsData" in card and "float32 (N, 64)" in card and "**onnx**" in card
@@ -202,9 +201,10 @@ def test_a_model_that_cannot_be_traced_is_one_sentence(fmt: str, tmp_path: Path)
         "data": {"_target_": "tests.differential.user_code.DigitsData", "batch_size": 8},
     }
     torch.save({"state_dict": BranchingClassifier().state_dict(), CONFIG_KEY: config}, checkpoint)
-    trusted = "checkpoints.trusted_targets=[tests.unexportable.BranchingClassifier,tests.differential.user_code.DigitsData]"
+    classes = [o for o in user_code("LitClassifier") if not o.startswith("model._target_=")]
+    classes.append("model._target_=tests.unexportable.BranchingClassifier")  # its classes, as at training
     result = run_export(
-        tmp_path / "logs", checkpoint, f"export.format={fmt}", trusted, env={"PYTHONPATH": str(ROOT)}
+        tmp_path / "logs", checkpoint, f"export.format={fmt}", *classes, env={"PYTHONPATH": str(ROOT)}
     )
 
     assert result.returncode == 2, result.stdout[-3000:]

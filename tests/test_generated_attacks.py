@@ -1,18 +1,18 @@
-"""Generated attacks on the rule of targets: not a list of known tricks, but every name an attacker could
-write as a stored `_target_` to reach code through the modules this project and hpctrain import.
+"""Generated attacks on what a received file may name: not a list of known tricks, but every name an
+attacker could write as a stored `_target_` to reach code through the modules this project and hpctrain
+import.
 
 For each module of the user's package and of hpctrain, the candidates are (`candidates`):
 - every name it holds that is another module (`<module>.<imported module>`),
 - every callable one hop inside that module (`<module>.<imported module>.<callable>`: Hydra resolves a
   dotted name attribute by attribute, so `<package>.<mod>.torch.hub.load` reaches torch.hub.load),
 - every callable it holds that it did not define (`<module>.<imported callable>`).
-Each is refused as a stored `_target_` unless it is one of the closed set of exact names (rule 1,
-`targets.check_stored`, the one function every reader of a file's config calls: checked in-process for
-every candidate at three depths, and through the checkpoint reader and `hpctrain.load` for a sample);
-a run folder's files holding all of them at once give nothing to resolve to any reader; and a real entry
-point refuses the walk that ran a shell command from a `.ckpt` before (`...torch.multiprocessing...spawnv_passfds`).
-The project's own configs are trusted code: their names are looked up as Hydra looks them up
-(`targets.locate`), so the closed set is what limits a file to the reach of the user's own configs.
+A file proposes options and values, never code (`hpctrain.runtime.config.proposals`): each candidate,
+stored as a `_target_` at three depths, is refused by the one function every reader calls, before
+anything is looked up or imported (checked in-process for a sample of thousands, and for all of them at
+once in one proposal), and through `hpctrain.load` for a sample; a run folder's files holding all of them
+at once give nothing to resolve to any reader; and a real entry point refuses the walk that ran a shell
+command from a `.ckpt` before (`...torch.multiprocessing...spawnv_passfds`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import torch
 import yaml
 
 import hpctrain
-from hpctrain.runtime.config import targets
+from hpctrain.runtime.config import proposals, targets
+from hpctrain.runtime.config.compose import compose
+from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.storage.checkpoints import reading
 from tests.helpers import run_entry
 
@@ -91,37 +93,44 @@ def candidates() -> Candidates:
 
 
 @pytest.mark.slow  # imports every module of both packages (and their optional extras that are installed)
-def test_every_generated_name_outside_the_closed_set_is_refused_as_a_stored_target(
-    candidates: Candidates, tmp_path: Path
+def test_every_generated_name_as_a_stored_target_is_refused_before_anything_is_looked_up(
+    candidates: Candidates, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    allowed = targets.closed_set()
-    outside = sorted(candidates.names - allowed)
-    assert len(outside) > 10_000 and candidates.modules > 100, (len(outside), candidates.modules)
-    for name in outside:  # at the top, nested in the project's own model, in the data: every depth
-        for stored in (
+    names = sorted(candidates.names)
+    assert len(names) > 10_000 and candidates.modules > 100, (len(names), candidates.modules)
+    looked_up: list[str] = []
+    real_locate = targets.locate
+    monkeypatch.setattr(targets, "locate", lambda name: looked_up.append(name) or real_locate(name))
+    composed = compose("train", ["experiment=quickstart"])
+    options = {"model": "mnist_cnn", "model/net": "mnist_cnn", "data": "digits"}
+
+    def propose(values: dict) -> None:
+        stored = {"choices": options, **values}
+        proposals.composed(proposals.proposal_of(stored, "ckpt_path=f"), [], lambda _: composed.copy())
+
+    for name in names[
+        :: max(1, len(names) // 3000)
+    ]:  # at the top, nested in the project's own model, in the data
+        for values in (
             {"model": {"_target_": name}},
-            {"model": {"_target_": "x.Y", "net": {"layers": [{"_target_": name}]}}},
+            {"model": {"net": {"layers": [{"_target_": name}]}}},
             {"data": {"_target_": name}},
         ):
-            with pytest.raises(targets.UntrustedTarget) as refused:
-                targets.check_stored(stored, "ckpt_path=f", extra=["x.Y"], allowed=allowed | {"x.Y"})
-            assert repr(name) in str(refused.value) and "which no config of this project names" in str(
-                refused.value
-            )
-    # the same function, reached as every entry point reaches it: the checkpoint reader and hpctrain.load
-    sample = outside[:: max(1, len(outside) // 300)]
-    for i, name in enumerate(sample):
-        content = {"state_dict": {}, reading.CONFIG_KEY: {"model": {"_target_": name}}}
-        with pytest.raises(targets.UntrustedTarget, match="which no config of this project names"):
-            reading.stored_config(f"{name}.ckpt", content=content)
-        if i % 10 == 0:
-            path = tmp_path / f"{i}.ckpt"
-            torch.save(content, path)
-            with pytest.raises(targets.UntrustedTarget, match=rf"stores model._target_='{name}'"):
-                hpctrain.load(path)
-    # the names of the closed set among them are the project's own, and are found as Hydra finds them
-    for name in sorted(candidates.names & allowed):
-        targets.locate(name)
+            with pytest.raises(proposals.ProposalRefused, match="which this project's configs do not give"):
+                propose(values)
+    with pytest.raises(proposals.ProposalRefused):  # all of them at once: still nothing looked up
+        propose({"model": {f"k{i}": {"_target_": name} for i, name in enumerate(names)}})
+    # the same rule, reached as every entry point reaches it: the checkpoint reader and hpctrain.load
+    for i, name in enumerate(names[:: max(1, len(names) // 30)]):
+        path = tmp_path / f"{i}.ckpt"
+        torch.save(
+            {"state_dict": {}, reading.CONFIG_KEY: {"choices": options, "model": {"_target_": name}}}, path
+        )
+        with pytest.raises(
+            UserError, match=r"was trained with model._target_=\S+, which this project's configs"
+        ):
+            hpctrain.load(path)
+    assert looked_up == []
 
 
 @pytest.mark.slow  # the same modules imported (the fixture is shared)
@@ -185,5 +194,5 @@ def test_the_walk_that_ran_a_shell_command_from_a_checkpoint_is_refused_by_eval(
     result = run_entry("eval.py", f"paths.log_dir={tmp_path}", f"ckpt_path={path}", timeout=120)
     errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and len(errors) == 1, result.stdout[-3000:]
-    assert f"stores model._target_='{walk}', which no config of this project names" in errors[0]
+    assert f"was trained with model._target_={walk}" in errors[0] and "do not give" in errors[0]
     assert "Traceback" not in result.stdout and not marker.exists()

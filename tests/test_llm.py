@@ -272,13 +272,19 @@ def test_the_exports_load_with_peft_and_transformers_alone(lora_run: Run, llm_da
     import hpctrain
 
     last = lora_run.dir / "checkpoints" / "last.ckpt"
-    trained = hpctrain.load(str(last)).model.eval()
+    trained = hpctrain.load(
+        str(last), [f"paths.data_dir={llm_data}"]
+    ).model.eval()  # where its base is, as at training
     ids = torch.tensor([[4, 30, 31, 32, 33, 5, 40]])
     with torch.no_grad():
         want = trained(ids)
     for fmt, folder in (("peft", "adapter"), ("hf_merged", "merged")):
         result = run_entry(
-            "export.py", f"ckpt_path={last}", f"export.format={fmt}", f"hydra.run.dir={tmp_path / fmt}"
+            "export.py",
+            f"ckpt_path={last}",
+            f"export.format={fmt}",
+            f"hydra.run.dir={tmp_path / fmt}",
+            f"paths.data_dir={llm_data}",
         )
         assert_ok(result)
         assert f"wrote {tmp_path / fmt / folder}" in result.stdout

@@ -265,38 +265,27 @@ def test_an_object_a_checkpoint_could_not_be_read_back_with_is_refused_before_wr
     assert torch.equal(saved["lr_schedulers"][0]["base"], torch.ones(2, dtype=torch.float64))
 
 
-def test_eval_takes_the_checkpoints_config_and_reads_this_commands_data_dir(
+def test_eval_composes_the_options_and_values_a_checkpoint_proposes_and_the_command_line_wins(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ):
-    """The model, data and monitored metric a checkpoint was trained with come back for eval; the data is
-    read from this command's paths.data_dir (the log says which, and from where the checkpoint came)."""
+    """The options a checkpoint was trained with and its values come back for eval, composed by this
+    project's configs: a value the command line gives wins, and a place (a data folder) is this command's."""
     import torch
 
     from hpctrain.runtime.storage.checkpoints.reading import CONFIG_KEY, config_from_checkpoint
 
     stored = {
-        "model": {"_target_": "my.Model", "width": 8},
-        "data": {"_target_": "my.Data", "data_dir": "/cluster/scratch/data"},
+        "choices": {"model": "mnist_cnn", "model/net": "mnist_cnn", "data": "digits"},
+        "model": {"net": {"dropout": 0.25}, "optimizer": {"lr": 0.1}},
+        "data": {"batch_size": 32, "data_dir": "/cluster/scratch/data"},
         "monitor": {"metric": "val_loss", "mode": "min"},
     }
     torch.save({"state_dict": {}, CONFIG_KEY: stored}, tmp_path / "last.ckpt")
-    cfg = OmegaConf.create(
-        {
-            "paths": {"data_dir": "/laptop/data"},
-            "model": {},
-            "data": {},
-            "monitor": {"metric": "val/acc", "mode": "max"},
-            "checkpoints": {
-                "trusted_targets": ["my.Model", "my.Data"]
-            },  # not this project's: trusted by name
-        }
-    )
+    cfg = OmegaConf.create({"model": {}, "data": {}, "monitor": {"metric": "val/acc", "mode": "max"}})
     with caplog.at_level("INFO"):
-        # classes not of this project: trusted by name (checkpoints.trusted_targets)
-        cfg = config_from_checkpoint(cfg, tmp_path / "last.ckpt", ["model.width=16"], ["my.Model", "my.Data"])
-    assert cfg.model.width == 16 and cfg.data.data_dir == "/laptop/data"
+        given = ["model.optimizer.lr=0.5", f"paths.data_dir={tmp_path}", "trainer.max_epochs=3"]
+        cfg = config_from_checkpoint(cfg, tmp_path / "last.ckpt", given)
+    assert cfg.model._target_ == "myproject.models.classifier.ImageClassifier"  # the project's, as composed
+    assert (cfg.model.net.dropout, cfg.model.optimizer.lr, cfg.data.batch_size) == (0.25, 0.5, 32)
     assert (cfg.monitor.metric, cfg.monitor.mode) == ("val_loss", "min")
-    assert (
-        "data: read from /laptop/data (paths.data_dir of this command; the checkpoint was trained on /cluster/scratch/data)"
-        in caplog.text
-    )
+    assert "trainer" not in cfg  # only the groups a checkpoint proposes are composed

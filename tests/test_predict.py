@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.differential.cases import trust_user_code, user_overrides
+from tests.differential.cases import user_code, user_overrides
 from tests.helpers import ROOT, run_entry
 
 PROJECT_ON_PATH = {"PYTHONPATH": str(ROOT)}  # the user's module lives in tests/differential/user_code.py
@@ -157,12 +157,13 @@ def test_predict_a_folder_of_png_and_jpeg_files_and_a_tensor_file(digits_checkpo
 def test_a_users_predict_step_and_predict_dataloader_on_two_processes(user_checkpoint: Path, tmp_path: Path):
     from tests.differential.user_code import _digits
 
-    one = _predict(tmp_path, "one.pt", f"ckpt_path={user_checkpoint}", trust_user_code(), env=PROJECT_ON_PATH)
+    classes = user_code("PredictingClassifier", data="PredictData")  # as at training: a file names no code
+    one = _predict(tmp_path, "one.pt", f"ckpt_path={user_checkpoint}", *classes, env=PROJECT_ON_PATH)
     two = _predict(
         tmp_path,
         "two.pt",
         f"ckpt_path={user_checkpoint}",
-        trust_user_code(),
+        *classes,
         "trainer=ddp_cpu",
         "trainer.devices=2",
         env=PROJECT_ON_PATH,

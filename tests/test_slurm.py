@@ -399,7 +399,7 @@ def test_a_signal_during_prediction_requeues_the_job_which_predicts_everything_a
 ):
     """ENTRY=src/predict.py through slurm/train.sbatch on two nodes: USR1 mid-prediction -> scontrol
     requeue -> the restarted job predicts again and writes the whole output once, in input order."""
-    from tests.differential.cases import trust_user_code, user_overrides
+    from tests.differential.cases import user_code, user_overrides
     from tests.differential.user_code import PredictingClassifier, _digits
     from tests.helpers import run_entry
 
@@ -421,7 +421,7 @@ def test_a_signal_during_prediction_requeues_the_job_which_predicts_everything_a
         SBATCH_FILE,
         "trainer=ddp_cpu",
         f"ckpt_path={checkpoint}",
-        trust_user_code(),  # its classes are tests/', not the project's configs': trusted by name
+        *user_code("PredictingClassifier", data="PredictData"),  # its classes, named as at training
         "data.batch_size=4",  # 81 samples per rank: 21 batches, checked for a signal every 10
         f"predict.output={output}",
         f"paths.log_dir={tmp_path}",

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
-from hpctrain.runtime.config import targets
 from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.config.hydra_errors import closest_key, describe_hydra_error, unparsed_override
 from hpctrain.runtime.config.target_spelling import closest_target
+from hpctrain.runtime.errors import UserError
 from tests.helpers import EXAMPLES
 
 
@@ -105,7 +106,9 @@ def test_a_misspelt_target_in_an_installed_package_gets_its_name():
     assert closest_target("omegaconf.dictconfg.DictConfig") == "omegaconf.dictconfig.DictConfig"
 
 
-def test_a_refused_stored_target_names_the_searchpath_its_training_run_recorded(tmp_path: Path):
+def test_a_refused_proposal_names_the_searchpath_its_training_run_recorded(tmp_path: Path):
+    import torch
+
     from hpctrain.runtime.storage.checkpoints import reading
 
     run = tmp_path / "run"
@@ -118,12 +121,15 @@ def test_a_refused_stored_target_names_the_searchpath_its_training_run_recorded(
     assert reading.recorded_searchpath(checkpoint) == searchpath
     assert reading.recorded_searchpath(tmp_path / "elsewhere.ckpt") == ""
 
-    stored = {"model": {"_target_": "their_package.models.Net"}}
-    with pytest.raises(targets.UntrustedTarget) as refused:
-        targets.check_stored(stored, f"ckpt_path={checkpoint}", searchpath=searchpath)
+    stored = {"choices": {"model": "theirs"}, "model": {"_target_": "their_package.models.Net"}}
+    torch.save({"state_dict": {}, reading.CONFIG_KEY: stored}, checkpoint)
+    with pytest.raises(UserError) as refused:
+        reading.config_from_checkpoint(OmegaConf.create({}), checkpoint, [])
     said = str(refused.value)
-    assert f"pass the configs its training run searched again ({searchpath})" in said
-    assert "checkpoints.trusted_targets=[their_package.models.Net]" in said and "model=<option>" in said
-    with pytest.raises(targets.UntrustedTarget) as refused:
-        targets.check_stored(stored, "ckpt_path=x")
+    assert "proposes model=theirs, which this project cannot compose" in said and "model=<option>" in said
+    assert f"Its training run searched more configs: {searchpath}." in said
+    elsewhere = tmp_path / "elsewhere.ckpt"
+    torch.save({"state_dict": {}, reading.CONFIG_KEY: stored}, elsewhere)
+    with pytest.raises(UserError) as refused:
+        reading.config_from_checkpoint(OmegaConf.create({}), elsewhere, [])
     assert "searchpath" not in str(refused.value)  # a run that searched no other folder: nothing to pass

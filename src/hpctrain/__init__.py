@@ -20,20 +20,22 @@ __version__ = "0.3.0"
 __all__ = ["UserError", "__version__", "empty_weights", "load"]
 
 
-def load(ckpt_path: str, trusted_targets: "Iterable[str] | None" = None) -> "Predictor":  # noqa: F821
-    """The model of one of this template's checkpoints, ready to call on the raw inputs its datamodule
-    gave it (uint8 images: the normalisation is inside), in eval mode, on the CPU:
+def load(ckpt_path: str, overrides: "Iterable[str]" = ()) -> "Predictor":  # noqa: F821
+    """The model of one of this project's checkpoints (or `.safetensors` exports), ready to call on the raw
+    inputs its datamodule gave it (uint8 images: the normalisation is inside), in eval mode, on the CPU:
 
         model = hpctrain.load("logs/train/runs/<run>/checkpoints/last.ckpt")
         probabilities = model(images).softmax(dim=1)
 
     `model.model` is the LightningModule, `model.preprocess` what goes in front, `model.config` the model and
-    data config it was trained with. A checkpoint is data: the classes built are the ones this project's
-    configs name (a `_target_` stored in the file that they do not name is refused in one sentence);
-    `trusted_targets` lists others you trust. torch is imported here, on the first call, not with the package."""
+    data config it was built from. A checkpoint is data: it proposes the options and values it was trained
+    with, and this project's own configs build the model from them (a class or a place the file names is
+    never used; what they do not give is one sentence saying what to pass); `overrides` are what you would
+    add on the command line (`hydra.searchpath=...`, `model._target_=...`). torch is imported here, on the
+    first call, not with the package."""
     from hpctrain.runtime.inference.loaded import load as load_checkpoint
 
-    return load_checkpoint(ckpt_path, trusted_targets)
+    return load_checkpoint(ckpt_path, overrides)
 
 
 def empty_weights() -> "AbstractContextManager[None]":  # noqa: F821

@@ -256,19 +256,8 @@ def template_overrides(
 ) -> list[str]:
     """The `python src/train.py` overrides that build the case, of the user code written with `package`."""
     options = {**TRAINER, **case.trainer, **(trainer or {})}
-    model = (
-        [f"model={case.model_file}"]
-        if case.model_file
-        else ["model=user", f"model._target_={target(case.module)}"]
-    )
-    data = (
-        [f"data={case.data_file}"] if case.data_file else ["data=user", f"data._target_={target(case.data)}"]
-    )
     overrides = [
-        f"hydra.searchpath=[file://{CONF}]",
-        *model,
-        *_overrides("+model", case.model),
-        *data,
+        *reader_overrides(case),
         "trainer=ddp_cpu" if case.processes > 1 else "trainer=cpu",
         f"seed={SEED}",
         *(
@@ -298,6 +287,22 @@ def template_overrides(
     return written_with(package, overrides)
 
 
+def reader_overrides(case: Case, package: str = "pytorch_lightning") -> list[str]:
+    """What chooses the case's code: its configs' folder, its model and data, and the classes and keys its
+    training command line names. What eval, predict, export and hpctrain.load are given again for its
+    checkpoints, as its user types them (a checkpoint proposes options and values, never code)."""
+    model = (
+        [f"model={case.model_file}"]
+        if case.model_file
+        else ["model=user", f"model._target_={target(case.module)}"]
+    )
+    data = (
+        [f"data={case.data_file}"] if case.data_file else ["data=user", f"data._target_={target(case.data)}"]
+    )
+    chosen = [f"hydra.searchpath=[file://{CONF}]", *model, *_overrides("+model", case.model), *data]
+    return written_with(package, chosen)
+
+
 def config_of(case: Case, group: str) -> dict[str, Any]:
     """The Hydra config bare Lightning's script builds the case's model or data from: the case's file of
     conf/<group>/ as written (interpolations resolved when it is built), or its class with the case's args."""
@@ -317,12 +322,16 @@ def user_overrides(
 ) -> list[str]:
     """`python src/train.py` overrides that train a user's module and datamodule from user_code.py, found
     through hydra.searchpath (run with PYTHONPATH holding the project root)."""
+    return [*user_code(module, data), f"monitor.metric={monitor[0]}", f"monitor.mode={monitor[1]}"]
+
+
+def user_code(module: str, data: str = "DigitsData") -> list[str]:
+    """What chooses a user's module and datamodule of user_code.py: what eval, predict, export and
+    hpctrain.load are given again for their checkpoints (a checkpoint proposes values, never code)."""
     return [
         f"hydra.searchpath=[file://{CONF}]",
         "model=user",
         f"model._target_={USER}.{module}",
         "data=user",
         f"data._target_={USER}.{data}",
-        f"monitor.metric={monitor[0]}",
-        f"monitor.mode={monitor[1]}",
     ]

@@ -99,6 +99,12 @@ def task_overrides(hydra_cfg: DictConfig) -> list[str]:
     return [str(o) for o in OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)]
 
 
+def searchpath_overrides(hydra_cfg: DictConfig) -> list[str]:
+    """The command line's `hydra.searchpath=...` (Hydra keeps it with its own overrides, not the task's)."""
+    found = [str(o) for o in OmegaConf.to_container(hydra_cfg.overrides.hydra, resolve=False) or []]
+    return [o for o in found if o.lstrip("+").startswith("hydra.searchpath=")]
+
+
 @functools.cache
 def project_packages() -> tuple[str, ...]:
     """The project's own packages (src/<package>/, hpctrain and Hydra's plugins aside): what Hydra 1.4's

@@ -103,16 +103,23 @@ def _resolvers_kept(node: Any) -> Any:
     return node
 
 
-def recorded(cfg: DictConfig | ListConfig) -> Any:
-    """`cfg` resolved for a record (see the module docstring), as plain containers. A value that cannot be
-    resolved here is kept as written."""
+def recorded(cfg: DictConfig | ListConfig, groups: tuple[str, ...] = ()) -> Any:
+    """`cfg` resolved for a record (see the module docstring), as plain containers; with `groups`, those
+    of its sections only, each resolved where it stands. What cannot be resolved here is kept as written."""
     raw = OmegaConf.to_container(cfg, resolve=False)
     kept = OmegaConf.create(_resolvers_kept(raw), flags={"allow_objects": True})
+    if groups:
+        return {g: plain(_resolved(kept[g], raw[g])) for g in groups if isinstance(raw, dict) and g in raw}
+    return plain(_resolved(kept, raw))
+
+
+def _resolved(node: Any, raw: Any) -> Any:
+    if not OmegaConf.is_config(node):
+        return node
     try:
-        resolved = OmegaConf.to_container(kept, resolve=True)
+        return OmegaConf.to_container(node, resolve=True)
     except Exception:  # an interpolation that only resolves elsewhere (a rank, a node): keep it unresolved
-        resolved = raw
-    return plain(resolved)
+        return raw
 
 
 def environment_values(cfg: DictConfig | ListConfig) -> dict[str, str]:

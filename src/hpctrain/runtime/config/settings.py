@@ -108,13 +108,6 @@ class Requeue:
 @dataclass(frozen=True)
 class Checkpoints:
     async_save: bool = flag(False, "true", "write checkpoints while training goes on")
-    trusted_targets: list[str] = setting(
-        [],
-        {"type": "array", "items": {"type": "string", "pattern": r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$"}},
-        "a list of dotted class or function names",
-        "[mypackage.models.Net]",
-        "classes a checkpoint's stored config may name besides those of the project's configs",
-    )
     trainable_only: bool | str = setting(
         "auto",
         {"anyOf": [{"type": "boolean"}, {"const": "auto"}]},

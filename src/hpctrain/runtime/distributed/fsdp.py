@@ -400,9 +400,11 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         fsdp: dict[str, Any] | None = None,
         tensor_parallel_plan: dict[str, list[str]] | None = None,
         compile_backend: str | None = None,
+        checkpoint_fills: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(save_distributed_checkpoint=True, **kwargs)
+        self.checkpoint_fills = checkpoint_fills  # a reader's model: its checkpoint fills what no file names
         self.saves = saves  # how checkpoints are committed: storage.checkpoints.folder_saves.FolderSaves
         self.fsdp_options = dict(fsdp or {})
         self.tensor_parallel_plan = dict(tensor_parallel_plan or {})
@@ -498,7 +500,7 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
                     log.info("tensor parallel: %d layer(s) split over %d process(es) each", split, tensor)
             sharded, norms = apply_fsdp(module, mesh["data_parallel"], options, self.compile_backend)
             if has_empty_parameters(module):  # a pretrained base built empty: each rank reads its shards
-                read = materialize(module, self.root_device)
+                read = materialize(module, self.root_device, checkpoint_fills=self.checkpoint_fills)
                 if self.global_rank == 0:
                     log.info("pretrained base: %d tensors read into their shards", read)
             if self.global_rank == 0:

@@ -58,19 +58,21 @@ def has_empty_parameters(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
-def materialize(module: nn.Module, device: torch.device | str) -> int:
+def materialize(module: nn.Module, device: torch.device | str, checkpoint_fills: bool = False) -> int:
     """Give `module`'s meta parameters memory on `device` and fill them from `module.pretrained_files()`;
     real parameters and buffers keep their values. Works on a plain module and on one sharded by FSDP2
-    (each rank then fills its shards only). Returns how many tensors were read."""
+    (each rank then fills its shards only). `checkpoint_fills`: a reader's model, built without memory,
+    whose checkpoint fills what the files do not name next. Returns how many tensors were read."""
     empty = [name for name, p in module.named_parameters() if p.is_meta]
     if not empty:
         return 0
-    if any(p.is_meta for p in module.parameters(recurse=False)):
+    if any(p.is_meta for p in module.parameters(recurse=False)) and not checkpoint_fills:
         raise PretrainedFilesError(
             f"{type(module).__name__} holds empty parameters of its own, outside any submodule; build the "
             "network as a submodule (e.g. self.net) inside hpctrain.empty_weights()."
         )
-    files = _pretrained_files(module)
+    files = _pretrained_files(module) if hasattr(module, "pretrained_files") or not checkpoint_fills else {}
+    empty = [name for name in empty if name in files or not checkpoint_fills]
     missing = [name for name in empty if name not in files]
     if missing:
         raise PretrainedFilesError(
@@ -79,6 +81,8 @@ def materialize(module: nn.Module, device: torch.device | str) -> int:
             "tensors in pretrained_files()."
         )
     kept = {name: _local(t).detach().clone() for name, t in _tensors(module) if not t.is_meta}
+    if checkpoint_fills and any(p.is_meta for p in module.parameters(recurse=False)):
+        module.to_empty(device=device, recurse=False)
     for child in module.children():  # the networks (FSDP2 roots), not the metrics beside them
         if has_empty_parameters(child):
             child.to_empty(device=device)  # FSDP2 re-registers its sharded parameters (FSDPModule._apply)

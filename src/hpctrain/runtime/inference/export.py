@@ -3,9 +3,9 @@
     export.format  file               holds                               loads with
     torch_export   model.pt2          the traced program (torch.export)   torch.export.load(path).module()
     onnx           model.onnx         that program as an ONNX graph       onnxruntime.InferenceSession(path)
-    safetensors    model.safetensors  the LightningModule's weights;      its config built through the
-                                      its model and data config (JSON:    project's own rule of targets;
-                                      values, checked before any build)   safetensors' load_model
+    safetensors    model.safetensors  the LightningModule's weights;      hpctrain.load(path) in the project
+                                      the options and values of its       that trained it: its configs build
+                                      config (JSON, a proposal)           the model the file proposes
     peft           adapter/           a PEFT model's adapters, tokenizer  peft's PeftModel.from_pretrained
     hf_merged      merged/            the adapters merged into the base   transformers' from_pretrained alone
                                       (the last two: hpctrain.runtime.inference.hf_formats, the llm extra)
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.runtime.config import targets
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference import hf_formats
 from hpctrain.runtime.inference.describe import describe, describe_tensor, file_size, input_name, tensors
@@ -41,6 +40,7 @@ from hpctrain.runtime.inference.exporter_errors import reason, reported
 from hpctrain.runtime.namespaces import is_overridden
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
     from torch import Tensor
 
     from hpctrain.runtime.inference.loaded import Predictor
@@ -113,7 +113,7 @@ def output_path(chosen: Format, output: str | None, run_dir: Path) -> Path:
 # ------------------------------------------------------------------------------- what it takes
 
 
-def sample_inputs(predictor: Predictor, data_dir: str, rows: int) -> Tensor:
+def sample_inputs(predictor: Predictor, cfg: DictConfig, rows: int) -> Tensor:
     """`rows` inputs as the exported model takes them: uint8 images of the data's shape when the
     datamodule has a preprocessing (the template's image data: random pixels, fixed seed, no data read),
     else the inputs of the first batch of the data itself (a datamodule of your own), repeated as needed."""
@@ -123,30 +123,19 @@ def sample_inputs(predictor: Predictor, data_dir: str, rows: int) -> Tensor:
     if predictor.image_shape and not isinstance(predictor.preprocess, nn.Identity):
         generator = torch.Generator().manual_seed(0)
         return torch.randint(0, 256, (rows, *predictor.image_shape), dtype=torch.uint8, generator=generator)
-    inputs = _first_batch_inputs(predictor.config, data_dir)
+    inputs = _first_batch_inputs(cfg)
     return inputs.repeat(-(-rows // len(inputs)), *[1] * (inputs.dim() - 1))[:rows]
 
 
-def _first_batch_inputs(config: dict[str, Any], data_dir: str) -> Tensor:
-    """The inputs of the first batch of the checkpoint's data: its test split, else validation, else train."""
+def _first_batch_inputs(cfg: DictConfig) -> Tensor:
+    """The inputs of the first batch of the job's data (its test split, else validation, else train)."""
     from torch import Tensor
 
-    from hpctrain.runtime.run.build import built_from_file, check_data_available
+    from hpctrain.runtime.run import build
 
-    if "data" not in config:
-        raise UserError(
-            "the checkpoint holds no data config, so what its model takes is unknown; export a checkpoint "
-            "written by src/train.py (it stores the model and data config)."
-        )
-    node = dict(config["data"])  # plain values, checked when the checkpoint was read: built as they are
-    if "data_dir" in node:
-        node["data_dir"] = data_dir  # this machine's, as src/eval.py does
-    if "stage_dir" in node:
-        node["stage_dir"] = None  # the training job's node-local scratch
-    if node.get("num_workers") == "auto":
-        node["num_workers"] = 0  # one batch, in this process
-    data = built_from_file(node, "data")
-    check_data_available(data)
+    with build.namespace_of_run(cfg):
+        data = build.instantiated(cfg.data, "data", num_workers=0)  # one batch, in this process
+    build.check_data_available(data)
     data.prepare_data()
     splits = (("test", "test_dataloader"), ("validate", "val_dataloader"), ("fit", "train_dataloader"))
     stage, loader = next(s for s in splits if is_overridden(s[1], data) or s[0] == "fit")
@@ -253,20 +242,11 @@ def _run_onnx(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
 
 
 def _run_safetensors(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
-    """As the model card says: the model config of the file's metadata, values only, checked against the
-    project's configs (`targets.check_stored`) and built from plain containers (`targets.build_stored`),
-    its weights loaded from the file; the preprocessing, which the file does not hold, in front."""
-    from safetensors import safe_open
-    from safetensors.torch import load_model
+    """As the model card says: `hpctrain.load` of the file in the project that trained it (the file proposes
+    its options and values, the project's configs build the model; the preprocessing goes in front)."""
+    from hpctrain.runtime.inference import loaded
 
-    from hpctrain.runtime.run.build import built_from_file
-
-    with safe_open(str(path), "pt") as file:
-        config = json.loads(file.metadata()["config"])["model"]
-    targets.check_stored({"model": config}, str(path))
-    model = built_from_file(config, "model").eval()
-    load_model(model, str(path))
-    return model(predictor.preprocess(inputs))
+    return loaded.load(path, predictor.overrides)(inputs)
 
 
 def _check(path: Path, chosen: Format, predictor: Predictor, inputs: Tensor, outputs: Any) -> float:
@@ -338,47 +318,24 @@ def _onnx_card(exported: Exported, predictor: Predictor) -> list[str]:
 
 
 def _safetensors_card(exported: Exported, predictor: Predictor) -> list[str]:
-    """The model built in the recipient's project: the file's metadata gives its config as values, and
-    the project's own configs decide which classes may be built from them (rule 1 of
-    `hpctrain.runtime.config.targets`); nothing in the file is resolved or composed."""
-    from torch import nn
-
-    from hpctrain.data.images import Normalise
-
-    preprocess = predictor.preprocess
+    """The model built in the recipient's project: the file proposes its config's options and values, the
+    project's own configs build the model (`hpctrain.runtime.config.proposals`); nothing in the file names
+    code or a place."""
     name = json.dumps(exported.path.name)  # a double-quoted Python string, as the other cards write it
-    lines = [
-        "# In the project that trained it (its code and conf/), with its environment: the file's metadata",
-        "# gives the model's config as values; the classes built are those your project's configs name.",
-        "import json",
-        "",
+    chosen = [o for o in predictor.overrides if not o.lstrip("+~").startswith(("paths.", "seed="))]
+    given = f", overrides={json.dumps(chosen)}" if chosen else ""  # what chose its classes and configs
+    return [
+        "# In the project that trained it (its code and conf/), with its environment: the file proposes the",
+        "# options and values of its config, and your project's configs build the model from them.",
         "import torch",
-        "from safetensors import safe_open",
-        "from safetensors.torch import load_model",
         "",
-        "from hpctrain.runtime.config.targets import build_stored, check_stored",
+        "import hpctrain",
         "",
-        f'with safe_open({name}, "pt") as file:',
-        '    config = json.loads(file.metadata()["config"])["model"]',
-        f'check_stored({{"model": config}}, {name})  # a class no config of your project names: refused',
-        "model = build_stored(config).eval()  # from plain values: nothing in the file is resolved",
-        f"load_model(model, {name})",
+        f"model = hpctrain.load({name}{given})  # its preprocessing in front, in eval mode",
+        "with torch.no_grad():",
+        f"    outputs = model({input_name(exported.inputs)})  # {input_name(exported.inputs)}: "
+        f"{describe_tensor(exported.inputs)}",
     ]
-    inputs = describe_tensor(exported.inputs)
-    if isinstance(preprocess, Normalise):
-        return [
-            *lines,
-            f"mean = torch.tensor({list(preprocess.mean)}).view(1, -1, 1, 1)",
-            f"std = torch.tensor({list(preprocess.std)}).view(1, -1, 1, 1)",
-            "with torch.no_grad():",
-            f"    outputs = model((images.float() / 255 - mean) / std)  # images: {inputs}",
-        ]
-    if isinstance(preprocess, nn.Identity):
-        call = f"model(inputs)  # inputs: {inputs}"
-    else:
-        shown = " ".join(repr(preprocess).split())  # one line: a comment cannot end and let code begin
-        call = f"model(preprocess(inputs))  # preprocess: {shown}, as the Input line above says"
-    return [*lines, "with torch.no_grad():", f"    outputs = {call}"]
 
 
 FORMATS = {

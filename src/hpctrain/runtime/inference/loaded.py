@@ -4,15 +4,17 @@
     model = hpctrain.load("logs/train/runs/<run>/checkpoints/last.ckpt")
     logits = model(images)            # uint8 images (B, C, H, W), as the datamodule's batches were
 
-The checkpoint holds the resolved model and data config it was trained with (`reading.CONFIG_KEY`):
-the LightningModule is rebuilt from it, as plain values whose every class is one this project's configs
-name (`targets.check_stored`, `targets.build_stored`), and gets the weights (read with weights_only=True), and the
-datamodule's `preprocessing()` (for the template's image datamodules: the normalisation) goes in front,
-so the model is fed exactly what it was trained on. src/predict.py and src/export.py start from here.
+The checkpoint proposes the options and values it was trained with; this project's own configs build the
+model and the data from them (`hpctrain.runtime.config.proposals`: a file never names code or a place),
+the model without memory until it is compared with the file's tensors, then with the weights (read with
+weights_only=True), and the datamodule's `preprocessing()` (for the template's image datamodules: the
+normalisation) goes in front, so the model is fed exactly what it was trained on. A `.safetensors` export
+of this project loads the same way. src/predict.py and src/export.py start from here.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
+from hpctrain.runtime.config import proposals, redact
+from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.run.build import built_from_file
+from hpctrain.runtime.run import build
 from hpctrain.runtime.storage.checkpoints import reading, trainable_only
 
 if TYPE_CHECKING:
@@ -34,11 +38,14 @@ MAX_SAMPLE_ELEMENTS = 1 << 28
 class Predictor(nn.Module):
     """`model(preprocess(images))`, in eval mode; `config` is the model and data config it was trained with."""
 
-    def __init__(self, model: LightningModule, preprocess: nn.Module, config: dict[str, Any]) -> None:
+    def __init__(
+        self, model: LightningModule, preprocess: nn.Module, config: dict[str, Any], overrides: list[str]
+    ) -> None:
         super().__init__()
         self.model = model
         self.preprocess = preprocess
-        self.config = config
+        self.config = config  # what a checkpoint of it proposes: its options and values
+        self.overrides = overrides  # what the command line gave to compose it
         self.eval()
 
     def forward(self, images: Tensor) -> Any:
@@ -69,29 +76,51 @@ def preprocessing_of(datamodule: Any) -> nn.Module:
     return make() if callable(make) else nn.Identity()
 
 
-def load(
-    ckpt_path: str | Path, trusted_targets: Iterable[str] | None = None, from_config: bool = False
-) -> Predictor:
-    """The model of a checkpoint of this template, with its preprocessing in front (see the module docstring).
-    The classes built are those the project's configs name; `trusted_targets` adds others the user trusts
-    (`from_config`: the entry points' `checkpoints.trusted_targets`, named so in the refusal)."""
-    path = Path(ckpt_path).expanduser()
+def load(path: str | Path, overrides: Iterable[str] = ()) -> Predictor:
+    """The model of a checkpoint (or a `.safetensors` export) of this project, with its preprocessing in
+    front (see the module docstring); `overrides`: what the command line would add (`hydra.searchpath=...`,
+    `model._target_=...` for a class the project's configs do not give)."""
+    path = Path(path).expanduser()
     if not path.exists():
         raise UserError(
             f"{path} does not exist; pass a checkpoint file or folder (see <run dir>/checkpoints/)."
         )
-    content = reading.read(path)
-    how = "" if from_config else "hpctrain.load(path, trusted_targets=[<the target>])"
-    stored = reading.stored_config(path, ("model", "data"), trusted_targets, how=how, content=content)
-    if "model" not in stored:
+    content = _exported(path) if path.suffix == ".safetensors" else reading.read(path)
+    found = reading.proposal(path, content, what="")
+    if found is None:
         raise UserError(
             f"{path} holds no model config (it was not written by this template); build its LightningModule "
             "yourself and call load_state_dict(torch.load(path, weights_only=True)['state_dict'])."
         )
-    module = built_from_file(stored["model"], "model")
-    reading.check_matches_model(path, module, content=content)
-    trainable_only.load_weights(module, content, str(path))
-    preprocess = (
-        preprocessing_of(built_from_file(stored["data"], "data")) if "data" in stored else nn.Identity()
+    given = proposals.relevant(list(overrides))
+    cfg = proposals.composed(found, given, lambda chosen: compose("train", chosen))
+    module = build.model(cfg, build.Checkpoint(path, content))
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_model
+
+        load_model(module, str(path))  # an export: tensors shared by two names are stored once
+    else:
+        trainable_only.load_weights(module, content, str(path))
+    with build.namespace_of_run(cfg):
+        data = build.instantiated(cfg.data, "data", num_workers=0)
+    stored = redact.recorded(cfg, proposals.GROUPS)  # as a checkpoint stores them
+    choices = proposals.chosen(found, given)  # an export records them again
+    return Predictor(module, preprocessing_of(data), {"choices": choices, **stored}, given)
+
+
+def _exported(path: Path) -> dict[str, Any]:
+    """A `.safetensors` export's weights and the config its metadata proposes (src/export.py writes it)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as file:
+        config = (file.metadata() or {}).get("config")
+        tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (a safetensors handle)
+    try:
+        stored = json.loads(config[: proposals.MAX_TEXT * 64]) if config else None
+    except ValueError as err:
+        raise UserError(
+            f"{path} holds a config that is not JSON in its metadata; export it again with src/export.py."
+        ) from err
+    return (
+        {"state_dict": tensors, reading.CONFIG_KEY: stored} if stored is not None else {"state_dict": tensors}
     )
-    return Predictor(module, preprocess, stored)

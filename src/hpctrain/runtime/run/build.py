@@ -18,6 +18,7 @@ or lightning.pytorch, `hpctrain.runtime.namespaces`), chosen before anything is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import get_class
 from lightning_fabric.utilities.seed import seed_everything  # namespace-free: seeds and environment variables
@@ -51,18 +53,18 @@ from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
 from hpctrain.callbacks.trainable_only import TrainableOnly
 from hpctrain.loggers import job_metadata, tag_runs
 from hpctrain.runtime import namespaces
-from hpctrain.runtime.config import redact, targets
+from hpctrain.runtime.config import proposals, redact, targets
 from hpctrain.runtime.config.arguments import check_arguments
 from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings, TrainerKeys
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
-from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
+from hpctrain.runtime.distributed.materialize import empty_weights, has_empty_parameters, materialize
 from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import Namespace
 from hpctrain.runtime.report import console
-from hpctrain.runtime.storage.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir
+from hpctrain.runtime.storage.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir, reading
 from hpctrain.runtime.storage.checkpoints.async_writing import AsyncAtomicCheckpointIO
 from hpctrain.runtime.storage.checkpoints.folder_saves import FolderSaves
 from hpctrain.runtime.storage.checkpoints.sharded import consolidate
@@ -73,7 +75,6 @@ if TYPE_CHECKING:
     from pytorch_lightning.loggers import Logger
 
 log = logging.getLogger(__package__)
-STORED_GROUPS = ("model", "data", "monitor")  # the config a checkpoint keeps (ResumeState)
 
 
 @dataclass
@@ -214,16 +215,23 @@ def _data_class_has(node: DictConfig, flag: str) -> bool:
 
 
 def run_objects(
-    cfg: DictConfig, settings: Settings, run_dir: str | Path, training: bool = True, sweep: bool = False
+    cfg: DictConfig,
+    settings: Settings,
+    run_dir: str | Path,
+    training: bool = True,
+    sweep: bool = False,
+    checkpoint: Checkpoint | None = None,
 ) -> Run:
     """Datamodule (its data checked, on every rank, before any process group), model, callbacks,
     loggers and trainer for `cfg` (hpctrain's own keys read from `settings`, typed, checked in the
     preflight); with `training=False` (eval) no training-only callbacks; `sweep`: a point of a sweep,
-    which needs the monitored value."""
+    which needs the monitored value; `checkpoint`: the one a reader evaluates (its model checked against
+    it before it takes memory)."""
     with namespace_of_run(cfg) as namespace:  # before anything is built: mixed imports are one sentence
         data = datamodule(cfg, settings)
         check_data_available(data)
-        module = tune_model(model(cfg), settings, settings.trainer.strategy)
+        sharded = settings.trainer.strategy == "fsdp"
+        module = tune_model(model(cfg, checkpoint, sharded), settings, settings.trainer.strategy)
         built = trainer(cfg, settings, run_dir, training=training, sweep=sweep)
     monitor = next((c for c in built.callbacks if isinstance(c, MonitoredMetric)), None)
     requeue = next((c for c in built.callbacks if isinstance(c, RequeueOnSignal)), None)
@@ -287,36 +295,6 @@ def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
         if sentence is None:
             raise
         raise UserError(sentence) from err
-
-
-def built_from_file(node: Any, key: str) -> Any:
-    """A model or data config read from a file (already admitted by `targets.check_stored`), built from
-    its plain values (`targets.build_stored`: no interpolation on a file's strings), and checked as the
-    project's own are, in the Lightning namespace of the run being built, else of the class it names."""
-    target = node.get(targets.TARGET) if isinstance(node, dict) else None
-    named = targets.locate(target) if isinstance(target, str) else None
-    namespace = namespaces.being_built() or namespaces.choose({key: named} if isinstance(named, type) else {})
-    try:
-        with namespaces.building(namespace):
-            built = _of_the_run(targets.build_stored(_not_staged(node)), key)
-    except TypeError as err:  # arguments the class does not take: the file was written for other code
-        raise UserError(
-            f"{key}: the stored config does not fit the class it names ({err}); build this project's own with "
-            f"{key}=<option>, or use a checkpoint of this version of the code."
-        ) from err
-    if isinstance(built, torch.nn.Module) and has_empty_parameters(built):
-        materialize(built, "cpu")  # a pretrained base built empty (`hpctrain.empty_weights`): read it now
-    return built
-
-
-def _not_staged(node: Any) -> Any:
-    """A file's config with every `stage_dir` (a node-local copy of data or of a base model) set to null:
-    nothing is copied to, or removed from, a folder a received file names."""
-    if isinstance(node, dict):
-        return {k: None if k == "stage_dir" else _not_staged(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_not_staged(v) for v in node]
-    return node
 
 
 def _in_namespace(node: DictConfig, namespace: Namespace) -> Any:
@@ -383,16 +361,37 @@ def _datamodule(cfg: DictConfig, settings: Settings) -> LightningDataModule:
     return _of_the_run(_instantiate(node), "data")
 
 
-def model(cfg: DictConfig) -> LightningModule:
+def model(cfg: DictConfig, checkpoint: Checkpoint | None = None, sharded: bool = False) -> LightningModule:
     """The LightningModule; a pretrained base it built empty (`hpctrain.empty_weights`) is read from its
-    files now, except under FSDP2, where each rank reads its shards once the model is sharded."""
+    files now, except when FSDP2 shards it (`sharded`): each rank then reads its shards once the model is
+    sharded. For a `checkpoint` (eval, predict, export, hpctrain.load) it is built without memory for its
+    parameters, compared with the file's tensors (one sentence if they do not fit), and only then given
+    memory: the checkpoint's weights fill it next."""
     # an optimizer's key it does not take: one sentence, not a TypeError later
     check_arguments(cfg.model, "model")
-    with namespace_of_run(cfg):
+    with namespace_of_run(cfg), empty_weights() if checkpoint else contextlib.nullcontext():
         module = _of_the_run(_instantiate(cfg.model), "model")
-    if has_empty_parameters(module) and (cfg.get("trainer") or {}).get("strategy") != "fsdp":
-        materialize(module, "cpu")
+    if checkpoint is not None:
+        reading.check_matches_model(checkpoint.path, module, content=checkpoint.content)
+    if has_empty_parameters(module) and not sharded:
+        materialize(module, "cpu", checkpoint_fills=checkpoint is not None)
     return module
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint a reader builds its model for: its path and what `reading.read` found in it."""
+
+    path: Path
+    content: dict[str, Any]
+
+
+def instantiated(node: DictConfig, key: str, **values: Any) -> Any:
+    """`node` built in the namespace being built, `values` in place of its own of those names (a reader's
+    datamodule: `num_workers=0`)."""
+    plain = OmegaConf.to_container(node, resolve=True)  # its interpolations resolve where it stands
+    plain.update({k: v for k, v in values.items() if k in plain})
+    return _of_the_run(_instantiate(OmegaConf.create(plain)), key)
 
 
 def check_data_available(data: LightningDataModule) -> None:
@@ -493,8 +492,11 @@ def callbacks(
     callback_list.append(BatchLimits())
     if training:
         # what eval, predict, export and hpctrain.load rebuild the run from
-        recorded = redact.recorded(cfg)  # resolved, but no secret (hpctrain.runtime.config.redact)
-        stored = {k: recorded[k] for k in STORED_GROUPS if k in recorded}
+        stored = redact.recorded(
+            cfg, proposals.GROUPS
+        )  # resolved, but no secret (hpctrain.runtime.config.redact)
+        composed = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+        stored["choices"] = proposals.choices_of(composed)  # the options it composed: what readers propose
         callback_list += [
             ResumeState(stored),
             SharedRunDirCheck(str(run_dir)),
@@ -533,11 +535,16 @@ def check_checkpoint_entry(group: DictConfig | None, run_dir: str | Path) -> Non
 
 
 def strategy(
-    keys: TrainerKeys, dist: Dist, async_save: bool = False, compile_backend: str | None = None
+    keys: TrainerKeys,
+    dist: Dist,
+    async_save: bool = False,
+    compile_backend: str | None = None,
+    checkpoint_fills: bool = False,
 ) -> Any:
     """DDP and FSDP2 with the Hydra-aware launcher and the configured collective timeout; else as given.
     `compile_backend` (compile=true): FSDP2 compiles each block before sharding it (`tune_model` leaves
-    those networks alone)."""
+    those networks alone); `checkpoint_fills`: a reader's model, built without memory, gets its weights
+    from the checkpoint."""
     strategy_name = keys.strategy
     # Created with the startup timeout; RankWatchdog sets dist.timeout_min once the first step is done.
     common = {
@@ -551,6 +558,7 @@ def strategy(
             tensor_parallel_size=dist.tensor_parallel,
             tensor_parallel_plan=dist.tensor_parallel_plan,  # shipped with the model's config
             compile_backend=compile_backend,
+            checkpoint_fills=checkpoint_fills,
             **common,
         )
     if strategy_name == "ddp" or (strategy_name == "auto" and keys.processes not in (None, 1)):
@@ -640,6 +648,7 @@ def _trainer(
             settings.dist,
             asynchronous,
             settings.compile_backend if settings.compile else None,
+            checkpoint_fills=not training,
         ),
         "plugins": [
             launch.lightning_cluster_environment(namespaces.current()),

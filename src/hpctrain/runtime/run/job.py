@@ -32,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain.runtime import confined, run_state
 from hpctrain.runtime.config.checks import check_config, check_hydra_env
-from hpctrain.runtime.config.compose import CODE_ROOT, task_overrides
+from hpctrain.runtime.config.compose import CODE_ROOT, searchpath_overrides, task_overrides
 from hpctrain.runtime.config.settings import Settings, Sources
 from hpctrain.runtime.distributed import (
     failures,
@@ -63,6 +63,8 @@ class Job:
         self.hydra_cfg = HydraConfig.get()
         self.run_dir = Path(self.hydra_cfg.runtime.output_dir)
         self.overrides = task_overrides(self.hydra_cfg)
+        # what chose the configs (and so the code) on the command line: what a reader composes a checkpoint with
+        self.chosen = [*searchpath_overrides(self.hydra_cfg), *self.overrides]
         self.sweep = in_multirun() or launched.array_task()[1] is not None  # a point of a sweep
         self.outcome: records.Outcome | None = None
         self.checkpoint: Path | None = None  # the trained checkpoint an eval or predict job starts from
@@ -165,12 +167,12 @@ class Job:
         notify.configure(self.settings.notify, self.run_dir, self.hydra_cfg.mode == RunMode.MULTIRUN)
 
     def from_checkpoint(self, checkpoint: Path) -> DictConfig:
-        """The job's config from now on: the model (and, unless the command line chose one, the data)
-        the checkpoint was trained with, checked again (eval, predict)."""
+        """The job's config from now on: the model, data and monitor this project composes from what the
+        checkpoint proposes (its options and values; the command line wins), checked again (eval, predict,
+        export)."""
         from hpctrain.runtime.storage.checkpoints import reading
 
-        trusted = self.settings.checkpoints.trusted_targets
-        cfg = self.cfg = reading.config_from_checkpoint(self.cfg, checkpoint, self.overrides, trusted)
+        cfg = self.cfg = reading.config_from_checkpoint(self.cfg, checkpoint, self.chosen)
         self.settings = check_config(cfg, self.where)
         self.checkpoint = checkpoint
         if self.outcome is not None and self.settings.monitor is not None:
@@ -192,11 +194,12 @@ class Job:
         if not training:
             console.quiet_training_callbacks()
         build.configure_process(cfg, self.settings)
-        run = build.run_objects(cfg, self.settings, self.run_dir, training, self.sweep)
-        if self.checkpoint is not None:  # weights of another model: one sentence before anything runs
+        checkpoint = None
+        if self.checkpoint is not None:  # weights of another model: one sentence before anything takes memory
             from hpctrain.runtime.storage.checkpoints import reading
 
-            reading.check_matches_model(self.checkpoint, run.model)
+            checkpoint = build.Checkpoint(self.checkpoint, reading.read(self.checkpoint, weights=False))
+        run = build.run_objects(cfg, self.settings, self.run_dir, training, self.sweep, checkpoint)
         if launched.is_rank_zero():
             cpus = allocated.cpus_per_process(keys.devices, accelerator=keys.accelerator)[0]
             devices = attempts.devices_of(type(run.trainer.accelerator).__name__, cpus)

@@ -1,6 +1,7 @@
 """How a checkpoint is read: with `weights_only=True`, every way a file can be wrong (missing, truncated,
-random bytes, pickled code, another model's weights) said in one sentence; the config it was trained with
-(`stored_config`, `config_from_checkpoint`), and what resuming from it overrides (`resume_overrides`).
+random bytes, pickled code, another model's weights) said in one sentence; what it proposes for the config
+it was trained with (`proposal`, `config_from_checkpoint`), and what resuming from it overrides
+(`resume_overrides`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from typing import Any
 
 import torch
 import yaml
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 from torch import Tensor
 
-from hpctrain.runtime.config import targets
-from hpctrain.runtime.environment import launched
+from hpctrain.runtime.config import proposals
+from hpctrain.runtime.config.compose import compose
+from hpctrain.runtime.config.proposals import Proposal
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.storage.checkpoints import sharded, trainable_only
 
@@ -55,53 +57,11 @@ def read(path: str | Path, what: str = "ckpt_path", weights: bool = True) -> dic
     return content
 
 
-def stored_config(
-    path: str | Path,
-    groups: tuple[str, ...] = ("model", "data", "monitor"),
-    trusted_targets: Any = None,
-    what: str = "ckpt_path",
-    how: str = "",
-    content: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The groups of the config a checkpoint of this template was trained with ({} for others), as data:
-    plain containers whose every `_target_` is one the project's configs name (or `trusted_targets`),
-    else refused in one sentence (`hpctrain.runtime.config.targets`, rule 1). Build them with
-    `targets.build_stored`: their strings are text, never resolved."""
-    stored = (content if content is not None else read(path, what, weights=False)).get(CONFIG_KEY) or {}
-    if not isinstance(stored, dict) or not all(isinstance(stored.get(g, {}), dict) for g in groups):
-        raise UnreadableCheckpoint(
-            f"{what}={path} holds something else where its config should be; pass a checkpoint written by "
-            "this template, or choose the model and data it holds weights for: model=<option> data=<option>."
-        )
-    chosen = {group: stored[group] for group in groups if group in stored}
-    searchpath = "" if how else recorded_searchpath(path)  # `how`: hpctrain.load, which no searchpath helps
-    targets.check_stored(chosen, f"{what}={path}", trusted_targets, how, searchpath)
-    return chosen
-
-
-def _without_unresolved(checkpoint: Path, group: str, node: Any, given: set[str]) -> Any:
-    """`node` (a stored group, plain) ready for OmegaConf, which would resolve a string holding `${` (a
-    file's `${oc.env:...}` would read this machine's environment): such a string is refused in one
-    sentence, unless the command line replaces it (`given`: its dotted keys), when it is left out. Such a
-    string is most often a value the training run read through an interpolation, which its records keep
-    as written (`hpctrain.runtime.config.redact`): the command line gives this machine's value."""
-
-    def clean(value: Any, key: str) -> Any:
-        if isinstance(value, dict):
-            return {k: clean(v, f"{key}.{k}") for k, v in value.items()}
-        if isinstance(value, list):
-            return [clean(v, f"{key}[{i}]") for i, v in enumerate(value)]
-        if not (isinstance(value, str) and ("${" in value or value == "???")):
-            return value  # (OmegaConf reads "???" as a missing value)
-        if any(key == g or key.startswith((f"{g}.", f"{g}[")) for g in given):
-            return None  # replaced by the command line's value
-        raise UnreadableCheckpoint(
-            f"ckpt_path={checkpoint} stores {key}={value[:80]!r}, an interpolation kept as written (a file's strings "
-            "are never resolved, so that one cannot read this machine's environment or run a resolver); pass "
-            f"the value on the command line: {key}=<value>."
-        )
-
-    return clean(node, group)
+def proposal(path: str | Path, content: dict[str, Any], what: str = "ckpt_path") -> Proposal | None:
+    """What the checkpoint at `path` proposes for the config a reader builds (None: it is not one of this
+    template's, and holds no config): plain data, checked for its shape (`hpctrain.runtime.config.proposals`)."""
+    stored = content.get(CONFIG_KEY)
+    return None if stored is None else proposals.proposal_of(stored, f"{what}={path}" if what else str(path))
 
 
 def recorded_searchpath(path: str | Path) -> str:
@@ -184,7 +144,8 @@ def resume_overrides(
     nothing): Lightning restores the optimizer and schedulers from the checkpoint, so a value changed on
     the command line (model.optimizer.lr=...) would otherwise be ignored without a word. An optimizer of
     another class cannot take the saved state at all: that is refused, in one sentence."""
-    stored = ((content or read(path)).get(CONFIG_KEY) or {}).get("model")
+    found = proposal(path, content or read(path))
+    stored = found.values.get("model") if found is not None else None
     if not isinstance(stored, dict):
         return None  # not a checkpoint of this template: nothing to compare with
     then, now = _optimizer_keys(_flat(stored)), _optimizer_keys(_flat(model_cfg))
@@ -205,44 +166,25 @@ def resume_overrides(
     )
 
 
-def config_from_checkpoint(
-    cfg: DictConfig, checkpoint: Path, overrides: list[str], trusted_targets: list[str] | None = None
-) -> DictConfig:
-    """`cfg` with `model` and `data` replaced by the checkpoint's, unless the command line chose them.
-
-    `model=...` / `data=...` keep the eval config's choice; `model.<key>=...` / `data.<key>=...` are
-    applied on top of the checkpoint's config, and so is `monitor` (the metric it was trained to
-    watch). Every class it names must be the project's or in `trusted_targets` (checkpoints.trusted_targets).
-    The data directory is this command's `paths.data_dir` (said in the log), and
-    the training job's node-local staging directory (`data.stage_dir`) is not reused unless given again.
-    """
-    chosen = [
-        group
-        for group in ("model", "data", "monitor")
-        if any(o.lstrip("+~").startswith((f"{group}=", f"{group}/")) for o in overrides)
-    ]
-    kept = tuple(g for g in ("model", "data", "monitor") if g not in chosen)
-    stored = stored_config(checkpoint, kept, trusted_targets)
-    for group in kept:
-        if group not in stored:
-            continue
-        dotted = [o.lstrip("+") for o in overrides if o.lstrip("+").startswith(f"{group}.")]
-        given = {o.partition("=")[0] for o in dotted}
-        node = dict(stored[group])
-        if group == "data" and "data_dir" in node and "data.data_dir" not in given:
-            # the checkpoint's data_dir is where the training job's machine kept its data
-            node["data_dir"] = str(cfg.paths.data_dir)
-            if launched.is_rank_zero():
-                log.info(
-                    "data: read from %s (paths.data_dir of this command; the checkpoint was trained on %s); "
-                    "pass paths.data_dir=<dir> to read another",
-                    node["data_dir"],
-                    stored[group].get("data_dir"),
-                )
-        if group == "data" and "stage_dir" in node and "data.stage_dir" not in given:
-            node["stage_dir"] = None  # the training job's node-local scratch is gone (or another job's)
-        node = _without_unresolved(checkpoint, group, node, given)
-        replacement = OmegaConf.merge(OmegaConf.create(node), OmegaConf.from_dotlist(dotted).get(group) or {})
-        with open_dict(cfg):
-            cfg[group] = replacement
+def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
+    """`cfg` (eval's, predict's, export's) with its model, data and monitor as this project composes what
+    the checkpoint proposes (`proposals.composed`): its options and values, the command line's overrides
+    of those groups, of the paths and of the search path winning. A checkpoint that is not one of this
+    template's keeps the command's own (model=... and data=... choose them)."""
+    found = proposal(checkpoint, read(checkpoint, weights=False))
+    if found is None:
+        return cfg
+    try:
+        composed = proposals.composed(found, overrides, lambda chosen: compose("train", chosen))
+    except proposals.ProposalRefused as err:
+        searchpath = recorded_searchpath(checkpoint)
+        if searchpath and not any(o.lstrip("+").startswith("hydra.searchpath=") for o in overrides):
+            raise proposals.ProposalRefused(
+                f"{err} Its training run searched more configs: {searchpath}."
+            ) from err
+        raise
+    with open_dict(cfg):
+        for group in proposals.GROUPS:
+            if group in composed:
+                cfg[group] = composed[group]
     return cfg
