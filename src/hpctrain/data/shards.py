@@ -31,11 +31,13 @@ import numpy as np
 
 from hpctrain.data.decode import UnreadableImage, decode
 from hpctrain.data.files import SPLITS, EncodedImages, FileImageDataModule, ImageFolderDataModule
-from hpctrain.runtime.errors import UserError
 from hpctrain.data.staging import stage
+from hpctrain.runtime import confined
+from hpctrain.runtime.errors import UserError
 
 FORMAT = "hpctrain-shards/1"
 MANIFEST = "manifest.json"
+MAX_SAMPLE_BYTES = 1 << 28  # an encoded image of 256 MB: no image file a shard set holds is larger
 
 
 def read_manifest(root: str | Path) -> dict[str, Any]:
@@ -45,8 +47,8 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
             f"data.root={root} holds no {MANIFEST}; make shards first: python scripts/make_shards.py "
             f"data=image_folder data.root=<image folder> --out {root}"
         )
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
+    manifest = confined.read_json(path, "index", folder=root)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise UserError(f"{path} is not a shard manifest of this template ({FORMAT}); make the shards again.")
     return manifest
 
@@ -199,9 +201,20 @@ class ShardImages(EncodedImages):
 
     def __init__(self, root: Path, entries: Sequence[dict[str, Any]], image_shape: Sequence[int]) -> None:
         indexes = []
-        for entry in entries:
-            with np.load(root / entry["index"], allow_pickle=False) as index:
+        for entry in entries:  # a shard set's own files: inside it, regular, bounded
+            data = confined.read_bytes(root / entry["index"], "index", folder=root)
+            with np.load(io.BytesIO(data), allow_pickle=False) as index:
                 indexes.append({k: index[k] for k in ("offsets", "lengths", "labels", "names")})
+            shard = confined.regular_file(root / entry["file"], folder=root)
+            found = indexes[-1]
+            if len(found["lengths"]) and (
+                found["lengths"].max() > MAX_SAMPLE_BYTES
+                or (found["offsets"] + found["lengths"]).max() > shard.stat().st_size
+            ):
+                raise UserError(
+                    f"{root / entry['index']} gives its images more bytes than its shard holds, or more than an "
+                    f"image ever takes ({MAX_SAMPLE_BYTES}); make the shards again with scripts/make_shards.py."
+                )
         joined = {
             k: np.concatenate([i[k] for i in indexes]) if indexes else np.array([])
             for k in ("offsets", "lengths", "labels", "names")

@@ -29,9 +29,10 @@ import socket
 import stat
 import time
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+from hpctrain.runtime import confined
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.errors import UserError
 
@@ -121,8 +122,8 @@ def _marker(files: Sequence[tuple[str, int, str]]) -> dict[str, Any]:
 
 def _reusable(target: Path, expected: dict[str, Any]) -> bool:
     try:
-        found = json.loads((target / MARKER).read_text())
-    except (OSError, ValueError):
+        found = confined.read_json(target / MARKER, "record", folder=target)
+    except (OSError, ValueError, UserError):
         return False
     if found != expected or not _yours(target):
         return False
@@ -148,6 +149,9 @@ def _copy(
     expected: dict[str, Any],
     verify: bool = True,
 ) -> None:
+    if verify:  # names a manifest gives: all of them checked before anything is written
+        for name in (*(name for name, _, _ in files), index):
+            _check_name(name, source, target)
     needed = sum(size for _, size, _ in files)
     target.mkdir(parents=True, exist_ok=True)
     (target / MARKER).unlink(missing_ok=True)
@@ -171,6 +175,20 @@ def _copy(
     log.info(
         "staged %.2f GB in %.1f s (%.2f s per GB)", needed / 1e9, seconds, seconds / max(needed / 1e9, 1e-9)
     )
+
+
+def _check_name(name: str, source: Path, target: Path) -> None:
+    """A file the manifest names: a relative, normalised path (no `..`), with no link on the way in the set
+    or in the copy, a regular file of the set, whose copy lies inside the copy's folder."""
+    parts = PurePosixPath(name).parts
+    plain = bool(parts) and not PurePosixPath(name).is_absolute() and str(PurePosixPath(*parts)) == name
+    linked = any(root.joinpath(*parts[:i]).is_symlink() for root in (source, target) for i in range(1, len(parts)))
+    if not plain or ".." in parts or linked or not confined.inside(target / name, target):
+        raise UserError(
+            f"the manifest of {source} names {name!r}, which is no file of the set itself (a path that leaves it, or "
+            "a link on the way); nothing was copied: make the shards again with scripts/make_shards.py."
+        )
+    confined.regular_file(source / name, source)
 
 
 def _copy_checked(source: Path, target: Path, sha256: str | None) -> None:

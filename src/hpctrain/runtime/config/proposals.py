@@ -45,6 +45,7 @@ CHOSEN = (
     "data",
 )  # the groups whose options a checkpoint records (and their subgroups)
 BUDGET = 100_000  # nodes of a stored config: a model's config has hundreds
+DEPTH = 64  # levels of a stored config: a model's config has a handful
 MAX_TEXT = 4096  # characters of one stored string
 PLACES = ("path", "root", "tokenizer", "demo", "download", "url", "uri", "chat_template")
 PLACE_SUFFIXES = ("_dir", "_path", "_file", "_root", "_url", "_uri", "_files")
@@ -65,16 +66,18 @@ class Proposal:
 
 
 def plain(value: Any, source: str, budget: int = BUDGET) -> Any:
-    """`value` as JSON data (a copy), or one sentence: another type, more than `budget` nodes, or a node
-    reached twice (a file can share one node many levels deep and claim a vast tree in a few bytes)."""
+    """`value` as JSON data (a copy), or one sentence: another type, more than `budget` nodes or `DEPTH`
+    levels, or a node reached twice (a file can share one node many levels deep and claim a vast tree in a
+    few bytes)."""
     seen: set[int] = set()
     left = [budget]
 
-    def copy(node: Any) -> Any:
+    def copy(node: Any, depth: int = 0) -> Any:
         left[0] -= 1
-        if left[0] < 0:
+        if left[0] < 0 or depth > DEPTH:
             raise ProposalRefused(
-                f"{source} stores a config of more than {budget} values; pass a checkpoint of this project."
+                f"{source} stores a config of more than {budget} values or {DEPTH} levels, which no config "
+                "written by src/train.py holds; pass a checkpoint of this project."
             )
         if node is None or isinstance(node, bool | int | float):
             return node
@@ -88,12 +91,12 @@ def plain(value: Any, source: str, budget: int = BUDGET) -> Any:
                 )
             seen.add(id(node))
             if isinstance(node, list):
-                return [copy(v) for v in node]
+                return [copy(v, depth + 1) for v in node]
             if not all(isinstance(k, str) for k in node):
                 raise ProposalRefused(
                     f"{source} stores a config with keys that are not names; pass a checkpoint of this project."
                 )
-            return {k: copy(v) for k, v in node.items()}
+            return {k: copy(v, depth + 1) for k, v in node.items()}
         raise ProposalRefused(
             f"{source} stores a {type(node).__name__} in its config, where only plain values belong; pass a "
             "checkpoint of this project."

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from hpctrain.runtime import run_state
+from hpctrain.runtime import confined, run_state
 from hpctrain.runtime.environment import launched
+from hpctrain.runtime.errors import UserError
 
 STACKS_DIR = "stacks"
 PIDS_FILE = "pids"  # 0.4 and before: every rank appended its line here (still read)
@@ -197,8 +198,8 @@ def known_ranks(run_dir: str | Path) -> dict[int, tuple[int, str]]:
     files = [folder / PIDS_FILE, *sorted(folder.glob(f"rank*{PID_SUFFIX}"))]
     for path in files:
         try:
-            text = path.read_text()
-        except OSError:
+            text = confined.read_text(path, "record", folder=run_dir)
+        except (OSError, UserError):  # missing, or not a record a run writes: no process of it
             continue
         for line in text.splitlines():
             parts = line.split()

@@ -12,6 +12,7 @@ the reader's project, never from them (`export.FORMATS`' card functions).
 from __future__ import annotations
 
 import csv
+import io
 import math
 import re
 import time
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from hpctrain.runtime import confined
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.export import (
     ATOL,
@@ -199,16 +201,16 @@ def _last_values(metrics_csv: Path) -> dict[str, float]:
     if not metrics_csv.is_file():
         return {}
     last: dict[str, float] = {}
-    with open(metrics_csv, newline="") as file:
-        for row in csv.DictReader(file):
-            for key, value in row.items():
-                if key and value and key not in ("epoch", "step") and not key.startswith("lr-"):
-                    try:
-                        number = float(value)
-                    except ValueError:
-                        continue
-                    if math.isfinite(number):
-                        last[key] = number
+    text = confined.read_text(metrics_csv, "table", folder=metrics_csv.parent)
+    for row in csv.DictReader(io.StringIO(text, newline="")):
+        for key, value in row.items():
+            if key and value and key not in ("epoch", "step") and not key.startswith("lr-"):
+                try:
+                    number = float(value)
+                except ValueError:
+                    continue
+                if math.isfinite(number):
+                    last[key] = number
     return dict(sorted(last.items()))
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import csv
+import io
 import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from hpctrain.runtime import confined
 
 CURVES_FILE = "curves.png"
 RANKS_FILE = "ranks.png"
@@ -34,19 +37,19 @@ def _saved(plt: Any, figure: Any, path: Path) -> Path:
 def read_series(metrics_csv: Path) -> dict[str, list[tuple[float, float]]]:
     """metric -> [(step, value)] from a csv logger's metrics.csv (empty cells skipped)."""
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    with open(metrics_csv, newline="") as file:
-        for row in csv.DictReader(file):
-            try:
-                step = float(row.get("step") or 0)
-            except (TypeError, ValueError):  # a row of another file's shape: not a point of any curve
+    text = confined.read_text(metrics_csv, "table", folder=metrics_csv.parent)
+    for row in csv.DictReader(io.StringIO(text, newline="")):
+        try:
+            step = float(row.get("step") or 0)
+        except (TypeError, ValueError):  # a row of another file's shape: not a point of any curve
+            continue
+        for key, value in row.items():
+            if key in ("step", "epoch") or value in (None, ""):
                 continue
-            for key, value in row.items():
-                if key in ("step", "epoch") or value in (None, ""):
-                    continue
-                try:
-                    series[str(key)].append((step, float(value)))
-                except (TypeError, ValueError):
-                    continue
+            try:
+                series[str(key)].append((step, float(value)))
+            except (TypeError, ValueError):
+                continue
     return dict(series)
 
 

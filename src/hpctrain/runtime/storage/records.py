@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hpctrain.runtime import snapshot
+from hpctrain.runtime import confined, snapshot
 from hpctrain.runtime.config import redact
 from hpctrain.runtime.distributed import failures
 from hpctrain.runtime.distributed.endings import REFUSED, ending
@@ -55,7 +55,7 @@ def read_run_record(run_dir: str | Path) -> dict[str, Any]:
     if not record_file.is_file():
         return {}
     try:
-        record = yaml.safe_load(record_file.read_text()) or {}
+        record = confined.read_yaml(record_file, folder=run_dir) or {}
     except yaml.YAMLError as err:
         raise UserError(
             f"{record_file} is not valid YAML ({err.__class__.__name__}); move the run dir aside."
@@ -269,7 +269,7 @@ def completed_with(run_dir: str | Path, signature: str | None) -> dict[str, Any]
     path = Path(run_dir) / OUTCOME_FILE
     if signature is None or not path.is_file():
         return None
-    record = yaml.safe_load(path.read_text()) or {}
+    record = read_outcome(run_dir)
     return record if record.get("status") == "completed" and record.get("signature") == signature else None
 
 
@@ -301,7 +301,7 @@ def _ending(err: BaseException) -> tuple[str, str | None]:
 def read_outcome(run_dir: str | Path) -> dict[str, Any]:
     path = Path(run_dir) / OUTCOME_FILE
     try:
-        outcome = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        outcome = confined.read_yaml(path, folder=run_dir) or {}
+    except (OSError, yaml.YAMLError, UserError):  # a missing or unreadable record records nothing
         return {}
     return outcome if isinstance(outcome, dict) else {}  # a file of another shape records nothing

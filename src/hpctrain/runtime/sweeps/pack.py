@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from hpctrain.runtime import confined
 from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.environment import launched, pack_shares, slurm_job
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
@@ -182,7 +183,7 @@ def write_jobs(sweep: Path, jobs: list[tuple[int, list[str]]], first: int) -> Pa
 def read_jobs(path: Path) -> tuple[Path, list[tuple[int, list[str]]]]:
     """The sweep dir and the jobs a file of `write_jobs` lists; one sentence if it cannot be read."""
     try:
-        listed = yaml.safe_load(path.read_text()) or {}
+        listed = confined.read_yaml(path) or {}
         jobs = [(int(j["number"]), [str(o) for o in j["overrides"]]) for j in listed["jobs"]]
         return Path(listed["sweep_dir"]), jobs
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as err:

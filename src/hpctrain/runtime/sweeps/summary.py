@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from hpctrain.runtime import confined
 from hpctrain.runtime.confined import check_no_links_out
 from hpctrain.runtime.moved import moved_names
 from hpctrain.runtime.report import plots
@@ -67,7 +66,7 @@ def _overrides(run_dir: Path, *records: dict[str, Any]) -> list[str]:
             return [str(o) for o in record["overrides"]]
     hydra_record = run_dir / ".hydra" / "overrides.yaml"
     if hydra_record.is_file():
-        return [str(o) for o in yaml.safe_load(hydra_record.read_text()) or []]
+        return [str(o) for o in confined.read_yaml(hydra_record, folder=run_dir) or []]
     return []
 
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from hpctrain.runtime import confined
 from hpctrain.runtime.environment import launched
 from hpctrain.runtime.environment.variables import variables
 from hpctrain.runtime.errors import UserError
@@ -92,8 +93,8 @@ def rank_zeros_choice(
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            choice = json.loads(record.read_text())
-        except (OSError, ValueError):
+            choice = confined.read_json(record, "record", folder=run_dir)
+        except (OSError, ValueError, UserError):
             choice = {}
         if choice.get("attempt") == me:
             return choice["checkpoint"], choice["reason"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import yaml
 from omegaconf import DictConfig, open_dict
 from torch import Tensor
 
+from hpctrain.runtime import confined
 from hpctrain.runtime.config import proposals
 from hpctrain.runtime.config.compose import compose
 from hpctrain.runtime.config.proposals import Proposal
@@ -37,6 +39,10 @@ def read(path: str | Path, what: str = "ckpt_path", weights: bool = True) -> dic
     path = Path(path)
     if path.is_dir():
         return sharded.read_folder(path, what, weights=weights)
+    if path.exists() and not stat.S_ISREG(path.stat().st_mode):  # a device or a pipe would never end
+        raise UnreadableCheckpoint(
+            f"{what}={path} is not a regular file (a device, a pipe or a socket); pass a .ckpt file."
+        )
     try:
         content = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
@@ -71,8 +77,10 @@ def recorded_searchpath(path: str | Path) -> str:
     nothing here is trusted."""
     record = Path(path).parent.parent / ".hydra" / "hydra.yaml"
     try:
-        overrides = yaml.safe_load(record.read_text())["hydra"]["overrides"]["hydra"] or []
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        overrides = (
+            confined.read_yaml(record, folder=record.parent.parent)["hydra"]["overrides"]["hydra"] or []
+        )
+    except (OSError, yaml.YAMLError, KeyError, TypeError, UserError):
         return ""
     found = [str(o).lstrip("+") for o in overrides if str(o).lstrip("+").startswith("hydra.searchpath=")]
     # words to type, from a file: printable and short, or nothing

@@ -23,7 +23,6 @@ group), `load_into` loads it into a sharded module and its optimizers (a resumed
 from __future__ import annotations
 
 import io
-import json
 import math
 import pickle
 import warnings
@@ -47,11 +46,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hpctrain.runtime import confined
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.storage.checkpoints.folders import SHARDS_FILE, start_digest
 
 META_FILE = "meta.pt"  # Lightning's name for it (pytorch_lightning.strategies.model_parallel)
 INDEX_FILE = ".metadata"
+MAX_ITEM_BYTES = 64 << 20  # a non-tensor item (optimizer hyperparameters, a callback's state): numbers, names
 STATE_PREFIX = "state_dict."
 
 # Exactly the (module, name) pairs torch.distributed.checkpoint writes into an index (tests/test_checkpoint_trust.py
@@ -115,8 +116,9 @@ def is_sharded(path: str | Path) -> bool:
 
 def read_index(folder: Path, what: str = "ckpt_path") -> Any:
     try:
-        with open(folder / INDEX_FILE, "rb") as file:
-            index = _IndexUnpickler(file).load()
+        index = _IndexUnpickler(io.BytesIO(confined.read_bytes(folder / INDEX_FILE, "index", folder))).load()
+    except confined.UnreadableFile:
+        raise
     except pickle.UnpicklingError as err:
         raise ShardedCheckpointError(
             f"{what}={folder} has an index ({INDEX_FILE}) that holds other Python objects ({err}), which are not "
@@ -179,6 +181,8 @@ def check_folder(folder: str | Path, what: str = "ckpt_path") -> Any:
         ) from err
     for name, end in sorted(files.items()):
         shard = folder / name
+        if shard.exists():
+            confined.regular_file(shard, folder)  # no device, pipe or socket in its place
         if not shard.is_file():
             raise ShardedCheckpointError(
                 f"{what}={folder} is missing its shard {name} (one of {len(files)}): a rank's save did not "
@@ -250,7 +254,7 @@ def _recorded(folder: Path, what: str) -> dict[str, tuple[int, str]]:
     if not path.is_file():
         return {}
     try:
-        recorded = json.loads(path.read_text())
+        recorded = confined.read_json(path, "index", folder)
         return {str(name): (int(size), str(digest)) for name, (size, digest) in recorded.items()}
     except (ValueError, TypeError, AttributeError) as err:
         raise ShardedCheckpointError(
@@ -267,6 +271,11 @@ def _check_plain_items(folder: Path, index: Any, what: str) -> None:
         for index_key, info in index.storage_data.items():
             if index_key.fqn != key:
                 continue
+            if int(info.length) > MAX_ITEM_BYTES:  # what a non-tensor item holds: numbers and names
+                raise ShardedCheckpointError(
+                    f"{what}={folder}: its item {key} claims {int(info.length)} bytes, more than a plain value of a "
+                    f"checkpoint ever holds ({MAX_ITEM_BYTES}); pass a checkpoint folder written by hpctrain."
+                )
             with open(shard_path(folder, info.relative_path, what), "rb") as file:
                 file.seek(int(info.offset))
                 data = file.read(int(info.length))
@@ -280,13 +289,15 @@ def _check_plain_items(folder: Path, index: Any, what: str) -> None:
 
 
 def read_meta(folder: Path, what: str = "ckpt_path") -> dict[str, Any]:
-    try:
-        meta = torch.load(folder / META_FILE, map_location="cpu", weights_only=True)
-    except FileNotFoundError as err:
+    if not (folder / META_FILE).exists():
         raise ShardedCheckpointError(
             f"{what}={folder} has no {META_FILE} (Lightning's part of the checkpoint): its save did not complete; "
             "use another checkpoint of the run."
-        ) from err
+        )
+    try:
+        meta = torch.load(
+            io.BytesIO(confined.read_bytes(folder / META_FILE, "index", folder)), weights_only=True
+        )
     except pickle.UnpicklingError as err:
         raise ShardedCheckpointError(
             f"{what}={folder}: its {META_FILE} holds pickled Python objects, which are not loaded (weights_only=True)."
