@@ -1195,7 +1195,11 @@ def test_the_newcomers_transcript_runs(tmp_path: Path, monkeypatch: pytest.Monke
     evaluate = (f"ckpt_path={tutorial / 'checkpoints' / 'last.ckpt'}", f"paths.log_dir={logs}")
     refused = run_entry("eval.py", *evaluate, env=env)
     errors = [line for line in refused.stdout.splitlines() if line.startswith("error: ")]
-    if not (refused.returncode == 2 and len(errors) == 1 and f"searched again ({searchpath})" in errors[0]):
+    if not (
+        refused.returncode == 2
+        and len(errors) == 1
+        and f"Its training run searched more configs: {searchpath}" in errors[0]
+    ):
         failures.append(f"eval.py without the searchpath:\n{refused.stdout[-3000:]}")
     evaluated = run_entry("eval.py", *evaluate, "trainer.limit_test_batches=1", searchpath, env=env)
     if evaluated.returncode != 0:

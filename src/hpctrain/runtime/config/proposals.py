@@ -171,7 +171,7 @@ def composed(
         cfg = compose([*overrides, *command_line])
     except Exception as err:  # Hydra's: an option this project does not have
         named = " ".join(overrides) or "its options"
-        reason = " ".join(str(err).split())[:200]
+        reason = " ".join(str(err).split("Config search path")[0].split())[:160]
         raise ProposalRefused(
             f"{proposal.source} proposes {named}, which this project cannot compose ({reason}); choose the "
             "options yourself: model=<option> data=<option>."
