@@ -51,7 +51,7 @@ class Candidates:
 def _modules() -> tuple[dict[str, types.ModuleType], list[str]]:
     found, failed = {}, []
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # 0.3's moved names warn when imported
+        warnings.simplefilter("ignore")  # an optional extra's import may warn
         for package in PACKAGES:
             root = importlib.import_module(package)
             names = [package, *(m.name for m in pkgutil.walk_packages(root.__path__, f"{package}."))]
@@ -76,8 +76,7 @@ def candidates() -> Candidates:
             path = f"{name}.{attribute}"
             if isinstance(value, types.ModuleType):
                 found.names.add(path)
-                # its own submodule, or the same module under the path it had before it moved (the
-                # import system holds that exact name for it, `hpctrain.runtime.moved`): a real path
+                # its own submodule (the import system holds that exact name for it): a real path
                 own = value.__name__ == path or sys.modules.get(path) is value
                 if not own:
                     found.walks.add(path)

@@ -35,7 +35,6 @@ LAYERS = [
         "hpctrain.runtime.errors",
         "hpctrain.runtime.environment",
         "hpctrain.runtime.internals",
-        "hpctrain.runtime.moved",
         "hpctrain.runtime.snapshot",
         "hpctrain.runtime.remote",
         "hpctrain.runtime.run_state",

@@ -27,16 +27,12 @@ from typing import TYPE_CHECKING
 
 from hpctrain.runtime.distributed import signals, watchdog
 from hpctrain.runtime.environment import launched, slurm_job
-from hpctrain.runtime.moved import moved_names
 
 if TYPE_CHECKING:
     from pytorch_lightning import Trainer
 
 log = logging.getLogger(__package__)
 
-__getattr__ = moved_names(
-    __name__, {"RequeueOnSignal": "hpctrain.callbacks.requeue_on_signal.RequeueOnSignal"}
-)
 
 REQUEUE_WAIT_S = 120  # longer than SLURM needs to terminate a requeued job's tasks
 CALIBRATION_STEPS = 10  # with check_every_n_steps=auto: check every step until this many, then agree on k

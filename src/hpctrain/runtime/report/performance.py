@@ -38,13 +38,9 @@ import torch
 
 from hpctrain.runtime.distributed import job_store
 from hpctrain.runtime.environment import launched
-from hpctrain.runtime.moved import moved_names
 
 log = logging.getLogger("hpctrain")
 
-__getattr__ = moved_names(  # 0.3's _target_ path, which projects' copies of the YAML still name
-    __name__, {"PerformanceLog": "hpctrain.callbacks.performance_log.PerformanceLog"}
-)
 
 PERF_KEY = "hpctrain/perf"  # + /<rank>: this rank's running sums (json); + /<rank>/final at the end
 FIGURES = ("data_wait", "step_ms", "samples_per_s", "peak_mem_mib")

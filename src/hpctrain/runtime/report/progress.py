@@ -13,18 +13,6 @@ from typing import Any
 from pytorch_lightning.utilities.data import extract_batch_size  # namespace-free
 from torch import Tensor
 
-from hpctrain.runtime.moved import moved_names
-
-__getattr__ = moved_names(  # 0.3's _target_ paths, which projects' copies of the YAML still name
-    __name__,
-    {
-        "ThroughputLog": "hpctrain.callbacks.throughput_log.ThroughputLog",
-        "progress_bar": "hpctrain.callbacks.progress_bar.progress_bar",
-        "LogProgress": "hpctrain.callbacks.progress_bar.LogProgress",
-        "RichProgress": "hpctrain.callbacks.progress_bar.RichProgress",
-    },
-)
-
 
 def batch_size_of(batch: Any) -> int:
     if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor):

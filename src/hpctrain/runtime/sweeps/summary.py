@@ -24,7 +24,6 @@ from typing import Any
 
 from hpctrain.runtime import confined
 from hpctrain.runtime.confined import check_no_links_out
-from hpctrain.runtime.moved import moved_names
 from hpctrain.runtime.report import plots
 from hpctrain.runtime.storage import records
 from hpctrain.runtime.storage.attempts import COST_COLUMNS, cost_cells, summed_cost
@@ -32,9 +31,6 @@ from hpctrain.runtime.sweeps.groups import OVER, Group, group_points, point_of
 
 log = logging.getLogger(__package__.split(".")[0])
 
-__getattr__ = moved_names(  # 0.3's _target_ path, which projects' copies of hydra/default.yaml may name
-    __name__, {"SweepSummary": "hpctrain.runtime.sweeps.sweep_summary.SweepSummary"}
-)
 
 GROUP_COLUMNS = (
     "group",

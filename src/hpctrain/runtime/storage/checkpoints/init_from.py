@@ -30,13 +30,10 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from hpctrain.runtime.errors import UserError
-from hpctrain.runtime.moved import moved_names
 from hpctrain.runtime.storage.checkpoints import sharded
 from hpctrain.runtime.storage.checkpoints.reading import read
 
 log = logging.getLogger("hpctrain")
-
-__getattr__ = moved_names(__name__, {"FrozenParts": "hpctrain.callbacks.frozen_parts.FrozenParts"})
 
 
 def read_weights(path: str | Path) -> dict[str, Tensor]:

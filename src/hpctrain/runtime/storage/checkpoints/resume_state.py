@@ -18,14 +18,10 @@ from lightning_fabric.utilities.types import _Stateful  # a structural protocol:
 from torch import Tensor
 from torchmetrics import Metric
 
-from hpctrain.runtime.moved import moved_names
-
 if TYPE_CHECKING:
     from pytorch_lightning import LightningModule, Trainer
 
 log = logging.getLogger(__package__)
-
-__getattr__ = moved_names(__name__, {"CheckpointExtras": "hpctrain.callbacks.resume_state.ResumeState"})
 
 
 def capture_rng_state() -> dict[str, Any]:
