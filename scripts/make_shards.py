@@ -32,7 +32,7 @@ def convert(overrides: list[str], out: Path | None, shard_mb: float, workers: in
     from hpctrain.runtime.run import build
 
     cfg = compose("train", overrides)
-    datamodule = build.datamodule(cfg, Settings.of(cfg))
+    datamodule = build.datamodule(cfg.data, Settings.of(cfg))
     if not isinstance(datamodule, ImageFolderDataModule):
         raise UserError(
             f"make_shards reads an image folder: pass data=image_folder data.root=<folder>, not data={cfg.data._target_}."

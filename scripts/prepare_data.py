@@ -25,7 +25,7 @@ def main(overrides: list[str]) -> None:
         cfg = compose("train", overrides)
         from hpctrain.runtime.run import build
 
-        datamodule = build.datamodule(cfg, Settings.of(cfg))
+        datamodule = build.datamodule(cfg.data, Settings.of(cfg))
         datamodule.prepare_data()
         build.check_data_available(datamodule)
         datamodule.setup("fit")

@@ -1,9 +1,9 @@
 """Evaluate a checkpoint: python src/eval.py ckpt_path=<path/to/file.ckpt> [eval.split=test|val] [key=value ...]
 
-The model config comes from the checkpoint (the weights define the architecture), and so does the
-data config unless you choose one (data=... or data.<key>=...). The test split where the model has a
-`test_step` and the data a test split, else the validation split (said in one line); `eval.split` chooses.
-The lifecycle is train.py's (Job).
+The checkpoint proposes the options and values it was trained with; this project's configs compose the
+model and data from them (model=..., data=..., <key>=... on the command line win). The test split where the
+model has a `test_step` and the data a test split, else the validation split (said in one line);
+`eval.split` chooses. The lifecycle is train.py's (`job`).
 """
 
 import sys
@@ -20,18 +20,15 @@ from omegaconf import DictConfig  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="eval", **entry.main_args())  # Hydra 1.3 and 1.4 alike
-def main(cfg: DictConfig) -> dict[str, float]:
-    from hpctrain.runtime.run.job import Job  # here: --help and --cfg never run a job
-    from hpctrain.runtime.storage.checkpoints import existing_checkpoint
+def main(cfg: DictConfig):  # -> the job's Outcome
+    from hpctrain.runtime.run.job import job  # here: --help and --cfg never run a job
 
-    with Job(cfg) as job:
-        checkpoint = existing_checkpoint(job.settings.ckpt_path)
-        cfg = job.from_checkpoint(checkpoint)  # the model (and data) it was trained with
-        run = job.build(training=False)  # weights of another model: refused here
-        with job.running(run):  # under SLURM a signal requeues the job, which evaluates again
-            run.evaluate(checkpoint, job.settings.eval.split)
-            return job.finish(run)
-    return {}
+    with job(cfg, reader=True) as current:  # the model and data this project composes from the checkpoint
+        run = current.build(training=False)  # its weights checked against the model before it takes memory
+        # a signal under SLURM: the requeued job evaluates again
+        run.evaluate(current.checkpoint, current.settings.eval.split)
+        current.finish(run)
+    return current.outcome
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ launch mistake answer in well under a second.
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # works without `pip install -e .`
 
@@ -17,35 +18,37 @@ entry.start("train")  # signals recorded from the first moment; config mistakes 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+if TYPE_CHECKING:
+    from hpctrain.runtime.storage.records import Outcome
+
 
 @hydra.main(config_path="../conf", config_name="train", **entry.main_args())  # Hydra 1.3 and 1.4 alike
 def main(cfg: DictConfig) -> float | None:
     from hpctrain.runtime.run.job import run_job  # imported here: --help and --cfg never run a job
 
-    return run_job(train, cfg)  # in a sweep (-m), a failed job is recorded and the sweep goes on
+    # the best of monitor.metric, for sweepers; in a sweep a failed job is recorded and the sweep goes on
+    return run_job(train, cfg)
 
 
-def train(cfg: DictConfig) -> float | None:
-    from hpctrain.runtime.run.job import Job
+def train(cfg: DictConfig) -> "Outcome":
+    from hpctrain.runtime.run.job import job
     from hpctrain.runtime.storage.checkpoints import start_point
 
-    with Job(cfg) as job:  # preflight: config, launcher vs trainer, run dir (one sentence if wrong)
-        settings = job.settings  # hpctrain's own keys, typed and checked in the preflight
+    with job(cfg) as current:  # preflight: config, launcher vs trainer, run dir (one sentence if wrong)
+        settings = current.settings  # hpctrain's own keys, typed and checked in the preflight
         init = settings.init_from
         # fresh, a checkpoint to continue, or this job's own when SLURM requeued it
-        start = start_point(settings.ckpt_path, job.run_dir, cfg.paths.runs_dir, init_from=init.path)
+        start = start_point(settings.ckpt_path, current.run_dir, cfg.paths.runs_dir, init_from=init.path)
         start.check_readable(init.path)  # a checkpoint is data: read as such before anything heavy
-        run = job.build()  # data (checked on every rank), model, callbacks, loggers, trainer
-        start.prepare(run.model, cfg.model, init, run.freeze)  # checkpoint checked, or init_from's weights
-        with job.running(run):  # a signal: checkpoint where every rank agrees, then requeue or stop
-            if settings.train:
-                run.fit(start.checkpoint)
-            best = run.best_checkpoint()
-            if settings.test and run.can_test():
-                run.test(best)
-            job.finish(run, best)
-            return run.best_value
-    return None  # stopped on a signal (a requeued SLURM job restarts and resumes in this run dir)
+        run = current.build()  # data (checked on every rank), model, callbacks, loggers, trainer
+        start.prepare(run.model, cfg.model, init)  # the checkpoint checked, or init_from's weights loaded
+        if settings.train:
+            run.fit(start.checkpoint)  # a signal: checkpoint where every rank agrees, then requeue or stop
+        best = run.best_checkpoint()
+        if settings.test and run.can_test():
+            run.test(best)
+        current.finish(run, best)
+    return current.outcome  # completed, or stopped on a signal (a requeued job resumes in this run dir)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def test_an_optimizer_key_left_by_an_experiment_for_another_optimizer_is_one_sen
         tmp_path, tmp_path, "experiment=quickstart", "model/optimizer=adamw", "+model.optimizer.momentum=0.9"
     )
     with pytest.raises(UserError) as refused:
-        build.model(cfg)
+        build.model(cfg.model)
     assert str(refused.value).startswith(
         "model.optimizer.momentum=0.9 is not an argument of torch.optim.AdamW (it takes params, lr, betas, "
     )

@@ -92,8 +92,8 @@ def test_augmentation_touches_training_batches_only(tmp_path: Path, data_dir: Pa
     )
     data = _CountingCIFAR(str(data_dir), download=False, batch_size=4)
     trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
-    trainer.fit(build.model(cfg), data)  # one training batch, one validation batch
-    trainer.test(build.model(cfg), data)
+    trainer.fit(build.model(cfg.model), data)  # one training batch, one validation batch
+    trainer.test(build.model(cfg.model), data)
     assert _CountingCIFAR.augmented == 4  # the training batch only; labels travel unchanged alongside
 
 
@@ -176,7 +176,7 @@ def test_compile_keeps_checkpoints_interchangeable(tmp_path: Path):
     last = run / "checkpoints" / "last.ckpt"
     stored = torch.load(last, map_location="cpu", weights_only=True)["state_dict"]
     cfg = compose_train(tmp_path, tmp_path, "experiment=quickstart")
-    assert set(stored) == set(build.model(cfg).state_dict())
+    assert set(stored) == set(build.model(cfg.model).state_dict())
     assert_ok(train(tmp_path, *quick, "trainer.max_epochs=2", *compiled, f"ckpt_path={last}"))
     assert_ok(run_entry("eval.py", f"paths.log_dir={tmp_path}", f"ckpt_path={last}"))
 
@@ -193,10 +193,10 @@ def test_channels_last_runs_and_formats_the_parameters(tmp_path: Path, data_dir:
         "trainer.precision=32-true",
         "channels_last=true",
     )
-    module = build.tune_model(build.model(cfg), Settings.of(cfg), cfg.trainer.strategy)
+    module = build.model(cfg.model, Settings.of(cfg))  # with the template's switches
     assert module.net.stem[0].weight.is_contiguous(memory_format=torch.channels_last)
     trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
-    trainer.fit(module, build.datamodule(cfg, Settings.of(cfg)))
+    trainer.fit(module, build.datamodule(cfg.data, Settings.of(cfg)))
 
 
 @pytest.mark.slow

@@ -44,9 +44,9 @@ def test_an_offline_preset_keeps_datamodules_from_downloading(tmp_path: Path):
 
     base = ["data=mnist", f"paths.data_dir={tmp_path}", f"paths.output_dir={tmp_path}"]
     online = compose("train", base)
-    assert build.datamodule(online, Settings.of(online)).download  # the data config's default
+    assert build.datamodule(online.data, Settings.of(online)).download  # the data config's default
     offline = compose("train", [*base, "cluster=narval"])  # compute nodes without internet
-    assert offline.cluster.offline and not build.datamodule(offline, Settings.of(offline)).download
+    assert offline.cluster.offline and not build.datamodule(offline.data, Settings.of(offline)).download
 
 
 @pytest.mark.slow

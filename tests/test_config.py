@@ -210,9 +210,8 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
     if (group, option) in LLM_OPTIONS:
         require_llm()
         overrides = LLM_VALUES
-        build.check_data_available(
-            build.datamodule(cfg := compose_train(tmp_path, data_dir, *overrides), Settings.of(cfg))
-        )  # the demo
+        cfg = compose_train(tmp_path, data_dir, *overrides)
+        build.check_data_available(build.datamodule(cfg.data, Settings.of(cfg)))  # the demo
     if group == "trainer" and option in NEEDS_HARDWARE:
         overrides += ["trainer.accelerator=cpu", "trainer.devices=1"]
     cfg = compose_train(tmp_path, data_dir, *overrides)
@@ -237,13 +236,13 @@ def test_option_composes_and_passes_the_checks(group: str, option: str, tmp_path
         trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
         assert trainer.max_epochs == cfg.trainer.max_epochs
     elif group == "logger":
-        loggers = build.loggers(cfg)
+        loggers = build.loggers(cfg.logger)
         assert loggers, f"logger={option} built nothing"
         for logger in loggers:
             logger.log_metrics({"probe": 1.0}, step=0)
             logger.save()
     elif group in ("model", "model/net", "model/optimizer", "model/scheduler"):
-        assert isinstance(build.model(cfg), torch.nn.Module)
+        assert isinstance(build.model(cfg.model), torch.nn.Module)
 
 
 @pytest.mark.parametrize(
@@ -258,7 +257,7 @@ def test_data_option_yields_a_batch(option: str, tmp_path: Path, data_dir: Path)
         require_llm()
         overrides = LLM_VALUES
     cfg = compose_train(tmp_path, data_dir, *overrides)
-    datamodule = build.datamodule(cfg, Settings.of(cfg))
+    datamodule = build.datamodule(cfg.data, Settings.of(cfg))
     build.check_data_available(datamodule)
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()), None)
@@ -275,7 +274,7 @@ def test_data_option_yields_a_batch(option: str, tmp_path: Path, data_dir: Path)
 
 def _one_batch_of_everything(cfg, tmp_path: Path) -> None:
     """fast_dev_run: one real training, validation and test batch through the composed objects."""
-    datamodule, module = build.datamodule(cfg, Settings.of(cfg)), build.model(cfg)
+    datamodule, module = build.datamodule(cfg.data, Settings.of(cfg)), build.model(cfg.model)
     build.check_data_available(datamodule)
     before = [p.detach().clone() for p in module.parameters()]
     trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
@@ -311,7 +310,7 @@ def test_experiment_runs_a_batch(experiment: str, tmp_path: Path, data_dir: Path
     cfg = compose_train(tmp_path, data_dir, f"experiment={experiment}", "debug=fdr", "trainer=cpu", *needs)
     check_config(cfg)
     if experiment in LLM_EXPERIMENTS:  # the demo's base and instructions, made before the model reads them
-        build.check_data_available(build.datamodule(cfg, Settings.of(cfg)))
+        build.check_data_available(build.datamodule(cfg.data, Settings.of(cfg)))
     _one_batch_of_everything(cfg, tmp_path)
 
 
@@ -333,7 +332,7 @@ def test_monitor_is_one_setting(tmp_path: Path, data_dir: Path):
 
 def test_the_net_takes_its_sizes_from_the_data(tmp_path: Path, data_dir: Path):
     cfg = compose_train(tmp_path, data_dir, "data=random", "data.num_classes=7", "data.image_shape=[3,32,32]")
-    module = build.model(cfg)
+    module = build.model(cfg.model)
     assert module(torch.zeros(2, 3, 32, 32)).shape == (2, 7) and module.num_classes == 7
 
 

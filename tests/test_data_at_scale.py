@@ -357,16 +357,14 @@ def test_auto_gives_decoding_datamodules_workers_and_the_rest_threads(tmp_path: 
 
     cpus = allocated.cpus_per_process(1)[0]
     folder = [f"data.root={data_dir}/digits_images", *IMAGE_DATA]
-    threads, workers, line = cpu_plan(
-        cfg := compose_train(tmp_path, data_dir, "data=image_folder", *folder), Settings.of(cfg)
-    )
+    cfg = compose_train(tmp_path, data_dir, "data=image_folder", *folder)
+    threads, workers, line = cpu_plan(cfg.data, Settings.of(cfg))
     assert workers == min(8, max(1, cpus - 1)) and threads == max(1, cpus - workers)
     assert f"{workers} loader worker(s) (data.num_workers=auto)" in line
-    threads, workers, _ = cpu_plan(
-        cfg := compose_train(tmp_path, data_dir, "data=digits", "data.num_workers=auto"), Settings.of(cfg)
-    )
+    cfg = compose_train(tmp_path, data_dir, "data=digits", "data.num_workers=auto")
+    threads, workers, _ = cpu_plan(cfg.data, Settings.of(cfg))
     assert (threads, workers) == (cpus, 0)  # in memory: a batch is one tensor index, no workers
     explicit = compose_train(
         tmp_path, data_dir, "data=image_folder", *folder, "num_threads=3", "data.num_workers=5"
     )
-    assert cpu_plan(explicit, Settings.of(explicit))[:2] == (3, None)  # given values are taken as given
+    assert cpu_plan(explicit.data, Settings.of(explicit))[:2] == (3, None)  # given values are taken as given

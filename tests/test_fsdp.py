@@ -535,7 +535,7 @@ def test_compile_under_fsdp2_is_left_to_the_sharding_block_by_block(tmp_path: Pa
     compiled = ("experiment=char_transformer", "compile=true", "compile_backend=eager")
     for trainer, whole in (("ddp_cpu", True), ("fsdp_cpu", False)):
         cfg = compose_train(tmp_path, tmp_path, *compiled, f"trainer={trainer}")
-        module = build.tune_model(build.model(cfg), Settings.of(cfg), cfg.trainer.strategy)
+        module = build.model(cfg.model, Settings.of(cfg))  # with the template's switches
         assert (module.net._compiled_call_impl is not None) == whole, trainer
     strategy = build.strategy(Settings.of(cfg).trainer, Settings.of(cfg).dist, compile_backend="eager")
     assert strategy.compile_backend == "eager"

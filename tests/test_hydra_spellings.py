@@ -132,5 +132,5 @@ def test_a_projects_net_in_hydras_spelling_builds_into_its_model(tmp_path: Path)
         "experiment=quickstart",
         "model/net=hydra_mlp",
     )
-    model = build.model(cfg)
+    model = build.model(cfg.model)
     assert repr(model.net) == repr(hydra_instantiate(OmegaConf.create(HYDRA_STYLE["net"])))

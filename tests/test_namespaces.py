@@ -178,14 +178,11 @@ def test_a_model_or_datamodule_built_alone_is_of_the_namespace_its_config_choose
         model="tests.differential.user_code_lightning.LitClassifier",
         data="myproject.data.digits.DigitsDataModule",
     )
-    assert isinstance(build.model(cfg), L.LightningModule)
-    assert isinstance(
-        build.datamodule(cfg, Settings.of(cfg)), L.LightningDataModule
-    )  # the template's data follows the model
-    assert isinstance(
-        build.datamodule(cfg := _config(data="myproject.data.digits.DigitsDataModule"), Settings.of(cfg)),
-        pl.LightningDataModule,
-    )
+    assert isinstance(build.model(cfg.model), L.LightningModule)  # the class its own namespace
+    with build.namespace_of_run(cfg):  # the template's data follows the model of the config
+        assert isinstance(build.datamodule(cfg.data, Settings.of(cfg)), L.LightningDataModule)
+    alone = _config(data="myproject.data.digits.DigitsDataModule")
+    assert isinstance(build.datamodule(alone.data, Settings.of(alone)), pl.LightningDataModule)
 
 
 def test_lightnings_own_classes_in_the_config_are_built_from_the_runs_namespace():
@@ -284,7 +281,7 @@ def test_a_class_written_with_lightning_where_it_is_not_installed_is_one_sentenc
         sys.modules, "lightning", None
     )  # `import lightning` fails as where it is not installed
     with pytest.raises(UserError) as refused:
-        build.model(OmegaConf.create({"model": {"_target_": "lit_missing.LitNet"}}))
+        build.model(OmegaConf.create({"_target_": "lit_missing.LitNet"}))
     assert str(refused.value).startswith(
         "_target_: lit_missing.LitNet cannot be imported: it is written with the `lightning` package"
     )

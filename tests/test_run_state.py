@@ -1,7 +1,7 @@
 """State lives on objects that begin and end with the run (`hpctrain.runtime.run_state`): the jobs of a sweep
 (-m) that Hydra's basic launcher runs in turn in one process find nothing the previous job left.
 
-The sweep runs in this process, through Hydra's own multirun and hpctrain's `run_job` and `Job`, without
+The sweep runs in this process, through Hydra's own multirun and hpctrain's `run_job` and `job`, without
 torch: the task leaves each kind of state the real code would (through the functions that set it), and
 its first job then dies as a rank's failure does in a sweep (a verdict recorded from another thread,
 the main thread interrupted), so the sweep must read that verdict after the job's end.
@@ -28,13 +28,11 @@ from hpctrain.runtime import run_state
 from hpctrain.runtime.distributed import failures, job_store, notify, positions, signals, stacks, watchdog
 from hpctrain.runtime.run import entry
 from hpctrain.runtime.run.job import Skipped
-from hpctrain.runtime.storage import attempts
 from tests.helpers import ROOT
 
 
-def what_a_job_finds(run_dir: Path) -> dict[str, Any]:
+def what_a_job_finds(job: Any) -> dict[str, Any]:
     """Every kind of state a job could inherit, as the job sees it once its preflight has run."""
-    attempt = run_state.part(attempts.Attempts).current
     return {
         "signal": signals.received(),
         "progress": signals.progress(),
@@ -46,7 +44,7 @@ def what_a_job_finds(run_dir: Path) -> dict[str, Any]:
         "stacks": stacks.run_dir(),
         "finished worker": run_state.part(watchdog.Watching).finished_worker,
         "data parallel": job_store.data_parallel(),
-        "attempt": attempt.run_dir if attempt is not None else None,
+        "attempt": job.attempt.run_dir,
         "in sweep": failures.state().in_sweep,
     }
 
@@ -102,17 +100,17 @@ def test_the_jobs_of_a_sweep_in_one_process_find_no_state_of_the_previous_one(tm
     found: dict[int, dict[str, Any]] = {}
     left: list[Any] = []
 
-    def task(cfg: Any) -> float:
-        from hpctrain.runtime.run.job import Job
+    def task(cfg: Any) -> Any:
+        from hpctrain.runtime.run.job import job
 
         number = HydraConfig.get().job.num
-        with Job(cfg) as job:
-            found[number] = what_a_job_finds(job.run_dir)
+        with job(cfg) as current:
+            found[number] = what_a_job_finds(current)
             left.append(signals._state().guard)  # each job's stop guard: stopped as its job ends
             if number == 0:
-                leave_everything(job.run_dir)
+                leave_everything(current.run_dir)
                 die_as_a_rank_of_a_sweep_job()
-        return 0.5
+        return current.outcome
 
     @hydra.main(config_path=str(ROOT / "conf"), config_name="train", **entry.main_args())
     def main(cfg: Any) -> Any:

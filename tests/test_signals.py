@@ -42,7 +42,7 @@ def test_during_fit_the_handlers_are_the_templates(tmp_path: Path, data_dir: Pat
         spy = _HandlersDuringFit()
         trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
         trainer.callbacks.append(spy)
-        trainer.fit(build.model(cfg), build.datamodule(cfg, Settings.of(cfg)))
+        trainer.fit(build.model(cfg.model), build.datamodule(cfg.data, Settings.of(cfg)))
         assert spy.seen["SIGTERM"] is signals._record and spy.seen["SIGUSR1"] is signals._record
         assert (
             getattr(spy.seen["broadcast"], "__func__", None)

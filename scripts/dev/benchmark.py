@@ -248,10 +248,10 @@ def run_template(setup: Setup) -> list[float]:
     recorder = EpochRates()
     recorder.rates = []
     settings = Settings.of(setup.cfg)
-    build.configure_process(setup.cfg, settings)
+    build.configure_process(settings, setup.cfg.data)
     trainer = build.trainer(setup.cfg, settings, setup.out, logger=[])
     trainer.callbacks = [recorder if isinstance(c, ThroughputLog) else c for c in trainer.callbacks]
-    trainer.fit(build.model(setup.cfg), build.datamodule(setup.cfg, settings))
+    trainer.fit(build.model(setup.cfg.model, settings), build.datamodule(setup.cfg.data, settings))
     # as src/train.py's end does (end_distributed_job): the rank watchdog the run started stops before
     # the next variant or the process group's end; left inside a store request it can abort the process
     watchdog.stop()

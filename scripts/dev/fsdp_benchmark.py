@@ -192,10 +192,10 @@ def run_template(args: argparse.Namespace, variant: str, found: dict) -> None:
     out = Path(tempfile.mkdtemp(prefix="fsdp-benchmark-"))
     cfg = compose("train", _overrides(args, str(out), trainer_name))
     settings = Settings.of(cfg)
-    build.configure_process(cfg, settings)
+    build.configure_process(settings, cfg.data)
     trainer = build.trainer(cfg, settings, out, logger=[])
     trainer.callbacks.append(_measure_cb(args, found))
-    trainer.fit(build.model(cfg), build.datamodule(cfg, settings))
+    trainer.fit(build.model(cfg.model, settings), build.datamodule(cfg.data, settings))
     _saves(trainer, out, found, args.saves)
 
 
@@ -211,7 +211,7 @@ def run_bare(args: argparse.Namespace, variant: str, found: dict) -> None:
 
     out = Path(tempfile.mkdtemp(prefix="fsdp-benchmark-"))
     cfg = compose("train", _overrides(args, str(out), "fsdp_cpu"))
-    build.configure_process(cfg, Settings.of(cfg))  # the same threads per process as the template's runs
+    build.configure_process(Settings.of(cfg), cfg.data)  # the same threads per process as the template's runs
     base = instantiate({"_target_": "hydra.utils.get_class", "path": cfg.model._target_})
 
     class Sharded(base):  # the way Lightning's docs write it

@@ -19,12 +19,18 @@ log = logging.getLogger("hpctrain.runtime.run")
 
 
 class AttemptProgress(LightningPart, lightning="pytorch_lightning.Callback"):
-    """Rank 0 records this attempt's progress in run.yaml (`attempts`): when training started, the last
+    """Rank 0 records this attempt's progress in run.yaml (`attempt`): when training started, the last
     checkpoint saved (timed by the checkpoint writer), a sign of life every `attempts.HEARTBEAT_S`. With
     requeue on, it warns once when the slowest save plus the wait for the next signal check does not fit
     in `requeue.signal_lead_s`, the time the signal comes before the time limit."""
 
-    def __init__(self, signal_lead_s: float | None = None, signal_name: str = "SIGUSR1") -> None:
+    def __init__(
+        self,
+        attempt: attempts.Attempt | None = None,
+        signal_lead_s: float | None = None,
+        signal_name: str = "SIGUSR1",
+    ) -> None:
+        self.attempt = attempt  # this process's attempt (rank 0 records it), or none to record
         self.lead_s = signal_lead_s
         self.signal_name = signal_name
         self._steps: deque[float] = deque(maxlen=50)  # the newest training steps' durations
@@ -36,7 +42,7 @@ class AttemptProgress(LightningPart, lightning="pytorch_lightning.Callback"):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:
-            attempts.record(trained_from={"at": round(time.time(), 3), "step": trainer.global_step})
+            self._record(trained_from={"at": round(time.time(), 3), "step": trainer.global_step})
             self._beat_at = time.monotonic() + attempts.HEARTBEAT_S
 
     def on_train_batch_start(
@@ -69,7 +75,7 @@ class AttemptProgress(LightningPart, lightning="pytorch_lightning.Callback"):
         if save is not None and save is not self._seen_save:
             self._seen_save = save
             self._slowest_save_s = max(self._slowest_save_s, save.seconds)
-            attempts.record(
+            self._record(
                 saved={
                     "at": round(save.at, 3),
                     "step": save.step,
@@ -79,8 +85,12 @@ class AttemptProgress(LightningPart, lightning="pytorch_lightning.Callback"):
             )
             self._check_signal_lead(trainer)
         if time.monotonic() >= self._beat_at:
-            attempts.record(seen={"at": round(time.time(), 3), "step": trainer.global_step})
+            self._record(seen={"at": round(time.time(), 3), "step": trainer.global_step})
             self._beat_at = time.monotonic() + attempts.HEARTBEAT_S
+
+    def _record(self, **fields: Any) -> None:
+        if self.attempt is not None:
+            self.attempt.record(**fields)
 
     def _check_signal_lead(self, trainer: Trainer) -> None:
         if self.lead_s is None or self._warned:

@@ -3,7 +3,7 @@ with it.
 
 Each concern keeps its state in an owner class of its own module (`signals.SignalRecord`,
 `failures.Failures`, `notify.Notifier`, `positions.Followed`, `stacks.Registered`,
-`watchdog.Watching`, `job_store.DataParallel`, `attempts.Attempts`; a sweep's `job.Skipped`); this
+`watchdog.Watching`, `job_store.DataParallel`; a sweep's `job.Skipped`); this
 module holds one instance of each for the current run, made on first use (`part`):
 
     run_state.part(Failures).verdict        # this run's Failures, created if it is the first use
@@ -13,7 +13,7 @@ Why one holder and not an object passed around: the places that record state are
 the run only through the process. Why a holder at all, and not a singleton per module: a Hydra
 multirun with the basic launcher runs the jobs of a sweep in turn in one process, and a signal, a
 failure verdict, a followed trainer or a faulthandler registration the first job leaves must not
-reach the second. `hpctrain.runtime.run.job.Job` begins a run as it enters and ends it as it exits:
+reach the second. `hpctrain.runtime.run.job.job` begins a run as it enters and ends it as it exits:
 
 - `begin()`: a fresh state for this run. Only what an owner hands over explicitly reaches it: a signal
   recorded during startup (`signals.install_early`), which belongs to the run about to begin.

@@ -121,7 +121,7 @@ class Contract:
         settings = Settings.of(cfg)
         console.apply_extras(cfg, settings.extras)  # as train.py: Lightning's notices the template replaces
         with template_errors_fail(self.pair):
-            build.configure_process(cfg, settings)
+            build.configure_process(settings, cfg.data)
             return build.run_objects(cfg, settings, cfg.paths.output_dir, training=training)
 
     def trainer(self, cfg: DictConfig, training: bool = True) -> Trainer:
@@ -349,7 +349,7 @@ def test_checkpoint_loads_weights_only_and_gives_the_same_outputs(contract: Cont
     unreadable = _refusal(reading.read, saved)
     if unreadable:
         fail(f"{pair}: {unreadable}")
-    reloaded = build.model(cfg)
+    reloaded = build.model(cfg.model)
     other_model = _refusal(reading.check_matches_model, saved, reloaded)
     if other_model:
         fail(

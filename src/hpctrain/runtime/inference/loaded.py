@@ -94,7 +94,7 @@ def load(path: str | Path, overrides: Iterable[str] = ()) -> Predictor:
         )
     given = proposals.relevant(list(overrides))
     cfg = proposals.composed(found, given, lambda chosen: compose("train", chosen))
-    module = build.model(cfg, build.Checkpoint(path, content))
+    module = build.model(cfg.model, checkpoint=build.Checkpoint(path, content))
     if path.suffix == ".safetensors":
         from safetensors.torch import load_model
 

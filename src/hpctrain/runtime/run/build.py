@@ -1,19 +1,22 @@
-"""Turn the composed config into what Lightning runs: datamodule, model, callbacks, loggers, trainer.
+"""The composed config turned into what Lightning runs: `run_objects`, the one build path of every entry
+point, reads as a table of contents; each object is built once, by its own function, and left as built:
 
-`run_objects` is the one build path of src/train.py and src/eval.py. Besides what the config names,
-the trainer always gets:
-- the cluster environment chosen by `hpctrain.runtime.distributed.launch` from the launcher
-  (SLURM without Lightning's auto-requeue);
-- `HydraDDPStrategy` for `strategy: ddp` (or `auto` with more than one process), with the
-  collective timeout from `dist.timeout_min`;
-- `AtomicCheckpointIO`, so a save killed half-way never replaces a complete checkpoint;
-- `ResumeState` (exact resume, the config for eval), `MonitoredMetric` (`monitor.*`),
-  `BatchLimits` (a `limit_*_batches` fraction of a tiny split is one batch),
-  `NonFiniteLoss` (`nan.*`), `TrainableOnly` (`checkpoints.trainable_only`), `AttemptProgress` (run.yaml;
-  a save too slow for `requeue.signal_lead_s`)
-  and, when `requeue.enabled`, `RequeueOnSignal`.
-All of it of the Lightning namespace the run's classes are written with (`run_namespace`: pytorch_lightning
-or lightning.pytorch, `hpctrain.runtime.namespaces`), chosen before anything is built.
+    namespace    run_namespace(cfg)        the Lightning package the user's classes are written with
+    datamodule   datamodule(cfg.data)      its data checked on every rank, before any process group
+                                           (check_data_available)
+    model        model(cfg.model)          built (a reader's without memory, then checked against its
+                                           checkpoint), with the template's switches (channels_last, compile)
+    trainer      trainer(cfg)              and what it runs with, each from its own function:
+      loggers    loggers(cfg.logger)
+      callbacks  callbacks(cfg.callbacks)  the user's and the template's, by concern and in one order
+                                           (hpctrain.runtime.run.callbacks)
+      strategy   strategy(settings)        DDP or FSDP2 with the Hydra-aware launcher and the collective
+                                           timeout (`dist.*`); else Lightning's, as named
+      plugins    plugins(cfg)              the cluster environment (SLURM without Lightning's requeue) and
+                                           the checkpoint writer (a save killed half-way replaces nothing)
+
+hpctrain's own keys come typed (`settings`); the user's groups travel as opaque nodes to instantiate. All of
+it is of the Lightning namespace the run's classes are written with (`hpctrain.runtime.namespaces`).
 """
 
 from __future__ import annotations
@@ -39,23 +42,14 @@ from lightning_fabric.utilities.seed import seed_everything  # namespace-free: s
 from omegaconf import DictConfig, OmegaConf
 from torchmetrics import Metric
 
-from hpctrain.callbacks.attempt_progress import AttemptProgress
-from hpctrain.callbacks.batch_limits import BatchLimits
-from hpctrain.callbacks.frozen_parts import FrozenParts
 from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
-from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
-from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
-from hpctrain.callbacks.one_rank_calls import OneRankCalls
-from hpctrain.callbacks.rank_watchdog import RankWatchdog
+from hpctrain.callbacks.monitored_metric import MonitoredMetric
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
-from hpctrain.callbacks.resume_state import ResumeState
-from hpctrain.callbacks.shared_run_dir_check import SharedRunDirCheck
-from hpctrain.callbacks.trainable_only import TrainableOnly
 from hpctrain.loggers import job_metadata, tag_runs
 from hpctrain.runtime import namespaces
 from hpctrain.runtime.config import proposals, redact, targets
 from hpctrain.runtime.config.arguments import check_arguments
-from hpctrain.runtime.config.settings import Cluster, Dist, Requeue, Settings, TrainerKeys
+from hpctrain.runtime.config.settings import Cluster, Dist, Settings, TrainerKeys
 from hpctrain.runtime.distributed import launch, signals
 from hpctrain.runtime.distributed.fsdp import HydraModelParallelStrategy
 from hpctrain.runtime.distributed.launch import HydraDDPStrategy
@@ -64,7 +58,9 @@ from hpctrain.runtime.environment import allocated, launched
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import Namespace
 from hpctrain.runtime.report import console
-from hpctrain.runtime.storage.checkpoints import REQUEUE_CHECKPOINT, checkpoint_dir, reading
+from hpctrain.runtime.run import callbacks as run_callbacks
+from hpctrain.runtime.storage.attempts import Attempt
+from hpctrain.runtime.storage.checkpoints import checkpoint_dir, reading
 from hpctrain.runtime.storage.checkpoints.async_writing import AsyncAtomicCheckpointIO
 from hpctrain.runtime.storage.checkpoints.folder_saves import FolderSaves
 from hpctrain.runtime.storage.checkpoints.sharded import consolidate
@@ -144,16 +140,6 @@ class Run:
     def can_test(self) -> bool:
         return can_test(self.model, self.datamodule)
 
-    def freeze(self, patterns: list[str], until: int | None) -> str:
-        """Freeze the parameters `patterns` name (`init_from.freeze`; a callback unfreezes them at epoch
-        `until`); the line that says what was frozen."""
-        frozen = self.namespace.part(FrozenParts)(self.model, patterns, until)  # of the run's namespace
-        self.trainer.callbacks.append(frozen)
-        return (
-            f"init_from.freeze: {len(frozen.frozen)} parameters frozen, {len(frozen.norms)} BatchNorm layers fixed"
-            + (f", until epoch {until}" if until is not None else "")
-        )
-
     @property
     def best_value(self) -> float | None:
         return self.monitor.best if self.monitor is not None else None
@@ -166,12 +152,12 @@ def _sharded_strategy(trainer: Trainer) -> bool:
     return isinstance(trainer.strategy, model_parallel)
 
 
-def configure_process(cfg: DictConfig, settings: Settings) -> None:
+def configure_process(settings: Settings, data: DictConfig) -> None:
     """The process-wide settings a run makes, in one visible place: seeds, CPU threads and loader
-    workers, float32 matmul precision."""
+    workers (`data`'s), float32 matmul precision."""
     # Seeds torch, numpy, python and (through PL_SEED_WORKERS) every dataloader worker.
     seed_everything(settings.seed, workers=True, verbose=False)
-    threads, _, why = cpu_plan(cfg, settings)  # the workers are the datamodule's (`datamodule`)
+    threads, _, why = cpu_plan(data, settings)  # the workers are the datamodule's (`datamodule`)
     # Set before the trainer exists: Lightning's DDP launcher sets its own (CPUs / processes) only when
     # OMP_NUM_THREADS is unset, and its child ranks inherit the variable.
     torch.set_num_threads(threads)
@@ -183,7 +169,7 @@ def configure_process(cfg: DictConfig, settings: Settings) -> None:
         torch.set_float32_matmul_precision(precision)
 
 
-def cpu_plan(cfg: DictConfig, settings: Settings) -> tuple[int, int | None, str]:
+def cpu_plan(data: DictConfig, settings: Settings) -> tuple[int, int | None, str]:
     """Intra-op threads per process and `data.num_workers` (None: the config's number stays) for
     `num_threads: auto` and `data.num_workers: auto`, from the CPUs the process really has. Loader
     workers that decode files come first (the CPUs less one, at most 8); in-memory data takes none
@@ -192,10 +178,10 @@ def cpu_plan(cfg: DictConfig, settings: Settings) -> tuple[int, int | None, str]
     given."""
     keys = settings.trainer
     cpus, found = allocated.cpus_per_process(keys.devices, accelerator=keys.accelerator)
-    asked_workers = (cfg.get("data") or {}).get("num_workers", 0)
+    asked_workers = (data or {}).get("num_workers", 0)
     workers = None
     if asked_workers == "auto":
-        workers = min(8, max(1, cpus - 1)) if _data_class_has(cfg.data, "decodes_files") else 0
+        workers = min(8, max(1, cpus - 1)) if _data_class_has(data, "decodes_files") else 0
     used_by_workers = workers if workers is not None else int(asked_workers or 0)
     asked_threads = settings.num_threads
     threads = max(1, cpus - used_by_workers) if asked_threads in ("auto", None) else int(asked_threads)
@@ -221,18 +207,16 @@ def run_objects(
     training: bool = True,
     sweep: bool = False,
     checkpoint: Checkpoint | None = None,
+    attempt: Attempt | None = None,
 ) -> Run:
-    """Datamodule (its data checked, on every rank, before any process group), model, callbacks,
-    loggers and trainer for `cfg` (hpctrain's own keys read from `settings`, typed, checked in the
-    preflight); with `training=False` (eval) no training-only callbacks; `sweep`: a point of a sweep,
-    which needs the monitored value; `checkpoint`: the one a reader evaluates (its model checked against
-    it before it takes memory)."""
-    with namespace_of_run(cfg) as namespace:  # before anything is built: mixed imports are one sentence
-        data = datamodule(cfg, settings)
-        check_data_available(data)
-        sharded = settings.trainer.strategy == "fsdp"
-        module = tune_model(model(cfg, checkpoint, sharded), settings, settings.trainer.strategy)
-        built = trainer(cfg, settings, run_dir, training=training, sweep=sweep)
+    """The run's objects (see the module docstring); with `training=False` (eval, predict) no training-only
+    callbacks; `sweep`: a point of a sweep, which needs the monitored value; `checkpoint`: the one a reader
+    evaluates; `attempt`: this process's attempt, recorded in run.yaml."""
+    with namespaces.building(run_namespace(cfg)) as namespace:  # mixed imports: one sentence, nothing built
+        data = datamodule(cfg.data, settings)
+        check_data_available(data)  # missing files are one sentence, on every rank, before any process group
+        module = model(cfg.model, settings, checkpoint)
+        built = trainer(cfg, settings, run_dir, training, sweep, module=module, attempt=attempt)
     monitor = next((c for c in built.callbacks if isinstance(c, MonitoredMetric)), None)
     requeue = next((c for c in built.callbacks if isinstance(c, RequeueOnSignal)), None)
     return Run(data, module, built, monitor, requeue, namespace)
@@ -245,24 +229,23 @@ FOLLOWING_LIGHTNINGS_OWN = ("trainer", "callbacks", "logger")
 
 
 @contextmanager
-def namespace_of_run(cfg: DictConfig) -> Iterator[Namespace]:
+def namespace_of_run(cfg: Any) -> Iterator[Namespace]:
     """Within the block, what is built is of the run's Lightning namespace: the one being built already
-    (`run_objects` building its parts), else the one `cfg`'s classes choose (`model(cfg)` alone, for eval's
-    check or `hpctrain.load`)."""
+    (`run_objects` building its parts), else the one the classes of `cfg` (a config, or some of its
+    entries: {"model": node}) choose, for an object built alone (`model(node)` in a test or a script)."""
     namespace = namespaces.being_built()
     if namespace is not None:
         yield namespace
         return
-    namespace = run_namespace(cfg)
-    console.lightning_logs_once()
-    with namespaces.building(namespace):
+    with namespaces.building(run_namespace(cfg)) as namespace:
         yield namespace
 
 
-def run_namespace(cfg: DictConfig) -> Namespace:
+def run_namespace(cfg: Any) -> Namespace:
     """The Lightning namespace of the run (`hpctrain.runtime.namespaces`), from the classes the config
     names: the model's and the datamodule's, and those of the trainer, callbacks and loggers that are not
     Lightning's own. Each is imported, none is built. Classes written with both namespaces are one sentence."""
+    console.lightning_logs_once()
     named: dict[str, type] = {}
     entries = [(key, cfg.get(key)) for key in (*DECIDING, "trainer")]
     for group in ("callbacks", "logger"):
@@ -333,15 +316,11 @@ def _import_failure(err: InstantiationException) -> str | None:
     return str(targets.cannot_import(found.group(1), missing))
 
 
-def datamodule(cfg: DictConfig, settings: Settings) -> LightningDataModule:
-    with namespace_of_run(cfg):
-        return _datamodule(cfg, settings)
-
-
-def _datamodule(cfg: DictConfig, settings: Settings) -> LightningDataModule:
-    node = cfg.data
+def datamodule(node: DictConfig, settings: Settings) -> LightningDataModule:
+    """The user's datamodule (`data`), with what the settings decide of it (`num_workers: auto`, an offline
+    or staging cluster preset)."""
     if node.get("num_workers") == "auto":
-        node = OmegaConf.merge(node, {"num_workers": cpu_plan(cfg, settings)[1]})
+        node = OmegaConf.merge(node, {"num_workers": cpu_plan(node, settings)[1]})
     preset = settings.cluster or Cluster()
     if preset.offline and node.get("download"):
         # conf/cluster/<name>.yaml says the compute nodes have no internet: fail at once on missing data
@@ -358,24 +337,27 @@ def _datamodule(cfg: DictConfig, settings: Settings) -> LightningDataModule:
                 "cluster=%s: data staged to its node-local scratch, data.stage_dir=%s", preset.name, scratch
             )
     check_arguments(node, "data")
-    return _of_the_run(_instantiate(node), "data")
+    with namespace_of_run({"data": node}):
+        return _of_the_run(_instantiate(node), "data")
 
 
-def model(cfg: DictConfig, checkpoint: Checkpoint | None = None, sharded: bool = False) -> LightningModule:
-    """The LightningModule; a pretrained base it built empty (`hpctrain.empty_weights`) is read from its
-    files now, except when FSDP2 shards it (`sharded`): each rank then reads its shards once the model is
-    sharded. For a `checkpoint` (eval, predict, export, hpctrain.load) it is built without memory for its
-    parameters, compared with the file's tensors (one sentence if they do not fit), and only then given
-    memory: the checkpoint's weights fill it next."""
-    # an optimizer's key it does not take: one sentence, not a TypeError later
-    check_arguments(cfg.model, "model")
-    with namespace_of_run(cfg), empty_weights() if checkpoint else contextlib.nullcontext():
-        module = _of_the_run(_instantiate(cfg.model), "model")
+def model(
+    node: DictConfig, settings: Settings | None = None, checkpoint: Checkpoint | None = None
+) -> LightningModule:
+    """The user's LightningModule (`model`), with the template's switches of `settings` (`tune_model`). A
+    pretrained base it builds empty (`hpctrain.empty_weights`) is read from its files now, except under
+    FSDP2, where each rank reads its shards once the model is sharded. For a `checkpoint` (eval, predict,
+    export, hpctrain.load) every parameter is built without memory, compared with the file's tensors (one
+    sentence if they do not fit), and only then given memory: the checkpoint's weights fill it next."""
+    check_arguments(node, "model")  # an optimizer's key it does not take: one sentence, not a TypeError later
+    with namespace_of_run({"model": node}), empty_weights() if checkpoint else contextlib.nullcontext():
+        module = _of_the_run(_instantiate(node), "model")
     if checkpoint is not None:
         reading.check_matches_model(checkpoint.path, module, content=checkpoint.content)
+    sharded = settings is not None and settings.trainer.strategy == "fsdp"
     if has_empty_parameters(module) and not sharded:
         materialize(module, "cpu", checkpoint_fills=checkpoint is not None)
-    return module
+    return tune_model(module, settings) if settings is not None else module
 
 
 @dataclass(frozen=True)
@@ -407,13 +389,8 @@ def _of_the_run(obj: Any, key: str) -> Any:
     return obj
 
 
-def _instantiate_group(group: DictConfig | None, key: str) -> list[Any]:
-    """Instantiate every non-null entry of a group like `callbacks` or `logger`."""
-    return list(_instantiate_named(group, key).values())
-
-
 def _instantiate_named(group: DictConfig | None, key: str) -> dict[str, Any]:
-    """`_instantiate_group`, each object under its name in the group."""
+    """Every non-null entry of a group like `callbacks` or `logger`, built, under its name in the group."""
     if not group:
         return {}
     built = {
@@ -425,40 +402,9 @@ def _instantiate_named(group: DictConfig | None, key: str) -> dict[str, Any]:
     return {name: obj for name, obj in built.items() if obj is not None}
 
 
-def loggers(cfg: DictConfig) -> list[Logger]:
-    return _instantiate_group(cfg.get("logger"), "logger")
-
-
-def own_callbacks(
-    settings: Settings, run_dir: str | Path, training: bool, sweep: bool = False
-) -> tuple[MonitoredMetric | None, RequeueOnSignal | None]:
-    """The two template callbacks an entry point asks about: the monitored metric (training only) and
-    the requeue on a signal (when `requeue.enabled`)."""
-    monitor, requeue = settings.monitor, settings.requeue
-    monitored = (
-        MonitoredMetric(monitor.metric, monitor.mode, sweep=sweep)
-        if training and monitor is not None and monitor.metric
-        else None
-    )
-    if training and monitored is None and launched.is_rank_zero():
-        log.info(no_monitor_note(None))
-    on_signal = (
-        RequeueOnSignal(
-            checkpoint_dir(run_dir) / REQUEUE_CHECKPOINT,
-            check_every_n_steps=requeue.check_every_n_steps,
-            timeout_min=settings.dist.timeout_min,
-        )
-        if requeue.enabled
-        else None
-    )
-    return monitored, on_signal
-
-
-def _attempt_progress(requeue: Requeue) -> AttemptProgress:
-    """This attempt's progress in run.yaml; with requeue on, the check of a save against the signal's lead."""
-    if not requeue.enabled:
-        return AttemptProgress()
-    return AttemptProgress(requeue.signal_lead_s, requeue.signal)
+def loggers(group: DictConfig | None) -> list[Logger]:
+    """The user's loggers (`logger`), each a config entry."""
+    return list(_instantiate_named(group, "logger").values())
 
 
 def callbacks(
@@ -468,47 +414,29 @@ def callbacks(
     has_logger: bool,
     training: bool = True,
     sweep: bool = False,
+    module: LightningModule | None = None,
+    attempt: Attempt | None = None,
 ) -> list[Callback]:
-    """The config's callbacks and the template's own (see the module docstring), in the order they run."""
+    """The user's callbacks (`callbacks`) and the template's (hpctrain.runtime.run.callbacks), in one order."""
+    group = cfg.get("callbacks")
     if training:
-        check_checkpoint_entry(cfg.get("callbacks"), run_dir)
-    named = _instantiate_named(cfg.get("callbacks"), "callbacks")
-    callback_list = list(named.values())
-    if settings.trainer.strategy == "fsdp":  # a callback that runs the model on one rank: one sentence
-        callback_list.append(OneRankCalls({id(obj): name for name, obj in named.items()}))
-    if not has_logger:
+        check_checkpoint_entry(group, run_dir)
+    users = _instantiate_named(group, "callbacks")
+    if not has_logger:  # a learning-rate monitor without a logger is Lightning's refusal
         lr_monitor = namespaces.current().get("pytorch_lightning.callbacks.LearningRateMonitor")
-        callback_list = [c for c in callback_list if not isinstance(c, lr_monitor)]
-    callback_list.append(TrainableOnly(settings.checkpoints.trainable_only))  # how eval reads them too
-    callback_list.append(
-        RankWatchdog(
-            settings.dist.timeout_min,
-            settings.dist.init_timeout_min,
-            straggler_every_s=settings.diagnostics.straggler_every_s,
-            straggler_factor=settings.diagnostics.straggler_factor,
-        )
-    )
-    # a limit_*_batches fraction of a tiny split: one batch, not Lightning's refusal
-    callback_list.append(BatchLimits())
-    if training:
-        # what eval, predict, export and hpctrain.load rebuild the run from
-        stored = redact.recorded(
-            cfg, proposals.GROUPS
-        )  # resolved, but no secret (hpctrain.runtime.config.redact)
-        composed = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
-        stored["choices"] = proposals.choices_of(composed)  # the options it composed: what readers propose
-        callback_list += [
-            ResumeState(stored),
-            SharedRunDirCheck(str(run_dir)),
-            _attempt_progress(settings.requeue),
-        ]
-        if settings.nan.action == "stop":
-            callback_list.append(NonFiniteLoss(run_dir, settings.nan.check_every_n_steps))
-    own = [c for c in own_callbacks(settings, run_dir, training, sweep) if c is not None]
-    # the monitored metric first: at each validation it decides before the checkpoint and early
-    # stopping look at the metric (Lightning runs callbacks in list order, ModelCheckpoint last)
-    monitors = [c for c in own if isinstance(c, MonitoredMetric)]
-    return monitors + callback_list + [c for c in own if c not in monitors]
+        users = {name: c for name, c in users.items() if not isinstance(c, lr_monitor)}
+    stored = stored_config(cfg) if training else None
+    own = run_callbacks.template_callbacks(settings, Path(run_dir), training, sweep, stored, attempt, module)
+    return run_callbacks.ordered(users, own, settings)
+
+
+def stored_config(cfg: DictConfig) -> dict[str, Any]:
+    """What every checkpoint keeps for eval, predict, export and hpctrain.load to propose: the options the
+    run composed and its model, data and monitor values, resolved but with no secret (`redact`)."""
+    stored = redact.recorded(cfg, proposals.GROUPS)
+    composed = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    stored["choices"] = proposals.choices_of(composed)
+    return stored
 
 
 def check_checkpoint_entry(group: DictConfig | None, run_dir: str | Path) -> None:
@@ -591,7 +519,7 @@ def fsdp_dtypes(fsdp: dict[str, Any], precision: str) -> dict[str, Any]:
     return mixed_fsdp
 
 
-def tune_model(module: LightningModule, settings: Settings, strategy: str | None) -> LightningModule:
+def tune_model(module: LightningModule, settings: Settings) -> LightningModule:
     """The template's switches on a built model, outside its config (so no class ever receives them):
 
     - `channels_last`: parameters and 4-D inputs of its networks in channels-last memory order (faster
@@ -606,7 +534,9 @@ def tune_model(module: LightningModule, settings: Settings, strategy: str | None
         module.to(memory_format=torch.channels_last)
         for net in nets:
             net.register_forward_pre_hook(_channels_last_inputs)
-    sharded_here = strategy == "fsdp" and not namespaces.is_overridden("configure_model", module)
+    sharded_here = settings.trainer.strategy == "fsdp" and not namespaces.is_overridden(
+        "configure_model", module
+    )
     if settings.compile and not sharded_here:
         for net in nets:
             net.compile(backend=settings.compile_backend)
@@ -626,41 +556,48 @@ def trainer(
     run_dir: str | Path,
     training: bool = True,
     sweep: bool = False,
+    module: LightningModule | None = None,
+    attempt: Attempt | None = None,
     **overrides: Any,
 ) -> Trainer:
-    """The Trainer for `cfg.trainer`; keyword arguments replace config entries (e.g. logger=False)."""
+    """The Trainer of `cfg.trainer` and what it runs with (see the module docstring); keyword arguments
+    replace its entries (e.g. logger=False)."""
     with namespace_of_run(cfg):
-        return _trainer(cfg, settings, run_dir, training, sweep, **overrides)
-
-
-def _trainer(
-    cfg: DictConfig, settings: Settings, run_dir: str | Path, training: bool, sweep: bool, **overrides: Any
-) -> Trainer:
-    asynchronous = settings.checkpoints.async_save
-    chosen_loggers = overrides.pop("logger", None)
-    if chosen_loggers is None:
-        chosen_loggers = loggers(cfg)
-    kwargs: dict[str, Any] = {
-        "logger": chosen_loggers or False,
-        "callbacks": callbacks(cfg, settings, run_dir, bool(chosen_loggers), training, sweep),
-        "strategy": strategy(
-            settings.trainer,
-            settings.dist,
-            asynchronous,
-            settings.compile_backend if settings.compile else None,
-            checkpoint_fills=not training,
-        ),
-        "plugins": [
-            launch.lightning_cluster_environment(namespaces.current()),
-            (AsyncAtomicCheckpointIO if asynchronous else AtomicCheckpointIO)(redact.environment_values(cfg)),
-        ],
-    }
-    if allocated.one_gpu_per_task() and settings.trainer.accelerator in allocated.GPU_ACCELERATORS:
-        kwargs["devices"] = 1  # each task drives the one GPU SLURM bound to it (allocated.one_gpu_per_task)
-    kwargs.update(overrides)
-    built = _of_the_run(_instantiate(cfg.trainer, **kwargs), "trainer")
+        chosen = overrides.pop("logger", None)
+        logger_list = loggers(cfg.get("logger")) if chosen is None else chosen
+        kwargs: dict[str, Any] = {
+            "logger": logger_list or False,
+            "callbacks": callbacks(
+                cfg, settings, run_dir, bool(logger_list), training, sweep, module, attempt
+            ),
+            "strategy": strategy(
+                settings.trainer,
+                settings.dist,
+                settings.checkpoints.async_save,
+                settings.compile_backend if settings.compile else None,
+                checkpoint_fills=not training,
+            ),
+            "plugins": plugins(cfg, settings),
+        }
+        if allocated.one_gpu_per_task() and settings.trainer.accelerator in allocated.GPU_ACCELERATORS:
+            kwargs["devices"] = (
+                1  # each task drives the one GPU SLURM bound to it (allocated.one_gpu_per_task)
+            )
+        built = _of_the_run(_instantiate(cfg.trainer, **{**kwargs, **overrides}), "trainer")
     signals.take_over_from_lightning(built)
     return built
+
+
+def plugins(cfg: DictConfig, settings: Settings) -> list[Any]:
+    """The cluster environment the launcher chose (SLURM without Lightning's auto-requeue), and the
+    checkpoint writer: atomic (a save killed half-way replaces nothing), asynchronous with
+    `checkpoints.async_save`, putting back as interpolations the values the config read from the
+    environment wherever a class kept them."""
+    writer = AsyncAtomicCheckpointIO if settings.checkpoints.async_save else AtomicCheckpointIO
+    return [
+        launch.lightning_cluster_environment(namespaces.current()),
+        writer(redact.environment_values(cfg)),
+    ]
 
 
 def log_hyperparameters(trainer: Trainer, cfg: DictConfig) -> None:

@@ -1,26 +1,34 @@
-"""One job's lifecycle, the same for every entry point (train, eval, export): preflight, build, run, end.
+"""One job's lifecycle, the same for every entry point (train, eval, predict, export), in one function,
+`job`, read top to bottom:
 
-    with Job(cfg) as job:                  # preflight: config, launcher vs trainer, run dir; no torch yet
-        run = job.build()                  # data, model, callbacks, loggers, trainer; the run's record
-        with job.running(run):             # a signal: checkpoint, requeue (or stop); always: teardown
-            ...                            # fit, test
-            return job.finish(run)
+    start      the job's state begins (fresh after an earlier job of a sweep in this process); from here
+               a mistake is one sentence and exit status 2, a rank's crash one line naming it, and how the
+               job ends is recorded (outcome.yaml, this attempt in run.yaml) and posted (the webhook); the
+               preflight checks the config, the launcher against the trainer and the run dir (a reader
+               first composes what its checkpoint proposes), before torch is imported
+    success    recorded as completed; a time-limit signal that comes later no longer fails the job
+    a signal   the run stopped where every rank agreed, its checkpoint saved (`requeue`): SLURM requeues the
+               job and every rank waits to be ended (or, the requeue budget spent, it stops in one
+               sentence); SIGTERM or Ctrl-C exits 143 or 130; a point of a packed job ends here, recorded
+               as requeued, and its entry point returns its Outcome
+    a failure  recorded and said once, then raised on
+    always     the run's process group and local ranks ended; the job's state closed
 
-A job without a trainer (export: one process, no fit or test) writes the same record with `job.record()`.
-The job keeps one config, `job.cfg`: eval and predict replace it once with the checkpoint's model and
-data (`job.from_checkpoint`).
-How the job ends is recorded once, in <run dir>/outcome.yaml (read by sweep summaries), and said
-once: a mistake as one sentence and exit status 2 (`errors`), a rank's crash as one line naming it
-(`watchdog`), a signal by requeueing the SLURM job or exiting with 143 (`requeue`).
+    with job(cfg) as current:          # start
+        run = current.build()          # data, model, callbacks, loggers, trainer; the run's record
+        ...                            # fit, test
+        current.finish(run)            # the report
+    return current.outcome             # completed, or stopped on a signal
+
+A job without a trainer (export: one process, no fit or test) writes the same record with `current.record()`.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import sys
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +41,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hpctrain.runtime import confined, run_state
 from hpctrain.runtime.config.checks import check_config, check_hydra_env
 from hpctrain.runtime.config.compose import CODE_ROOT, searchpath_overrides, task_overrides
-from hpctrain.runtime.config.settings import Settings, Sources
+from hpctrain.runtime.config.settings import Notify, Settings, Sources
 from hpctrain.runtime.distributed import (
     failures,
     flight_recorder,
@@ -48,7 +56,7 @@ from hpctrain.runtime.environment import allocated, launch_checks, launched, net
 from hpctrain.runtime.errors import UserError, reported_as_one_sentence
 from hpctrain.runtime.report import console
 from hpctrain.runtime.storage import attempts, records
-from hpctrain.runtime.storage.checkpoints import newest_checkpoint
+from hpctrain.runtime.storage.checkpoints import existing_checkpoint, newest_checkpoint
 
 if TYPE_CHECKING:
     from hpctrain.runtime.run.build import Run
@@ -56,7 +64,46 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpctrain")
 
 
+@contextmanager
+def job(cfg: DictConfig, one_process: bool = False, reader: bool = False) -> Iterator[Job]:
+    """The lifecycle (see the module docstring). `one_process`: more than one process is refused (export);
+    `reader`: the job reads a checkpoint (`ckpt_path`), whose proposal its model and data come from."""
+    current = Job(cfg, one_process)
+    run_state.begin()
+    try:
+        with (
+            reported_as_one_sentence(),
+            watchdog.failures_reported(),
+            records.outcome_recorded(
+                current.run_dir, None, current.overrides, in_multirun()
+            ) as current.outcome,
+            attempts.recorded(current.run_dir, current.outcome) as current.attempt,
+            current.ending_posted(),
+        ):
+            current.preflight(reader)
+            completed = False
+            try:
+                yield current
+                completed = True
+            except signals.Interrupted as stopped:
+                current.stop(stopped)  # requeue or exit; a packed point's stop is raised on, to end here
+            finally:
+                current.end_run(completed)
+    except signals.Interrupted as stopped:
+        if not (stopped.requeue and launched.pack_point() is not None):
+            raise
+        # a point of a packed job, saved and recorded as requeued: it ends here (status 0), and its pack's
+        # driver requeues the allocation (requeue.requeue_and_wait)
+    else:
+        signals.completed()  # done and recorded: a late time-limit signal no longer fails the job
+    finally:
+        run_state.end()
+
+
 class Job:
+    """One job: its config, its run dir, its settings (checked once, in the preflight), its records and the
+    run it builds."""
+
     def __init__(self, cfg: DictConfig, one_process: bool = False) -> None:
         self.cfg = cfg
         self.one_process = one_process  # export: more than one process is refused in preflight
@@ -66,54 +113,21 @@ class Job:
         # what chose the configs (and so the code) on the command line: what a reader composes a checkpoint with
         self.chosen = [*searchpath_overrides(self.hydra_cfg), *self.overrides]
         self.sweep = in_multirun() or launched.array_task()[1] is not None  # a point of a sweep
-        self.outcome: records.Outcome | None = None
-        self.checkpoint: Path | None = None  # the trained checkpoint an eval or predict job starts from
         self.where = Sources(self.hydra_cfg, self.overrides)  # which file set a key, for its sentence
-        self.settings: Settings = self._notify_alone()  # hpctrain's own, typed: checked in the preflight
-        self._stack = ExitStack()
-
-    def __enter__(self) -> Job:
-        # This job's state (signals, failures, notifications, the watchdog, ...: `run_state`), fresh
-        # even when an earlier job of a sweep ran in this process. Its end is the stack's last step, after
-        # the outcome and the notification, so everything above still reads this job's; the sweep
-        # (`run_job`) and `entry.end` read the ended job's state after it, until the next job begins.
-        run_state.begin()
-        self._stack.callback(run_state.end)
-        if in_multirun():
-            failures.in_sweep()  # a failure ends this job, not the sweep's process
-        self._stack.enter_context(reported_as_one_sentence())
-        self._stack.enter_context(watchdog.failures_reported())
-        self.outcome = self._stack.enter_context(
-            records.outcome_recorded(self.run_dir, None, self.overrides, in_sweep=in_multirun())
-        )
-        self.outcome.signature = records.config_signature(self.cfg)
-        self._stack.enter_context(attempts.attempt_recorded(self.run_dir, self.outcome))  # run.yaml, cost
-        self._stack.enter_context(self._ending_posted())
-        try:
-            self._preflight()
-        except BaseException:
-            if not self._stack.__exit__(*sys.exc_info()):
-                raise
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        if self._stack.__exit__(*exc):
-            return True
-        if exc[0] is None:  # done and recorded: a late time-limit signal no longer fails the job
-            signals.completed()
-        # A point of a packed job saved for the requeue, recorded as requeued: it ends here (status 0),
-        # and its pack's driver requeues the allocation (requeue.requeue_and_wait).
-        stopped = exc[1]
-        return (
-            isinstance(stopped, signals.Interrupted) and stopped.requeue and launched.pack_point() is not None
-        )
+        self.settings: Settings  # hpctrain's own, typed: set once, as the preflight ends
+        self.checkpoint: Path | None = None  # the checkpoint a reader (eval, predict, export) starts from
+        self.outcome: records.Outcome | None = None  # how the job ended, as outcome.yaml records it
+        self.attempt: attempts.Attempt | None = None  # this process's attempt, as run.yaml records it
+        self.run: Run | None = None  # what `build` built
 
     @contextmanager
-    def _ending_posted(self) -> Iterator[None]:
+    def ending_posted(self) -> Iterator[None]:
         """Notifications (`notify`) set up on every rank; rank 0 posts how the job ended (a crash: the rank
-        that reports it)."""
-        # the defaults until the preflight has checked the config's (`_preflight`): a refusal is posted too
-        self._configure_notify()
+        that reports it). Until the preflight has checked the config, its `notify` section where that
+        holds by itself: a refusal of another key is posted where the user asked."""
+        notify.configure(
+            _notify_alone(self.cfg, self.where), self.run_dir, self.hydra_cfg.mode == RunMode.MULTIRUN
+        )
         ended: BaseException | None = None
         try:
             yield
@@ -124,15 +138,17 @@ class Job:
             if launched.is_rank_zero() and self.outcome is not None:
                 notify.job_ended(ended, self.outcome.metric, self.outcome.value, self.outcome.test)
 
-    def _preflight(self) -> None:
-        """Everything that can be checked before torch is imported: one sentence and exit 2 on a mistake."""
-        cfg = self.cfg
+    def preflight(self, reader: bool = False) -> None:
+        """Everything that can be checked before torch is imported: one sentence and exit 2 on a mistake.
+        Then a reader's checkpoint: the model, data and monitor this project composes from what it proposes
+        (torch reads it), checked again."""
         if launched.launcher() == launched.CHILD:
             failures.die_with_parent()
-        settings = self.settings = check_config(cfg, self.where)  # hpctrain's own keys, typed from here on
-        self._configure_notify()
-        if self.outcome is not None and settings.monitor is not None:
-            self.outcome.metric = settings.monitor.metric
+        if in_multirun():
+            failures.in_sweep()  # a failure ends this job, not the sweep's process
+        cfg = self.cfg
+        settings = check_config(cfg, self.where)  # hpctrain's own keys, typed
+        notify.configure(settings.notify, self.run_dir, self.hydra_cfg.mode == RunMode.MULTIRUN)
         check_hydra_env(self.hydra_cfg, settings.notify.url_env)
         if self.sweep:  # a job array's task (a sweep launched in-process is checked in run_job)
             check_sweep_has_a_metric(settings)
@@ -151,55 +167,40 @@ class Job:
         confined.check_no_links_out(self.run_dir)  # a received run dir continued in place: its own files only
         if launched.is_rank_zero():
             records.check_writable(self.run_dir)
+        if reader:  # only the model, data and monitor differ: the sections used above are the same
+            from hpctrain.runtime.storage.checkpoints import reading
 
-    def _notify_alone(self) -> Settings:
-        """Until the preflight has checked the whole config: the defaults with the config's `notify`
-        section, where that section holds by itself (a refusal of another key is posted where the user
-        asked), else the defaults."""
-        if "notify" not in self.cfg:
-            return Settings()
-        try:
-            return Settings.of(OmegaConf.masked_copy(self.cfg, ["notify"]), self.where)
-        except (UserError, OmegaConfBaseException):
-            return Settings()
-
-    def _configure_notify(self) -> None:
-        notify.configure(self.settings.notify, self.run_dir, self.hydra_cfg.mode == RunMode.MULTIRUN)
-
-    def from_checkpoint(self, checkpoint: Path) -> DictConfig:
-        """The job's config from now on: the model, data and monitor this project composes from what the
-        checkpoint proposes (its options and values; the command line wins), checked again (eval, predict,
-        export)."""
-        from hpctrain.runtime.storage.checkpoints import reading
-
-        cfg = self.cfg = reading.config_from_checkpoint(self.cfg, checkpoint, self.chosen)
-        self.settings = check_config(cfg, self.where)
-        self.checkpoint = checkpoint
-        if self.outcome is not None and self.settings.monitor is not None:
-            self.outcome.metric = self.settings.monitor.metric  # the one the checkpoint was trained with
-        return cfg
+            self.checkpoint = existing_checkpoint(settings.ckpt_path)
+            self.cfg = reading.config_from_checkpoint(cfg, self.checkpoint, self.chosen)
+            settings = check_config(self.cfg, self.where)
+        self.settings = settings  # final: what the job and its run use from here on
+        assert self.outcome is not None
+        self.outcome.signature = records.config_signature(self.cfg)
+        if self.settings.monitor is not None:
+            self.outcome.metric = self.settings.monitor.metric
 
     def build(self, training: bool = True) -> Run:
         """The run's objects (torch from here on), and on rank 0 its record in the run dir."""
         from hpctrain.runtime.run import build
 
-        cfg = self.cfg
-        stacks_signal = self.settings.diagnostics.stacks_signal
-        if stacks_signal:  # scripts/stacks.py: where every rank is, from now on, even when it hangs
-            stacks.register(self.run_dir, stacks_signal)
-        keys = self.settings.trainer
+        cfg, settings = self.cfg, self.settings
+        if settings.diagnostics.stacks_signal:  # scripts/stacks.py: where every rank is, even when it hangs
+            stacks.register(self.run_dir, settings.diagnostics.stacks_signal)
+        keys = settings.trainer
         if keys.accelerator in allocated.GPU_ACCELERATORS or flight_recorder.recording():
             network.flight_recorder_dumps_into(self.run_dir)  # the record of the collectives of a hang
-        console.apply_extras(cfg, self.settings.extras)
+        console.apply_extras(cfg, settings.extras)
         if not training:
             console.quiet_training_callbacks()
-        build.configure_process(cfg, self.settings)
+        build.configure_process(settings, cfg.data)
         checkpoint = None
         if self.checkpoint is not None:  # weights of another model: one sentence before anything takes memory
             from hpctrain.runtime.storage.checkpoints import reading
 
             checkpoint = build.Checkpoint(self.checkpoint, reading.read(self.checkpoint, weights=False))
-        run = build.run_objects(cfg, self.settings, self.run_dir, training, self.sweep, checkpoint)
+        run = self.run = build.run_objects(
+            cfg, settings, self.run_dir, training, self.sweep, checkpoint, self.attempt
+        )
         if launched.is_rank_zero():
             cpus = allocated.cpus_per_process(keys.devices, accelerator=keys.accelerator)[0]
             devices = attempts.devices_of(type(run.trainer.accelerator).__name__, cpus)
@@ -219,38 +220,39 @@ class Job:
 
     def _write_record(self, cfg: DictConfig, world_size: int, devices: dict[str, Any]) -> None:
         records.write_run_record(cfg, self.run_dir, self.overrides, CODE_ROOT, world_size, self.hydra_cfg)
-        attempts.begin(self.run_dir, devices)
+        assert self.attempt is not None
+        self.attempt.begin(devices)
 
-    @contextmanager
-    def running(self, run: Run) -> Iterator[None]:
-        """Around fit and test: on a recorded signal, requeue (SLURM) or stop (exit 143), or, when the
-        requeue budget is spent, stop with its sentence (`attempts`); then end the process group and the
-        local ranks, in order, however the block ended."""
+    def stop(self, interrupted: signals.Interrupted) -> None:
+        """On a recorded signal (the run stopped where every rank agreed): requeue (SLURM), or stop with
+        the requeue budget's sentence (`attempts`), or exit (143 after SIGTERM)."""
+        assert self.attempt is not None
+        step, saved = (self.run.trainer.global_step if self.run else 0), interrupted.checkpoint
+        self.attempt.note_end(step, saved)
+        if interrupted.requeue:
+            last = saved or newest_checkpoint(self.run_dir)
+            attempts.stop_if_budget_spent(self.settings.requeue, self.attempt, step, last)
+            self.attempt.record_requeue(step, saved)
+        requeue_and_wait(interrupted)  # SLURM requeues the job and ends every rank; SIGTERM: exit 143
+
+    def end_run(self, completed: bool) -> None:
+        """However the job ended: the monitored metric's best so far recorded, then the process group and
+        the local ranks ended, in order."""
         from hpctrain.runtime.distributed import launch
 
-        completed = False
-        try:
-            yield
-            completed = True
-        except signals.Interrupted as interrupted:
-            step, saved = run.trainer.global_step, interrupted.checkpoint
-            attempts.note_end(step, saved)
-            if interrupted.requeue:
-                last = saved or newest_checkpoint(self.run_dir)
-                attempts.stop_if_budget_spent(self.settings.requeue, self.run_dir, step, last)
-                attempts.record_requeue(step, saved)
-            requeue_and_wait(interrupted)  # SLURM requeues the job and ends every rank; SIGTERM: exit 143
-        finally:
-            attempts.note_end(run.trainer.global_step, None)
-            if self.outcome is not None and run.monitor is not None:
-                # the best value so far, however the block ended (a test that failed after fit, too)
-                self.outcome.metric, self.outcome.value = run.monitor.metric, run.best_value
-            launch.end_distributed_job(run.trainer, completed)
+        if self.run is None:
+            return
+        if self.attempt is not None:
+            self.attempt.note_end(self.run.trainer.global_step, None)
+        if self.outcome is not None and self.run.monitor is not None:
+            # the best value so far, however the job ended (a test that failed after fit, too)
+            self.outcome.metric, self.outcome.value = self.run.monitor.metric, self.run.best_value
+        launch.end_distributed_job(self.run.trainer, completed)
 
     def finish(self, run: Run, best: str | None = None) -> dict[str, float]:
         """Report where everything went and record the run's outcome; return the run's scalar metrics by
         name (Lightning's callback metrics: the test results after a test). A sweeper's value is not
-        among them: it is the best of `monitor.metric` (`run.best_value`, which src/train.py returns)."""
+        among them: it is the best of `monitor.metric` (the outcome's value)."""
         from hpctrain.callbacks.performance_log import PerformanceLog  # torch is imported by now
 
         results = console.report(self.run_dir, run.trainer, best)
@@ -262,6 +264,16 @@ class Job:
             self.outcome.skipped_files = getattr(run.datamodule, "skipped_files", None)  # data.skip_bad=true
             self.outcome.test = {k: v for k, v in results.items() if k.startswith("test")} or None
         return results
+
+
+def _notify_alone(cfg: DictConfig, where: Sources) -> Notify:
+    """The config's `notify` section where it holds by itself, else the defaults."""
+    if "notify" not in cfg:
+        return Notify()
+    try:
+        return Settings.of(OmegaConf.masked_copy(cfg, ["notify"]), where).notify
+    except (UserError, OmegaConfBaseException):
+        return Notify()
 
 
 # ------------------------------------------------------------------- a job of a sweep (-m)
@@ -293,12 +305,13 @@ def check_sweep_has_a_metric(settings: Settings) -> None:
         )
 
 
-def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
-    """Run `task(cfg)`. In a sweep, a job that fails (its one-sentence error, or a crash of any of its
-    ranks) returns None instead of ending the sweep: its run dir's outcome.yaml says why, and the
-    sweep's summary.csv lists it. Outside a sweep, failures end the process as usual."""
+def run_job(task: Callable[[DictConfig], records.Outcome], cfg: DictConfig) -> float | None:
+    """Run `task(cfg)` and return what a sweeper compares: the best value of the monitored metric (its
+    outcome's). In a sweep, a job that fails (its one-sentence error, or a crash of any of its ranks)
+    returns None instead of ending the sweep: its run dir's outcome.yaml says why, and the sweep's
+    summary.csv lists it. Outside a sweep, failures end the process as usual."""
     if not in_multirun():
-        return task(cfg)
+        return task(cfg).value
     if launched.launcher() == launched.TORCHRUN:
         raise UserError(
             "a sweep (-m) under torchrun would run every point in every worker; run the sweep without "
@@ -320,7 +333,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
             log.info("job %s: already completed in %s with the same config; skipped", job, run_dir)
             return done.get("value")
     try:
-        return task(cfg)
+        return task(cfg).value
     except SystemExit as err:
         if err.code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
             raise  # the sweep itself was told to stop

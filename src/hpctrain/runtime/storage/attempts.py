@@ -40,7 +40,6 @@ from typing import Any
 
 import yaml
 
-from hpctrain.runtime import run_state
 from hpctrain.runtime.config.settings import Requeue
 from hpctrain.runtime.distributed.endings import Stopped, ending
 from hpctrain.runtime.environment import launched
@@ -54,8 +53,8 @@ UNITS = {GPU: "GPU-hours", CPU_CORE: "CPU-core-hours"}
 
 
 @dataclass
-class _Attempt:
-    """This process's attempt, between Job.__enter__ and the end of the job."""
+class Attempt:
+    """This process's attempt, while `recorded` is open: what rank 0 writes of it in run.yaml."""
 
     run_dir: Path
     started: float
@@ -63,48 +62,50 @@ class _Attempt:
     step: int | None = None  # the training step when it ended
     checkpoint: str | None = None  # saved as it ended (on a signal)
 
+    def begin(self, devices: dict[str, Any]) -> None:
+        """Rank 0, once run.yaml has this attempt's entry: when it began and what each process holds."""
+        self.registered = True
+        update(self.run_dir, started_s=round(self.started, 3), devices=devices)
 
-@dataclass
-class Attempts:
-    """The run's attempt (`hpctrain.runtime.run_state`), while `attempt_recorded` is open."""
+    def record(self, **fields: Any) -> None:
+        """Set `fields` in this attempt's run.yaml entry (rank 0, once `begin` registered it)."""
+        if self.registered:
+            with suppress(OSError, yaml.YAMLError):
+                update(self.run_dir, **fields)
 
-    current: _Attempt | None = None
+    def note_end(self, step: int | None, checkpoint: str | Path | None) -> None:
+        """Where this attempt is as it ends (the training step, the checkpoint it saved then, if any)."""
+        self.step = step
+        if checkpoint is not None:
+            self.checkpoint = str(checkpoint)
 
-
-def _current() -> _Attempt | None:
-    return run_state.part(Attempts).current
+    def record_requeue(self, step: int, checkpoint: str | Path | None) -> None:
+        """Before asking SLURM to requeue (rank 0): SLURM ends this attempt's processes without a word."""
+        ended: dict[str, Any] = {"at": round(time.time(), 3), "how": "requeued", "step": step}
+        if checkpoint is not None:
+            ended["checkpoint"] = str(checkpoint)
+        self.record(ended=ended)
 
 
 @contextmanager
-def attempt_recorded(run_dir: str | Path, outcome: records.Outcome) -> Iterator[None]:
+def recorded(run_dir: str | Path, outcome: records.Outcome) -> Iterator[Attempt]:
     """Around a job, inside `records.outcome_recorded`: at its end, rank 0 records in run.yaml how this
     attempt ended, and puts the run's cost (every attempt so far) into the outcome."""
-    attempts = run_state.part(Attempts)  # this run's, even if another run were current by the end
-    attempts.current = _Attempt(Path(run_dir), time.time())
+    attempt = Attempt(Path(run_dir), time.time())
     err: BaseException | None = None
     try:
-        yield
+        yield attempt
     except BaseException as raised:
         err = raised
         raise
     finally:
-        attempt, attempts.current = attempts.current, None
-        if attempt is not None and attempt.registered:
+        if attempt.registered:
             with suppress(OSError, yaml.YAMLError):  # an unwritable run dir has already been reported
                 ended = {"at": round(time.time(), 3), "how": ending(err).status, "step": attempt.step}
                 if attempt.checkpoint:
                     ended["checkpoint"] = attempt.checkpoint
                 record = update(attempt.run_dir, ended=ended)
                 outcome.cost = cost(record.get("attempts") or [], time.time())
-
-
-def begin(run_dir: str | Path, devices: dict[str, Any]) -> None:
-    """Rank 0, once run.yaml has this attempt's entry: when it began and what each process holds."""
-    current = _current()
-    if current is None:
-        return
-    current.registered = True
-    update(run_dir, started_s=round(current.started, 3), devices=devices)
 
 
 def devices_of(accelerator: str, cpus_per_process: int) -> dict[str, Any]:
@@ -121,31 +122,6 @@ def update(run_dir: str | Path, **fields: Any) -> dict[str, Any]:
         record["attempts"][-1].update(fields)
         records.write_atomically(Path(run_dir) / "run.yaml", yaml.safe_dump(record, sort_keys=False))
     return record
-
-
-def record(**fields: Any) -> None:
-    """Set `fields` in this attempt's run.yaml entry: on rank 0, during a job (nothing otherwise)."""
-    current = _current()
-    if current is not None and current.registered:
-        with suppress(OSError, yaml.YAMLError):
-            update(current.run_dir, **fields)
-
-
-def note_end(step: int | None, checkpoint: str | Path | None) -> None:
-    """Where this attempt is as it ends (the training step, the checkpoint it saved then, if any)."""
-    current = _current()
-    if current is not None:
-        current.step = step
-        if checkpoint is not None:
-            current.checkpoint = str(checkpoint)
-
-
-def record_requeue(step: int, checkpoint: str | Path | None) -> None:
-    """Before asking SLURM to requeue (rank 0): SLURM ends this attempt's processes without a word."""
-    ended: dict[str, Any] = {"at": round(time.time(), 3), "how": "requeued", "step": step}
-    if checkpoint is not None:
-        ended["checkpoint"] = str(checkpoint)
-    record(ended=ended)
 
 
 # ------------------------------------------------------------------------------------------ budgets
@@ -205,19 +181,19 @@ def budget_spent(
 
 
 def stop_if_budget_spent(
-    requeue: Requeue, run_dir: str | Path, step: int, checkpoint: str | Path | None
+    requeue: Requeue, attempt: Attempt, step: int, checkpoint: str | Path | None
 ) -> None:
     """On every rank, before a requeue: raise the budget's `Stopped` (its sentence) when one is spent.
     Every rank decides alike: from SLURM's restart count, the config, the step and run.yaml's earlier
     attempts (on the run dir every rank shares)."""
     restart = launched.restart_count()
     max_attempts = requeue.max_attempts
-    attempts = records.read_run_record(run_dir).get("attempts") or []
+    attempts = records.read_run_record(attempt.run_dir).get("attempts") or []
     previous = previous_requeue_step(attempts, launched.run_id(), restart)
     spent = budget_spent(restart + 1, step, previous, max_attempts, checkpoint)
     if spent is None:
         return
-    note_end(step, checkpoint)
+    attempt.note_end(step, checkpoint)
     if launched.is_rank_zero():
         log.error("%s", spent)
     raise spent

@@ -13,7 +13,7 @@ must be it (hpctrain.runtime.run.build refuses another), so a restarted job alwa
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -67,18 +67,11 @@ class StartPoint:
     reason: str
     run_dir: Path | None = None
 
-    def prepare(
-        self,
-        model: LightningModule,
-        model_cfg: DictConfig,
-        init: InitFrom,
-        freeze: Callable[[list[str], int | None], str],
-    ) -> None:
+    def prepare(self, model: LightningModule, model_cfg: DictConfig, init: InitFrom) -> None:
         """Before fit, in order: check the checkpoint the run continues from against the model and its
-        config (or load `init_from`'s weights into a fresh start), freeze what `init_from.freeze` names
-        (`freeze`: the run's, which adds the callback that unfreezes them),
-        remove partial saves of an earlier attempt, and say (rank 0) where the run starts and what a
-        resumed checkpoint overrides."""
+        config (or load `init_from`'s weights into a fresh start), remove partial saves of an earlier
+        attempt, and say (rank 0) where the run starts and what a resumed checkpoint overrides. (What
+        `init_from.freeze` names was frozen as the run was built: `run.callbacks.freezing`.)"""
         lines: list[str] = []
         warning = None
         if self.checkpoint is not None:
@@ -87,8 +80,6 @@ class StartPoint:
                 lines.append(f"init_from.path={init.path} skipped: the run continues from {self.checkpoint}")
         elif init.path:
             lines.append(_load_init_weights(model, init))
-        if init.freeze:
-            lines.append(freeze(list(init.freeze), init.unfreeze_at_epoch))
         if launched.is_rank_zero():
             if self.run_dir is not None:
                 remove_partial_saves(self.run_dir)
