@@ -542,3 +542,99 @@ def test_compile_under_fsdp2_is_left_to_the_sharding_block_by_block(tmp_path: Pa
     block = module.net.blocks[0]
     fsdp._compiled_and_checkpointed(block, "eager", recompute=False)
     assert block._compiled_call_impl is None and "forward" in vars(block)  # its forward, hooks outside
+
+
+# Evaluation on splits that 2 data-parallel ranks share unevenly, in batches of 4: 17 validation samples of
+# the digits (shares of 9 and 8: 3 batches and 2 when batched plainly) and 41 test samples (21 and 20). Under
+# FSDP2 every forward is a collective: without batches evened out, the rank with more waits in its last
+# forward, declared hung within seconds under these timeouts (the sanity check validates every batch).
+UNEVEN = ("data.val_fraction=0.00946", "data.test_fraction=0.0228", "data.batch_size=4")
+SHORT_TIMEOUTS = ("dist.timeout_min=0.2", "dist.init_timeout_min=0.25")
+
+
+def _evaluated(run: Path) -> dict[str, float]:
+    rows = metrics_without_timing(run)
+    return {k: float(v) for row in rows for k, v in row.items() if k.startswith(("val/", "test/")) and v}
+
+
+@pytest.mark.slow
+def test_validation_and_test_on_an_uneven_split_under_fsdp2_count_each_sample_once(
+    trained_run: Path, tmp_path: Path
+):
+    """The sanity check over every batch, the validation after a step that changes nothing (lr 1e-30) and the
+    test after fit, on trained weights: the metrics of one process, every sample once."""
+    common = (
+        "experiment=quickstart",
+        f"init_from.path={trained_run / 'checkpoints' / 'last.ckpt'}",
+        "model.optimizer.lr=1e-30",  # a step that changes nothing that shows
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1",
+        "trainer.num_sanity_val_steps=-1",
+        *UNEVEN,
+    )
+    one = train(tmp_path / "one", *common, "trainer=cpu")
+    sharded_run = train(tmp_path / "fsdp", *common, "trainer=fsdp_cpu", *SHORT_TIMEOUTS)
+    assert_ok(one)
+    assert_ok(sharded_run)
+    expected, found = _evaluated(run_dirs(tmp_path / "one")[0]), _evaluated(run_dirs(tmp_path / "fsdp")[0])
+    assert {"val/acc", "val/loss", "test/acc", "test/loss"} <= expected.keys() == found.keys()
+    assert found == pytest.approx(expected, rel=1e-6)
+    # fractions of 17 and of 41 samples: a sample counted twice (a padded split) would show
+    assert round(found["val/acc"] * 17, 4) % 1 == 0 and round(found["test/acc"] * 41, 4) % 1 == 0
+
+
+@pytest.mark.slow
+def test_prediction_on_an_uneven_split_under_fsdp2_writes_each_sample_once(trained_run: Path, tmp_path: Path):
+    """src/predict.py's loader pads the ranks' shares to as many batches (the writer keeps each sample
+    once): the predictions of one process, in order."""
+    common = (f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}", "predict.split=val", *UNEVEN[:1])
+    common += ("data.batch_size=4", "extras.print_config=false")
+    for strategy in ("cpu", "fsdp_cpu"):
+        done = run_entry(
+            "predict.py",
+            *common,
+            f"paths.log_dir={tmp_path / strategy}",
+            f"trainer={strategy}",
+            "dist.timeout_min=0.25",
+        )
+        assert_ok(done)
+    one, sharded_run = (run_dirs(tmp_path / s, "predict")[0] / "predictions.csv" for s in ("cpu", "fsdp_cpu"))
+    assert len(one.read_text().splitlines()) == 1 + 17
+    assert sharded_run.read_text() == one.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.ondemand
+def test_validation_and_test_on_an_uneven_split_under_tensor_parallel_count_each_sample_once(tmp_path: Path):
+    """The character Transformer on a 2 x 2 mesh (data-parallel 2, tensor-parallel 2): the loaders share the
+    splits out over the data-parallel group, 17 validation and 41 test windows of 32 bytes (shares of 9
+    and 8, 21 and 20), and the metrics are those of one process."""
+    from myproject.data.text import stdlib_corpus
+
+    size = len(stdlib_corpus()[0])
+    common = (
+        *[o for o in TINY_TRANSFORMER if not o.startswith(("trainer=", "trainer.max_", "trainer.limit_"))],
+        "data.batch_size=4",
+        f"data.val_fraction={560.5 / size}",  # 560 bytes: 17 windows of 32 (+1 for the target)
+        f"data.test_fraction={1330.5 / size}",  # 41 windows
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1",
+        "trainer.num_sanity_val_steps=-1",
+        "model.optimizer.lr=1e-30",
+        "test=true",
+    )
+    one = train(tmp_path / "one", *common, "trainer=cpu")
+    split = train(
+        tmp_path / "tp",
+        *common,
+        "trainer=fsdp_cpu",
+        "trainer.devices=4",
+        "dist.tensor_parallel=2",
+        "dist.timeout_min=1",
+        "dist.init_timeout_min=1",
+    )
+    assert_ok(one)
+    assert_ok(split)
+    expected, found = _evaluated(run_dirs(tmp_path / "one")[0]), _evaluated(run_dirs(tmp_path / "tp")[0])
+    assert {"val/loss", "test/loss"} <= expected.keys() == found.keys()
+    assert found == pytest.approx(expected, rel=1e-5)

@@ -388,6 +388,13 @@ def _holders(unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 MODEL_PARALLEL = "pytorch_lightning.strategies.ModelParallelStrategy"
+# each evaluation stage's count of batches (the trainer's num_<name>_batches), and its name in sentences
+EVALUATION_LOOPS = {
+    "sanity_check": ("sanity_val", "sanity check's"),
+    "validate": ("val", "validation"),
+    "test": ("test", "test"),
+    "predict": ("predict", "predict"),
+}
 
 
 class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_PARALLEL):
@@ -435,6 +442,31 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         finally:
             for unit in units:
                 unit.set_requires_gradient_sync(True, recurse=False)
+
+    def on_validation_start(self) -> None:
+        """Every forward is a collective: ranks that run different numbers of evaluation batches would wait
+        for each other until the timeout. hpctrain's loaders give every rank as many; another loader (a
+        predict_dataloader of the project's, which Lightning shards without padding) that does not is one
+        sentence before the first forward."""
+        trainer, stage = self.lightning_module.trainer, self.lightning_module.trainer.state.stage.value
+        name, words = EVALUATION_LOOPS[stage]
+        counts = getattr(trainer, f"num_{name}_batches")
+        mine = sum(counts)
+        if math.isinf(mine):  # a stream's length is unknown: left to the rank watchdog
+            return
+        extremes = torch.tensor([mine, -mine], device=self.root_device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        most, fewest = int(extremes[0]), -int(extremes[1])
+        if most != fewest:
+            other = most if most != mine else fewest
+            raise FSDPOptionsError(
+                f"the {words} loaders give rank {self.global_rank} {mine} batches and another rank "
+                f"{other}, but under FSDP2 every forward is a collective that every rank "
+                "joins; give every rank as many batches (a DataLoader with sampler=DistributedSampler(dataset, "
+                "shuffle=False), which pads, or hpctrain.data.make_loader)."
+            )
+
+    on_test_start = on_predict_start = on_validation_start
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
