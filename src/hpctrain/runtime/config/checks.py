@@ -104,6 +104,11 @@ def _check_precision(settings: Settings) -> None:
             "dist.fsdp.cpu_offload=true with FSDP2 on CPU: it moves parameters and optimizer states from GPU "
             "memory to the host, and on CPU they are there already; drop it (or train on GPUs, trainer=fsdp)."
         )
+    if keys.sync_batchnorm and on_cpu and (keys.strategy in ("ddp", "fsdp") or keys.processes != 1):
+        raise UserError(
+            "trainer.sync_batchnorm=true on CPU: torch's SyncBatchNorm runs on GPUs only and would fail at the "
+            "first training step; pass trainer.sync_batchnorm=false (or train on GPUs)."
+        )
     _check_tensor_parallel(settings, fsdp)
     if fsdp and precision in ("16", "16-mixed"):
         raise UserError(

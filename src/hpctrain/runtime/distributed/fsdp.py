@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -247,7 +248,9 @@ def apply_fsdp(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype
         )
     if options.get("cpu_offload"):
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        kwargs["offload_policy"] = CPUOffloadPolicy(
+            pin_memory=torch.cuda.is_available()
+        )  # pinning needs CUDA
     networks = roots(module)
     lower = policy is not None and policy.param_dtype not in (None, torch.float32)
     norms = norm_layers(networks) if lower else []
@@ -485,6 +488,12 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         self._tensor_parallel_size = tensor
         if self._data_parallel_size == "auto":  # Lightning's default is the number of nodes
             self._data_parallel_size = self.world_size // tensor
+        replicate = int(self.fsdp_options.get("replicate") or 1)
+        if replicate > 1 and (tensor > 1 or self._data_parallel_size % replicate):
+            raise FSDPOptionsError(
+                f"dist.fsdp.replicate={replicate} needs a number of processes it divides ({self.world_size} here) "
+                f"and dist.tensor_parallel=1 ({tensor} here); pass dist.fsdp.replicate=trainer.num_nodes, or 1."
+            )
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -494,6 +503,8 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         data = self.device_mesh["data_parallel"]
         set_data_parallel(data.size(), data.get_local_rank())  # hpctrain's loaders shard over it
         module = self.lightning_module
+        if self._layer_sync is not None and module.trainer.state.fn == "fit":  # trainer.sync_batchnorm
+            self._layer_sync.apply(module)  # before sharding (Lightning's ModelParallelStrategy never does)
         shard = self.fsdp_options.get("shard", "auto")
         if (
             self._tensor_parallel_size > 1
@@ -528,16 +539,21 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
                 )
                 if self.global_rank == 0:
                     log.info("tensor parallel: %d layer(s) split over %d process(es) each", split, tensor)
-            sharded, norms = apply_fsdp(module, mesh["data_parallel"], options, self.compile_backend)
+            replicas, data = int(options.get("replicate") or 1), mesh["data_parallel"]
+            if replicas > 1:  # HSDP: shard within each group of consecutive ranks (a node), replicate across
+                shape, names = (replicas, data.size() // replicas), ("replicate", "shard")
+                data = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+            sharded, norms = apply_fsdp(module, data, options, self.compile_backend)
             if has_empty_parameters(module):  # a pretrained base built empty: each rank reads its shards
-                read = materialize(module, self.root_device)
+                read = materialize(module, "cpu" if options.get("cpu_offload") else self.root_device)
                 if self.global_rank == 0:
                     log.info("pretrained base: %d tensors read into their shards", read)
             if self.global_rank == 0:
                 log.info(
-                    "FSDP2: %d block(s) sharded over %d process(es) (%s), then %s as root(s)%s%s",
+                    "FSDP2: %d block(s) sharded over %d process(es)%s (%s), then %s as root(s)%s%s",
                     len(sharded),
-                    mesh["data_parallel"].size(),
+                    data.size(-1),
+                    f", {replicas} replicas of them (HSDP)" if replicas > 1 else "",
                     ", ".join(sorted({type(b).__name__.removeprefix("FSDP") for b in sharded})) or "none",
                     ", ".join(names),
                     f"; {len(norms)} norm layer(s) kept in float32" if norms else "",
@@ -546,6 +562,14 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
 
         setattr(configure_model, SHARDS_FROM_CONFIG, True)  # told apart from a module's own
         module.configure_model = configure_model  # type: ignore[method-assign]
+
+    def model_to_device(self) -> None:
+        """Lightning moves the whole module; under `cpu_offload` FSDP2 keeps the sharded parameters in host
+        memory, copies each unit's in for its use and refuses them on the device at the first forward: the
+        rest goes (`offloaded_to`)."""
+        if not self.fsdp_options.get("cpu_offload"):
+            return super().model_to_device()
+        offloaded_to(self.model, self.root_device)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self.saves.asynchronous:
@@ -590,6 +614,17 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
         assert self.lightning_module is not None
         return self.saves.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+
+
+def offloaded_to(module: nn.Module, device: Any) -> None:
+    """`module` on `device` but for its FSDP2 units' sharded parameters, which stay in host memory (the
+    module is sharded with CPUOffloadPolicy): what is not in a unit (metrics), and every buffer."""
+    for child in module.children():
+        if not isinstance(child, FSDPModule):
+            child.to(device)
+    for owner in module.modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            setattr(owner, name, buffer.to(device))
 
 
 def _agreed_buffers(state: dict[str, Any], module: Any, device: Any) -> dict[str, Any]:
