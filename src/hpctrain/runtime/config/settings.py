@@ -210,8 +210,8 @@ class FSDP:
         1,
         integer(1),
         "a whole number, 1 or more",
-        "${trainer.num_nodes}",
-        "FSDP2 as HSDP: copies of the model, each sharded over its own processes (a node's: the number of nodes)",
+        "2",
+        "FSDP2 as HSDP: copies of the model, each sharded over its own processes; ${trainer.num_nodes}: a node's",
     )
 
 

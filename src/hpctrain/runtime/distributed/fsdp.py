@@ -65,6 +65,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
+from hpctrain.runtime.config.checks import replicate_refused
 from hpctrain.runtime.distributed.job_store import set_data_parallel
 from hpctrain.runtime.distributed.launch import _HydraLaunched
 from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
@@ -489,11 +490,8 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         if self._data_parallel_size == "auto":  # Lightning's default is the number of nodes
             self._data_parallel_size = self.world_size // tensor
         replicate = int(self.fsdp_options.get("replicate") or 1)
-        if replicate > 1 and (tensor > 1 or self._data_parallel_size % replicate):
-            raise FSDPOptionsError(
-                f"dist.fsdp.replicate={replicate} needs a number of processes it divides ({self.world_size} here) "
-                f"and dist.tensor_parallel=1 ({tensor} here); pass dist.fsdp.replicate=trainer.num_nodes, or 1."
-            )
+        if replicate > 1 and (tensor > 1 or self._data_parallel_size % replicate):  # devices=auto: known now
+            raise FSDPOptionsError(replicate_refused(replicate, self.world_size, tensor))
 
     def setup_environment(self) -> None:
         super().setup_environment()
