@@ -322,12 +322,6 @@ def test_a_checkpoint_of_4_processes_loads_losslessly_on_2_and_one_of_2_on_1(tmp
 
 
 @pytest.mark.slow
-def test_cpu_offload_on_cpu_is_one_sentence(tmp_path: Path):
-    refused = train(tmp_path, "experiment=quickstart", "trainer=fsdp_cpu", "dist.fsdp.cpu_offload=true")
-    assert refused.returncode != 0 and "dist.fsdp.cpu_offload=true with FSDP2 on CPU" in refused.stdout
-
-
-@pytest.mark.slow
 def test_a_module_that_shards_itself_is_left_alone_and_told_apart_from_dist_fsdp_shard(tmp_path: Path):
     from tests.differential.cases import user_overrides
 

@@ -132,7 +132,7 @@ def test_a_hang_in_the_sanity_check_is_named_within_seconds_of_being_declared(tm
     """Positions are published from the run's setup on, not only while training: a rank asleep in the
     sanity check is named with where it was, and the sentence comes within the watchdog's poll, its wait for
     the stacks and a few seconds of the hang being declared (a read of a rank's position that was never
-    published used to wait for the store's whole timeout, here 15 s, once per rank)."""
+    published used to wait for the store's whole timeout, here 12 s, once per rank)."""
     from hpctrain.runtime.distributed.watchdog import POLL_S
 
     mark = tmp_path / "asleep"
@@ -141,7 +141,7 @@ def test_a_hang_in_the_sanity_check_is_named_within_seconds_of_being_declared(tm
         *user_overrides("SleepyRank"),
         "trainer=ddp_cpu",
         "trainer.max_epochs=1",
-        "dist.init_timeout_min=0.25",  # until the first step; a preloaded rank 1 starts in a second
+        "dist.init_timeout_min=0.2",  # until the first step; a preloaded rank 1 starts in a second
         env={
             "PYTHONPATH": str(ROOT),
             "SLEEP_IN": "sanity_check",
@@ -153,13 +153,13 @@ def test_a_hang_in_the_sanity_check_is_named_within_seconds_of_being_declared(tm
         timeout=100,
     )
     hung_for = time.time() - mark.stat().st_mtime  # from rank 1 falling asleep to the end of the job
-    declared_after = 15 - 5  # watchdog.Stall: most of the timeout, 5 s ahead of it at the latest
+    declared_after = 12 - 5  # watchdog.Stall: most of the timeout, 5 s ahead of it at the latest
     assert result.returncode not in (0, None)
     line = _line_of('time.sleep(float(os.environ["SLEEP_S"]))  # in validation')
     (run,) = run_dirs(tmp_path)
     expected = (
         f"rank 1 on {os.uname().nodename} (1 batch(es) behind, validation_step at user_code.py:{line}) did not "
-        "arrive at a collective within dist.init_timeout_min=0.25 while the others waited for it at step 0 of "
+        "arrive at a collective within dist.init_timeout_min=0.2 while the others waited for it at step 0 of "
         f"epoch 0; every rank's stacks: {run / 'stacks'}/rank<N>.txt"  # rank 0 in the first step's all-reduce
     )
     assert expected in result.stdout, result.stdout[-4000:]

@@ -14,7 +14,10 @@ module that has no `configure_model` is sharded here instead, from the config (`
   of its own whose policy computes in float32 and hands the compute dtype on (FSDP's policy would cast
   their weights but not their float32 statistics, and the kernel refuses the mix).
 - `activation_checkpointing`: each sharded block recomputes its activations in the backward pass.
-- `cpu_offload`: parameters, gradients and optimizer states live in host memory between uses.
+- `cpu_offload`: parameters, gradients and optimizer states live in host memory between uses (the rest
+  of the module goes to the device: `model_to_device`).
+- `replicate`: HSDP, the processes in that many groups of consecutive ranks (a node's), the model sharded
+  within each group and replicated across them.
 - `sync_each_micro_batch`: under `trainer.accumulate_grad_batches=N`, false (the default) reduces the
   gradients once per optimizer step (`set_requires_gradient_sync`), each rank holding its unsharded
   gradients between micro-batches; true reduce-scatters every micro-batch (N times the traffic, the
@@ -248,10 +251,8 @@ def apply_fsdp(
         policy = kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype
         )
-    if options.get("cpu_offload"):
-        kwargs["offload_policy"] = CPUOffloadPolicy(
-            pin_memory=torch.cuda.is_available()
-        )  # pinning needs CUDA
+    if options.get("cpu_offload"):  # pinned host memory needs CUDA
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     networks = roots(module)
     lower = policy is not None and policy.param_dtype not in (None, torch.float32)
     norms = norm_layers(networks) if lower else []
