@@ -680,4 +680,7 @@ def test_hsdp_shards_within_each_replica_and_trains_as_fsdp_across_all_does(tmp_
     expected, found = _losses(run_dirs(tmp_path / "fsdp")[0]), _losses(run_dirs(tmp_path / "hsdp")[0])
     assert len(found) == 4 and found == pytest.approx(expected, rel=1e-5)
     refused = train(tmp_path / "three", *common, "dist.fsdp.replicate=3")
-    assert refused.returncode == 2 and "dist.fsdp.replicate=3 needs a number of processes it divides (4 here)" in refused.stdout
+    assert (
+        refused.returncode == 2
+        and "dist.fsdp.replicate=3 needs a number of processes it divides (4 here)" in refused.stdout
+    )

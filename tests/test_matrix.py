@@ -256,7 +256,10 @@ REFUSED = {
         ("trainer=ddp_cpu", "dist.backend=mpi"),
         "dist.backend=mpi, but this torch was built without MPI",
     ),
-    "trainer.accelerator=mps off macOS": (("trainer.accelerator=mps",), "trainer.accelerator=mps: Apple's GPUs"),
+    "trainer.accelerator=mps off macOS": (
+        ("trainer.accelerator=mps",),
+        "trainer.accelerator=mps: Apple's GPUs",
+    ),
     "dist.fsdp.replicate=N with tensor parallelism, or not dividing the processes": (
         ("experiment=char_transformer", "trainer=fsdp_cpu", "trainer.devices=4", "dist.fsdp.replicate=3"),
         "dist.fsdp.replicate=3 needs a number of processes it divides (4 here)",
