@@ -133,6 +133,7 @@ def test_a_value_the_preflight_refuses_is_one_sentence_naming_its_key(refused: d
     assert sentence is not None and f"{key}=" in sentence, sentence
 
 
+@pytest.mark.slow  # the preflight asked about every pair the cells leave out: seconds, not the quick tier's
 def test_every_pair_of_values_runs_in_a_cell_unless_refused_and_ci_sees_every_value():
     """A pair missing from the cells that run is one the preflight (or the model) refuses, which its value's
     own cell shows."""
@@ -157,6 +158,7 @@ def _refused(pair: dict) -> bool:
     return all(pairwise.refusal({**pairwise._defaults(chosen, c), **pair}) is not None for c in contexts)
 
 
+@pytest.mark.slow  # a generation of the cells: seconds, not the quick tier's
 def test_a_key_added_to_a_settings_dataclass_joins_the_cells():
     """A new FSDP2 switch and a new choice at the top level, as a change to settings.py would add them."""
     more = dataclasses.make_dataclass(
