@@ -41,6 +41,26 @@ The checks (what each shows that a CPU cannot), the one-GPU set first:
   nccl_hang_named    rank 1 stuck past the collective timeout on nccl: the sentence names rank 1, and NCCL's
                      flight recorder leaves dumps that torch's reader reads
   tensor_parallel    FSDP2 with dist.tensor_parallel=2: samples counted once per tensor-parallel group
+Then what FSDP2 adds on GPUs, each row with the figure it records and the line it must pass (after the
+one-GPU set: with --budget 480 they are rows "not run", said so; the whole set needs about 20 minutes):
+  lora_sft_gpu       experiment=lora_sft_gpu on every GPU here, on the demo base: bf16, activation
+                     checkpointing, the chat sample generated over NCCL. Records samples/s and peak memory;
+                     passes when fit completes, a sample is generated and checkpoints hold the adapters only
+  cpu_offload        FSDP2 with and without dist.fsdp.cpu_offload=true (a 57M-parameter Transformer).
+                     Records both runs' peak GPU memory and where parameters and optimizer states live;
+                     passes when both fit and test, the offloaded one keeps them in host memory, peaks
+                     lower, and resumes from its checkpoint
+  compile_fsdp2      FSDP2 with activation checkpointing, eager and compile=true (inductor, each block).
+                     Records both runs' median step; passes when both fit and test, the compiled one says
+                     each block was compiled, and its step takes at most 1.5 times the eager one's
+  uneven_split       FSDP2 on 2 GPUs, validation and test splits of 17 and 41 samples in batches of 4
+                     (shares one batch apart when batched plainly). Records every val/test metric against
+                     one GPU's; passes when both complete and each metric agrees within 1e-4
+  side_groups        FSDP2 on 2 GPUs with asynchronous saves, SIGUSR1 to rank 0 at step 5: the ranks agree
+                     over the gloo side group, save and stop together. Records the step and the shards;
+                     passes when the run stops saying so, requeue.ckpt holds 2 shards and resumes
+  sync_batchnorm     FSDP2 on 2 GPUs with trainer.sync_batchnorm=true on the ResNet-18 (BatchNorm).
+                     Records the largest difference between the ranks' running means; passes at <= 1e-5
 """
 
 from __future__ import annotations
@@ -732,6 +752,208 @@ def fsdp2(folder: Path, gpus: int) -> Result:
     )
 
 
+def lora_sft_gpu(folder: Path, gpus: int) -> Result:
+    import importlib.util
+
+    if not (ROOT / "conf" / "experiment" / "lora_sft_gpu.yaml").is_file():
+        return Result(NOT_RUN, "no experiment=lora_sft_gpu here (conf/experiment/lora_sft_gpu.yaml)")
+    missing = [
+        m for m in ("transformers", "peft", "tokenizers", "safetensors") if not importlib.util.find_spec(m)
+    ]
+    if missing:
+        return Result(NOT_RUN, f"the llm extra is missing ({', '.join(missing)}): pip install -e '.[llm]'")
+    demo = folder / "tiny_llm"  # made offline by the datamodule (data.demo=true), as experiment=lora_sft does
+    run = train(
+        folder,
+        "lora",
+        "experiment=lora_sft_gpu",
+        f"model.base.path={demo / 'base'}",
+        f"data.path={demo / 'sft.jsonl'}",
+        "data.demo=true",
+        "data.max_length=64",
+        f"trainer.devices={gpus}",
+        *TINY,
+        "callbacks.chat_sample.max_new_tokens=8",
+    )
+    performance = run.outcome().get("performance") or {}
+    details = {
+        "gpus": gpus,
+        "samples_per_s": performance.get("samples_per_s"),
+        "peak_mem_mib": performance.get("peak_mem_mib"),
+        "sampled": "sample after epoch 0:" in run.output,
+        "adapters_only": "checkpoints: the trainable parameters only" in run.output,
+    }
+    if run.returncode != 0:
+        return Result(FAILED, f"experiment=lora_sft_gpu failed: {run.last_error()}", details)
+    if not details["sampled"]:
+        return Result(FAILED, "no chat sample after validation (generate under FSDP2 over NCCL)", details)
+    if not details["adapters_only"]:
+        return Result(FAILED, "the checkpoints hold more than the adapters", details)
+    return Result(
+        PASSED,
+        f"lora_sft_gpu on {gpus} GPU(s) in bf16 with activation checkpointing: {details['samples_per_s']} "
+        f"samples/s, peak {details['peak_mem_mib']} MiB; a sample generated, adapters-only checkpoints",
+        details,
+    )
+
+
+# A Transformer whose parameters, gradients and Adam states (about 0.9 GB) outweigh its activations
+SIZEABLE = [
+    "model.net.n_layer=8",
+    "model.net.n_head=12",
+    "model.net.n_embd=768",
+    "model.net.dropout=0.0",
+    "data.block_size=256",
+    "data.batch_size=8",
+    "callbacks.text_sample=null",
+    TRAINER["fsdp"],
+    *TINY,
+]
+
+
+def cpu_offload(folder: Path, gpus: int) -> Result:
+    experiment = experiment_with_plan()
+    if experiment is None:
+        return Result(NOT_RUN, "no Transformer here (conf/experiment/char_transformer.yaml)")
+    common = [f"experiment={experiment}", *SIZEABLE, f"trainer.devices={gpus}"]
+    plain = train(folder, "plain", *common)
+    placed = folder / "placed.json"
+    offload = [*common, "dist.fsdp.cpu_offload=true", "+callbacks.placed._target_=gpu_checks.WherePlaced"]
+    offloaded = train(folder, "offloaded", *offload, f"+callbacks.placed.out={placed}")
+    peaks = [(r.outcome().get("performance") or {}).get("peak_mem_mib") for r in (plain, offloaded)]
+    where = json.loads(placed.read_text()) if placed.is_file() else {}
+    details = {"peak_mem_mib": peaks, "placed": where}
+    for name, run in (("without", plain), ("with", offloaded)):
+        if run.returncode != 0:
+            return Result(FAILED, f"FSDP2 {name} cpu_offload failed: {run.last_error()}", details)
+    if where != {"parameters": ["cpu"], "optimizer_states": ["cpu"]}:
+        return Result(FAILED, f"under cpu_offload, parameters and optimizer states live on {where}", details)
+    if not all(peaks) or peaks[1] >= peaks[0]:
+        return Result(FAILED, f"peak GPU memory {peaks[1]} MiB with cpu_offload, {peaks[0]} without", details)
+    last = offloaded.run_dir / "checkpoints" / "last.ckpt"
+    again = [o.replace("trainer.max_epochs=1", "trainer.max_epochs=2") for o in offload]
+    resumed = train(folder, "resumed", *again, f"+callbacks.placed.out={placed}", f"ckpt_path={last}")
+    if resumed.returncode != 0:
+        return Result(FAILED, f"the resume under cpu_offload failed: {resumed.last_error()}", details)
+    return Result(
+        PASSED,
+        f"cpu_offload: parameters and optimizer states in host memory, peak {peaks[1]} MiB against {peaks[0]} "
+        "without; fit, test and a resume",
+        details,
+    )
+
+
+def compile_fsdp2(folder: Path, gpus: int) -> Result:
+    experiment = experiment_with_plan()
+    if experiment is None:
+        return Result(NOT_RUN, "no Transformer here (conf/experiment/char_transformer.yaml)")
+    common = [f"experiment={experiment}", *SIZEABLE, f"trainer.devices={gpus}"]
+    common += ["dist.fsdp.activation_checkpointing=true", "trainer.limit_train_batches=60"]
+    eager, compiled = train(folder, "eager", *common), train(folder, "compiled", *common, "compile=true")
+    steps = [(r.outcome().get("performance") or {}).get("step_ms") for r in (eager, compiled)]
+    details = {"step_ms": steps, "said": "each block compiled (inductor)" in compiled.output}
+    for name, run in (("eager", eager), ("compiled", compiled)):
+        if run.returncode != 0:
+            return Result(FAILED, f"FSDP2 {name} failed: {run.last_error()}", details)
+    if not details["said"]:
+        return Result(FAILED, "compile=true under FSDP2 did not compile each block", details)
+    if not all(steps) or steps[1] > 1.5 * steps[0]:
+        return Result(FAILED, f"a compiled step takes {steps[1]} ms, an eager one {steps[0]} ms", details)
+    return Result(PASSED, f"each block compiled: {steps[1]} ms a step against {steps[0]} ms eager", details)
+
+
+def uneven_split(folder: Path, gpus: int) -> Result:
+    import csv
+
+    common = [
+        "experiment=quickstart",
+        "data.val_fraction=0.00946",  # 17 samples: shares of 9 and 8 on 2 ranks, 3 batches and 2 plainly
+        "data.test_fraction=0.0228",  # 41: 21 and 20
+        "data.batch_size=4",
+        "trainer.num_sanity_val_steps=-1",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1",
+        "model.optimizer.lr=1e-30",  # a step that changes nothing: the evaluation of the same weights
+        "trainer.precision=32-true",
+        "extras.float32_matmul_precision=highest",
+        "dist.timeout_min=1",
+        "dist.init_timeout_min=5",
+    ]
+    runs = [train(folder, "one", *common, TRAINER["gpu"])]
+    runs.append(train(folder, "two", *common, TRAINER["fsdp"], "trainer.devices=2"))
+    metrics = []
+    for run in runs:
+        if run.returncode != 0:
+            return Result(FAILED, f"a run failed (or hung): {run.last_error()}")
+        with open(run.run_dir / "metrics.csv", newline="") as file:
+            rows = list(csv.DictReader(file))
+        metrics.append(
+            {k: float(v) for r in rows for k, v in r.items() if k.startswith(("val/", "test/")) and v}
+        )
+    one, two = metrics
+    apart = {k: abs(two.get(k, float("nan")) - v) for k, v in one.items()}
+    details = {"one_gpu": one, "two_gpus": two, "differences": apart}
+    if not one or not all(d <= 1e-4 for d in apart.values()):
+        return Result(FAILED, f"the metrics of 2 GPUs differ from one GPU's: {apart}", details)
+    return Result(PASSED, f"{len(one)} val/test metrics of 2 GPUs within 1e-4 of one GPU's, no hang", details)
+
+
+def side_groups(folder: Path, gpus: int) -> Result:
+    common = ["experiment=quickstart", TRAINER["fsdp"], "trainer.devices=2", "checkpoints.async_save=true"]
+    common += [
+        "trainer.max_epochs=2",
+        "trainer.limit_train_batches=20",
+        "trainer.limit_val_batches=2",
+        "test=false",
+    ]
+    signal_at = ["+callbacks.signal._target_=gpu_checks.SignalAt", "+callbacks.signal.step=5"]
+    stopped = train(folder, "stopped", *common, *signal_at)
+    saved = stopped.run_dir / "checkpoints" / "requeue.ckpt"
+    shards = sorted(p.name for p in saved.glob("*.distcp")) if saved.is_dir() else []
+    said = "stopped on SIGUSR1 during training: saved" in stopped.output
+    details = {"exit_status": stopped.returncode, "said": said, "shards": shards}
+    if stopped.returncode != 128 + signal.SIGTERM or not said:
+        return Result(
+            FAILED, f"the signal did not stop both ranks with a save: {stopped.last_error()}", details
+        )
+    if len(shards) != 2:
+        return Result(FAILED, f"requeue.ckpt holds {len(shards)} shard(s), not 2", details)
+    resumed = train(folder, "resumed", *common, f"ckpt_path={saved}")
+    if resumed.returncode != 0:
+        return Result(FAILED, f"the resume from requeue.ckpt failed: {resumed.last_error()}", details)
+    return Result(
+        PASSED, "SIGUSR1 on rank 0: both ranks agreed, saved 2 shards and stopped; resumed", details
+    )
+
+
+def sync_batchnorm(folder: Path, gpus: int) -> Result:
+    if not (ROOT / "conf" / "experiment" / "cifar10_resnet18.yaml").is_file():
+        return Result(NOT_RUN, "no model with BatchNorm here (conf/experiment/cifar10_resnet18.yaml)")
+    spread = folder / "spread.json"
+    run = train(
+        folder,
+        "synced",
+        "experiment=cifar10_resnet18",
+        TRAINER["fsdp"],
+        "trainer.devices=2",
+        "trainer.sync_batchnorm=true",
+        *TINY,
+        "+callbacks.spread._target_=gpu_checks.BatchNormSpread",
+        f"+callbacks.spread.out={spread}",
+    )
+    if run.returncode != 0 or not spread.is_file():
+        return Result(FAILED, f"FSDP2 with trainer.sync_batchnorm=true failed: {run.last_error()}")
+    largest = json.loads(spread.read_text())["largest"]
+    details = {"largest_difference": largest}
+    if not largest <= 1e-5:
+        return Result(
+            FAILED, f"the ranks' BatchNorm running means differ by {largest:.3g}: not synced", details
+        )
+    return Result(
+        PASSED, f"BatchNorm synced under FSDP2: the ranks' running means within {largest:.2g}", details
+    )
+
+
 CHECKS = [  # the one-GPU set first (in under 8 minutes of --budget on one GPU), then the multi-GPU checks
     Check("environment", 0, 120, environment),
     Check("cuda_driver", 1, 120, cuda_driver),
@@ -745,9 +967,15 @@ CHECKS = [  # the one-GPU set first (in under 8 minutes of --budget on one GPU),
     Check("async_dcp", 1, 300, async_dcp),
     Check("two_tasks_one_gpu", 1, 240, two_tasks_one_gpu),
     Check("watchdog", 1, 240, watchdog),
+    Check("lora_sft_gpu", 1, 300, lora_sft_gpu),
+    Check("cpu_offload", 1, 420, cpu_offload),
+    Check("compile_fsdp2", 1, 420, compile_fsdp2),
     Check("one_gpu_per_task", 2, 300, one_gpu_per_task),
     Check("nccl_hang_named", 2, 300, nccl_hang_named),
     Check("tensor_parallel", 2, 300, tensor_parallel),
+    Check("uneven_split", 2, 300, uneven_split),
+    Check("side_groups", 2, 300, side_groups),
+    Check("sync_batchnorm", 2, 240, sync_batchnorm),
 ]
 
 
@@ -755,10 +983,10 @@ CHECKS = [  # the one-GPU set first (in under 8 minutes of --budget on one GPU),
 
 
 def __getattr__(name: str) -> Any:
-    """`gpu_checks.StallRank`, `gpu_checks.SyncWindow`: callbacks a check adds to its training run
+    """`gpu_checks.StallRank`, `gpu_checks.SyncWindow`, ...: callbacks a check adds to its training run
     (+callbacks.<key>._target_=gpu_checks.<Name>; scripts/ is on the run's PYTHONPATH), built on first use
     so that the tool itself imports neither torch nor Lightning."""
-    if name in ("StallRank", "SyncWindow"):
+    if name in ("StallRank", "SyncWindow", "WherePlaced", "SignalAt", "BatchNormSpread"):
         return _callbacks()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -831,7 +1059,61 @@ def _callbacks() -> dict[str, type]:
             if trainer.is_global_zero:
                 Path(self.out).write_text(json.dumps(places, indent=2))
 
-    return {"StallRank": StallRank, "SyncWindow": SyncWindow}
+    class WherePlaced(Callback):
+        """As training ends, the devices the parameters' local shards and the optimizer states live on
+        (rank 0 writes them to `out`, JSON): under cpu_offload, the host's."""
+
+        def __init__(self, out: str) -> None:
+            self.out = out
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            def local(t: Any) -> Any:
+                return t.to_local() if callable(getattr(t, "to_local", None)) else t
+
+            states = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
+            found = {
+                "parameters": sorted({local(p).device.type for p in pl_module.parameters()}),
+                "optimizer_states": sorted({local(v).device.type for v in states if hasattr(v, "device")}),
+            }
+            if trainer.is_global_zero:
+                Path(self.out).write_text(json.dumps(found))
+
+    class SignalAt(Callback):
+        """Rank 0 sends itself SIGUSR1 (the time limit's warning; outside Slurm: save and stop) at `step`."""
+
+        def __init__(self, step: int = 5) -> None:
+            self.step = step
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.is_global_zero and trainer.global_step == self.step:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    class BatchNormSpread(Callback):
+        """As training ends, the largest difference between the ranks' BatchNorm running means (rank 0
+        writes it to `out`, JSON): 0 when their statistics are synchronised."""
+
+        def __init__(self, out: str) -> None:
+            self.out = out
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            import torch
+
+            means = [
+                m.running_mean for m in pl_module.modules() if getattr(m, "running_mean", None) is not None
+            ]
+            mine = torch.cat([m.float().flatten() for m in means]).to(trainer.strategy.root_device)
+            every = trainer.strategy.all_gather(mine)
+            largest = float((every.max(dim=0).values - every.min(dim=0).values).max())
+            if trainer.is_global_zero:
+                Path(self.out).write_text(json.dumps({"largest": largest}))
+
+    return {
+        "StallRank": StallRank,
+        "SyncWindow": SyncWindow,
+        "WherePlaced": WherePlaced,
+        "SignalAt": SignalAt,
+        "BatchNormSpread": BatchNormSpread,
+    }
 
 
 # ----------------------------------------------------------------------------------- running the checks

@@ -33,6 +33,7 @@ SEAMS = {
     "_check_loggers(cfg)": DOOR,
     "_check_notify(cfg)": DOOR,
     "_check_folds(cfg)": DOOR,
+    "_check_half_adam(cfg)": DOOR,
     "_check_outputs(cfg)": DOOR,
     "Settings.of(cfg)": DOOR,
     "Job.__init__(cfg)": DOOR,

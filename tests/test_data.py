@@ -32,6 +32,38 @@ def test_eval_shards_count_every_sample_exactly_once(n: int):
     assert sorted(shards[0] + shards[1]) == list(range(n))
 
 
+def test_eval_shards_give_every_rank_the_same_number_of_batches_and_each_sample_once():
+    """Under FSDP2 every forward is a collective: a rank with one batch fewer than another would leave the
+    other waiting in its next forward until the timeout. Without fake samples: a rank whose share would make
+    one batch fewer splits it into nearly equal batches; one process keeps its batches as they were."""
+    for n in range(1, 40):
+        for world in range(1, min(n, 5) + 1):
+            for batch_size in range(1, 7):
+                samplers = [
+                    ShardedBatchSampler(_dataset(n), batch_size, shuffle=False, num_replicas=world, rank=r)
+                    for r in range(world)
+                ]
+                batches = [[b.tolist() for b in s] for s in samplers]
+                assert len({len(b) for b in batches}) == 1, (n, world, batch_size, batches)
+                assert all(len(s) == len(b) for s, b in zip(samplers, batches, strict=True))
+                assert sorted(i for b in batches for batch in b for i in batch) == list(range(n))
+                largest = max(len(batch) for b in batches for batch in b)
+                assert largest <= max(batch_size, 2)  # batches of 1: a longer share puts 2 in one batch
+                if world == 1:
+                    assert [len(batch) for batch in batches[0]] == [batch_size] * (n // batch_size) + (
+                        [n % batch_size] if n % batch_size else []
+                    )
+    nine = [
+        [len(b) for b in ShardedBatchSampler(_dataset(9), 4, False, num_replicas=2, rank=r)] for r in (0, 1)
+    ]
+    assert nine == [[4, 1], [2, 2]]  # the issue's split: rank 1 had one batch, rank 0 two
+    dropped = [
+        len(ShardedBatchSampler(_dataset(12), 3, False, drop_last=True, num_replicas=5, rank=r))
+        for r in range(5)
+    ]
+    assert dropped == [0] * 5  # shares of 3 and 2: no rank has a full batch that every rank has
+
+
 @pytest.mark.parametrize("n", [10, 11, 359])
 def test_train_shards_are_equal_length_and_cover_everything(n: int):
     shards = [_shard(n, 2, rank, shuffle=True) for rank in range(2)]

@@ -16,7 +16,7 @@ from torch import nn
 from hpctrain.runtime.distributed import fsdp
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.storage.checkpoints import folders as checkpoint_folders
-from hpctrain.runtime.storage.checkpoints import sharded
+from hpctrain.runtime.storage.checkpoints import sharded, trainable_only
 from tests.helpers import ROOT, assert_ok, metrics_without_timing, run_dirs, run_entry, run_script, train
 
 QUICK = ("experiment=quickstart", "trainer=fsdp_cpu", "trainer.max_epochs=3", "trainer.log_every_n_steps=5")
@@ -322,12 +322,6 @@ def test_a_checkpoint_of_4_processes_loads_losslessly_on_2_and_one_of_2_on_1(tmp
 
 
 @pytest.mark.slow
-def test_cpu_offload_on_cpu_is_one_sentence(tmp_path: Path):
-    refused = train(tmp_path, "experiment=quickstart", "trainer=fsdp_cpu", "dist.fsdp.cpu_offload=true")
-    assert refused.returncode != 0 and "dist.fsdp.cpu_offload=true with FSDP2 on CPU" in refused.stdout
-
-
-@pytest.mark.slow
 def test_a_module_that_shards_itself_is_left_alone_and_told_apart_from_dist_fsdp_shard(tmp_path: Path):
     from tests.differential.cases import user_overrides
 
@@ -407,6 +401,29 @@ def test_the_device_meshs_groups_get_the_configured_collective_timeout(tmp_path:
         dist.destroy_process_group()
 
 
+def test_under_cpu_offload_the_sharded_parameters_stay_in_host_memory_and_the_rest_moves(tmp_path: Path):
+    """What a GPU needs, in the order FSDP2 needs it: the sharded parameters of a module sharded with
+    CPUOffloadPolicy stay in host memory (FSDP2 refuses them on the GPU at the first forward; Lightning
+    moved the whole module there), while buffers and metric states go to the device. The device here is
+    `meta`, a device that is not the host; on a GPU node `scripts/gpu_checks.py` trains with it (cpu_offload)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchmetrics import MeanMetric
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        module = nn.Module()
+        module.net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        module.loss = MeanMetric()
+        fsdp.apply_fsdp(module, init_device_mesh("cpu", (1,)), {"shard": "auto", "cpu_offload": True})
+        fsdp.offloaded_to(module, torch.device("meta"))
+        assert {p.to_local().device.type for p in module.parameters()} == {"cpu"}
+        assert {b.device.type for b in module.buffers()} == {"meta"}  # BatchNorm's statistics
+        assert module.loss.mean_value.device.type == "meta"
+    finally:
+        dist.destroy_process_group()
+
+
 def test_fsdp_under_mixed_precision_gathers_in_half_precision_unless_told_otherwise():
     from hpctrain.runtime.run.build import fsdp_dtypes
 
@@ -466,18 +483,22 @@ def _clipped_on_a_2x2_mesh(rank: int, port: int, out: str) -> None:
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)
     meshes = {p.grad.device_mesh.ndim for p in held.parameters()}
     clipped = {n: p.grad.full_tensor() for n, p in held.net.named_parameters()}
+    for module in (held, reference):  # all frozen: a trainable-only checkpoint's fingerprint of them
+        module.requires_grad_(False)
+    fingerprints = [trainable_only.fingerprint(held)["sums"], trainable_only.fingerprint(reference)["sums"]]
     if rank == 0:
         whole = {n: p.grad for n, p in reference.named_parameters()}
-        torch.save(
-            {"total": total, "expected": expected, "meshes": meshes, "clipped": clipped, "whole": whole}, out
-        )
+        found = {"total": total, "expected": expected, "meshes": meshes, "clipped": clipped, "whole": whole}
+        torch.save({**found, "fingerprints": fingerprints}, out)
     dist.destroy_process_group()
 
 
 @pytest.mark.slow  # four processes
-def test_clipping_under_tensor_parallel_takes_the_norm_data_parallel_alone_would(tmp_path: Path):
+def test_clipping_and_a_frozen_fingerprint_under_tensor_parallel_are_one_process_s(tmp_path: Path):
     """Gradients on two meshes (the split layers on data x tensor, the rest on data): the total norm and
-    the clipped gradients equal those of the whole network on one process, clipped by torch."""
+    the clipped gradients equal those of the whole network on one process, clipped by torch. The frozen
+    part's fingerprint (trainable-only checkpoints) sums each shard once along each mesh dimension it is
+    split on: the one process's (it asked a 2-D mesh for its one group and failed)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -491,6 +512,8 @@ def test_clipping_under_tensor_parallel_takes_the_norm_data_parallel_alone_would
     assert torch.allclose(found["total"], found["expected"], rtol=1e-5)
     for name, grad in found["whole"].items():
         assert torch.allclose(found["clipped"][name], grad, rtol=1e-4, atol=1e-6), name
+    split, whole = found["fingerprints"]
+    assert len(split) == len(whole) == 8 and torch.allclose(split, whole, rtol=1e-12)
 
 
 @pytest.mark.slow
@@ -542,3 +565,122 @@ def test_compile_under_fsdp2_is_left_to_the_sharding_block_by_block(tmp_path: Pa
     block = module.net.blocks[0]
     fsdp._compiled_and_checkpointed(block, "eager", recompute=False)
     assert block._compiled_call_impl is None and "forward" in vars(block)  # its forward, hooks outside
+
+
+# Evaluation on splits that 2 data-parallel ranks share unevenly, in batches of 4: 17 validation samples of
+# the digits (shares of 9 and 8: 3 batches and 2 when batched plainly) and 41 test samples (21 and 20). Under
+# FSDP2 every forward is a collective: without batches evened out, the rank with more waits in its last
+# forward, declared hung within seconds under these timeouts (the sanity check validates every batch).
+UNEVEN = ("data.val_fraction=0.00946", "data.test_fraction=0.0228", "data.batch_size=4")
+SHORT_TIMEOUTS = ("dist.timeout_min=0.2", "dist.init_timeout_min=0.25")
+
+
+def _evaluated(run: Path) -> dict[str, float]:
+    rows = metrics_without_timing(run)
+    return {k: float(v) for row in rows for k, v in row.items() if k.startswith(("val/", "test/")) and v}
+
+
+@pytest.mark.slow
+def test_validation_and_test_on_an_uneven_split_under_fsdp2_count_each_sample_once(
+    trained_run: Path, tmp_path: Path
+):
+    """The sanity check over every batch, the validation after a step that changes nothing (lr 1e-30) and the
+    test after fit, on trained weights: the metrics of one process, every sample once."""
+    common = (
+        "experiment=quickstart",
+        f"init_from.path={trained_run / 'checkpoints' / 'last.ckpt'}",
+        "model.optimizer.lr=1e-30",  # a step that changes nothing that shows
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1",
+        "trainer.num_sanity_val_steps=-1",
+        *UNEVEN,
+    )
+    one = train(tmp_path / "one", *common, "trainer=cpu")
+    sharded_run = train(tmp_path / "fsdp", *common, "trainer=fsdp_cpu", *SHORT_TIMEOUTS)
+    assert_ok(one)
+    assert_ok(sharded_run)
+    expected, found = _evaluated(run_dirs(tmp_path / "one")[0]), _evaluated(run_dirs(tmp_path / "fsdp")[0])
+    assert {"val/acc", "val/loss", "test/acc", "test/loss"} <= expected.keys() == found.keys()
+    assert found == pytest.approx(expected, rel=1e-6)
+    # fractions of 17 and of 41 samples: a sample counted twice (a padded split) would show
+    assert round(found["val/acc"] * 17, 4) % 1 == 0 and round(found["test/acc"] * 41, 4) % 1 == 0
+
+
+@pytest.mark.slow
+def test_prediction_on_an_uneven_split_under_fsdp2_writes_each_sample_once(trained_run: Path, tmp_path: Path):
+    """src/predict.py's loader pads the ranks' shares to as many batches (the writer keeps each sample
+    once): the predictions of one process, in order."""
+    common = (f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}", "predict.split=val", *UNEVEN[:1])
+    common += ("data.batch_size=4", "extras.print_config=false")
+    for strategy in ("cpu", "fsdp_cpu"):
+        done = run_entry(
+            "predict.py",
+            *common,
+            f"paths.log_dir={tmp_path / strategy}",
+            f"trainer={strategy}",
+            "dist.timeout_min=0.25",
+        )
+        assert_ok(done)
+    one, sharded_run = (run_dirs(tmp_path / s, "predict")[0] / "predictions.csv" for s in ("cpu", "fsdp_cpu"))
+    assert len(one.read_text().splitlines()) == 1 + 17
+    assert sharded_run.read_text() == one.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.ondemand
+def test_validation_and_test_on_an_uneven_split_under_tensor_parallel_count_each_sample_once(tmp_path: Path):
+    """The character Transformer on a 2 x 2 mesh (data-parallel 2, tensor-parallel 2): the loaders share the
+    splits out over the data-parallel group, 17 validation and 41 test windows of 32 bytes (shares of 9
+    and 8, 21 and 20), and the metrics are those of one process."""
+    from myproject.data.text import stdlib_corpus
+
+    size = len(stdlib_corpus()[0])
+    common = (
+        *[o for o in TINY_TRANSFORMER if not o.startswith(("trainer=", "trainer.max_", "trainer.limit_"))],
+        "data.batch_size=4",
+        f"data.val_fraction={560.5 / size}",  # 560 bytes: 17 windows of 32 (+1 for the target)
+        f"data.test_fraction={1330.5 / size}",  # 41 windows
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1",
+        "trainer.num_sanity_val_steps=-1",
+        "model.optimizer.lr=1e-30",
+        "test=true",
+    )
+    one = train(tmp_path / "one", *common, "trainer=cpu")
+    split = train(
+        tmp_path / "tp",
+        *common,
+        "trainer=fsdp_cpu",
+        "trainer.devices=4",
+        "dist.tensor_parallel=2",
+        "dist.timeout_min=1",
+        "dist.init_timeout_min=1",
+    )
+    assert_ok(one)
+    assert_ok(split)
+    expected, found = _evaluated(run_dirs(tmp_path / "one")[0]), _evaluated(run_dirs(tmp_path / "tp")[0])
+    assert {"val/loss", "test/loss"} <= expected.keys() == found.keys()
+    assert found == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_hsdp_shards_within_each_replica_and_trains_as_fsdp_across_all_does(tmp_path: Path):
+    """dist.fsdp.replicate=2 on 4 processes, as 2 nodes of 2 would run (shard groups of consecutive ranks,
+    here one machine's): each rank holds half the parameters instead of a quarter, gradients are averaged
+    over all 4, so the losses are those of FSDP over all 4 (rtol 1e-5). A replica count that does not
+    divide the processes is one sentence."""
+    common = ("experiment=quickstart", "trainer=fsdp_cpu", "trainer.devices=4", "trainer.max_epochs=1")
+    common += ("trainer.limit_train_batches=4", "trainer.limit_val_batches=1", "test=false")
+    common += ("trainer.log_every_n_steps=1",)
+    whole = train(tmp_path / "fsdp", *common)
+    hybrid = train(tmp_path / "hsdp", *common, "dist.fsdp.replicate=2")
+    assert_ok(whole)
+    assert_ok(hybrid)
+    assert "sharded over 2 process(es), 2 replicas of them (HSDP)" in hybrid.stdout
+    expected, found = _losses(run_dirs(tmp_path / "fsdp")[0]), _losses(run_dirs(tmp_path / "hsdp")[0])
+    assert len(found) == 4 and found == pytest.approx(expected, rel=1e-5)
+    refused = train(tmp_path / "three", *common, "dist.fsdp.replicate=3")
+    assert (
+        refused.returncode == 2
+        and "dist.fsdp.replicate=3 needs a number of processes it divides (4 here)" in refused.stdout
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +33,15 @@ ITEMS = {
     "bf16 support (8)": "bf16",
     "MFU on this GPU (8)": "mfu",
     "FSDP2 bf16, the character Transformer's text sample on (1)": "fsdp2",
+}
+# What issue 54 asks a GPU node to show: each item, the check that shows it
+ISSUE_54 = {
+    "lora_sft_gpu: bf16, activation checkpointing, generate with NCCL": "lora_sft_gpu",
+    "cpu_offload in the order FSDP2 needs": "cpu_offload",
+    "compile under FSDP2": "compile_fsdp2",
+    "an uneven split": "uneven_split",
+    "the side group with 2+ ranks": "side_groups",
+    "sync_batchnorm applied under FSDP2": "sync_batchnorm",
 }
 # What a user with one GPU gets: each a check of the one-GPU set
 ONE_GPU = {
@@ -165,11 +175,17 @@ def test_a_bad_argument_is_one_sentence_and_exit_status_2(
     assert not (tmp_path / "gpu_checks.json").exists()
 
 
-def test_the_checks_cover_what_only_a_gpu_shows_of_issue_37(tool: ModuleType):
+def test_the_checks_cover_what_only_a_gpu_shows_of_issues_37_and_54(tool: ModuleType):
+    """Each of issue 54's rows names, in the tool's own description, the figure it records and its pass
+    line."""
     names = [c.name for c in tool.CHECKS]
     assert names[0] == "environment" and len(set(names)) == len(names)
-    missing = {item: name for item, name in ITEMS.items() if name not in names}
+    missing = {item: name for item, name in {**ITEMS, **ISSUE_54}.items() if name not in names}
     assert not missing
+    described = tool.__doc__.split("Then what FSDP2 adds on GPUs", 1)[1]
+    rows = {block.split()[0]: block for block in re.split(r"\n  (?=\w)", described)[1:]}
+    for name in ISSUE_54.values():
+        assert "Records" in rows[name] and "passes" in rows[name], name
     assert all(c.gpus >= 1 and c.timeout_s > 0 for c in tool.CHECKS[1:])
 
 
@@ -333,3 +349,52 @@ def test_on_a_machine_without_a_gpu_it_says_what_it_could_not_run_and_exits_part
     assert (out / "gpu_checks.txt").read_text().strip() in result.stdout
     (dated,) = out.glob("*-gpu-checks.md")
     assert said in dated.read_text() and "driver none" in dated.read_text()
+
+
+def test_the_fsdp2_rows_callbacks_record_what_their_pass_lines_read(
+    tool: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """cpu_offload reads where the parameters and optimizer states live, side_groups sends SIGUSR1 on rank
+    0 at one step, sync_batchnorm reads how far apart the ranks' BatchNorm statistics are."""
+    import signal as signals
+
+    import torch
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.Adam(module.parameters())
+    module(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    placed = tmp_path / "placed.json"
+    trainer = SimpleNamespace(optimizers=[optimizer], is_global_zero=True, global_step=5)
+    tool.WherePlaced(str(placed)).on_train_end(trainer, module)
+    assert json.loads(placed.read_text()) == {"parameters": ["cpu"], "optimizer_states": ["cpu"]}
+
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    at = tool.SignalAt(step=5)
+    for zero, step in [(False, 5), (True, 4), (True, 5)]:
+        at.on_train_batch_end(SimpleNamespace(is_global_zero=zero, global_step=step), None, None, None, 0)
+    assert sent == [(os.getpid(), signals.SIGUSR1)]
+
+    spread = tmp_path / "spread.json"
+    other = module[1].running_mean + torch.tensor([0.0, 0.5, 0.0, -0.25])  # another rank's statistics
+    strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=lambda t: torch.stack([t, other]))
+    trainer = SimpleNamespace(strategy=strategy, is_global_zero=True)
+    tool.BatchNormSpread(str(spread)).on_train_end(trainer, module)
+    assert json.loads(spread.read_text()) == {"largest": 0.5}
+
+
+@pytest.mark.slow
+@pytest.mark.ondemand
+@pytest.mark.parametrize("check", ["uneven_split", "side_groups"])
+def test_a_rehearsal_of_an_fsdp2_row_on_cpu_passes(
+    tool: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, check: str
+):
+    """The row's own code, its runs under trainer=cpu and fsdp_cpu (gloo) instead of the GPU presets: what it
+    shows is the plumbing (the overrides compose, the figures are read back, the pass line holds), never
+    the GPU."""
+    monkeypatch.setattr(
+        tool, "TRAINER", {"gpu": "trainer=cpu", "ddp": "trainer=ddp_cpu", "fsdp": "trainer=fsdp_cpu"}
+    )
+    result = getattr(tool, check)(tmp_path, 2)
+    assert result.status == "passed", result

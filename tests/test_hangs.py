@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.differential.cases import user_overrides
-from tests.helpers import PYTHON, ROOT, local_env
+from tests.helpers import PYTHON, ROOT, local_env, run_dirs, train
 
 
 def _start(run_dir: Path, *overrides: str, env: dict[str, str]) -> subprocess.Popen[str]:
@@ -125,6 +125,77 @@ def test_a_rank_that_does_not_arrive_within_the_timeout_is_named_with_where_it_w
     assert "did not arrive at a collective within dist.timeout_min=0.05" in text
     assert f"\nrun dir: {tmp_path / 'run'}\nhost: " in text
     _the_flight_record_was_written_by_every_rank(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_a_hang_in_the_sanity_check_is_named_within_seconds_of_being_declared(tmp_path: Path):
+    """Positions are published from the run's setup on, not only while training: a rank asleep in the
+    sanity check is named with where it was, and the sentence comes within the watchdog's poll, its wait for
+    the stacks and a few seconds of the hang being declared (a read of a rank's position that was never
+    published used to wait for the store's whole timeout, here 12 s, once per rank)."""
+    from hpctrain.runtime.distributed.watchdog import POLL_S
+
+    mark = tmp_path / "asleep"
+    result = train(
+        tmp_path,
+        *user_overrides("SleepyRank"),
+        "trainer=ddp_cpu",
+        "trainer.max_epochs=1",
+        "dist.init_timeout_min=0.2",  # until the first step; a preloaded rank 1 starts in a second
+        env={
+            "PYTHONPATH": str(ROOT),
+            "SLEEP_IN": "sanity_check",
+            "SLEEP_RANK": "1",
+            "SLEEP_AT_STEP": "1",
+            "SLEEP_S": "120",
+            "SLEEP_MARK": str(mark),
+        },
+        timeout=100,
+    )
+    hung_for = time.time() - mark.stat().st_mtime  # from rank 1 falling asleep to the end of the job
+    declared_after = 12 - 5  # watchdog.Stall: most of the timeout, 5 s ahead of it at the latest
+    assert result.returncode not in (0, None)
+    line = _line_of('time.sleep(float(os.environ["SLEEP_S"]))  # in validation')
+    (run,) = run_dirs(tmp_path)
+    expected = (
+        f"rank 1 on {os.uname().nodename} (1 batch(es) behind, validation_step at user_code.py:{line}) did not "
+        "arrive at a collective within dist.init_timeout_min=0.2 while the others waited for it at step 0 of "
+        f"epoch 0; every rank's stacks: {run / 'stacks'}/rank<N>.txt"  # rank 0 in the first step's all-reduce
+    )
+    assert expected in result.stdout, result.stdout[-4000:]
+    assert hung_for < declared_after + POLL_S + 3 + 5, hung_for  # 3: the wait for every rank's stacks
+
+
+def test_a_rank_that_published_no_position_is_named_as_such_and_never_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A rank stuck before the run's setup (its watchdog, which publishes, not started) has no key in the
+    store, and a get of a missing key waits for the store's whole timeout (here a minute)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hpctrain.runtime import run_state
+    from hpctrain.runtime.distributed import failures
+    from hpctrain.runtime.distributed.job_store import POSITION_KEY
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=timedelta(minutes=1), wait_for_workers=False
+    )
+    store.set(f"{POSITION_KEY}/0", "7 1 validate 2 30 node1")
+    store.set(f"{POSITION_KEY}/2", "5 0 validate 2 30 node3")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    run_state.begin()  # a run of its own: no collective timeout recorded by an earlier test's run
+    started = time.monotonic()
+    try:
+        line = failures._who_did_not_arrive(store, wait_s=0)
+    finally:
+        run_state.end()
+    assert time.monotonic() - started < 5
+    assert line == (
+        "rank 1 (no position: it has not reached the run's setup); rank 2 on node3 (2 batch(es) behind) did not "
+        "arrive at a collective while the others waited for them in validation at step 30 of epoch 2"
+    )
 
 
 def _the_flight_record_was_written_by_every_rank(run: Path) -> None:

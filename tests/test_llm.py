@@ -634,3 +634,33 @@ def test_the_ten_node_command_is_checked_and_not_run(tmp_path: Path):
     assert_ok(result)
     assert "sbatch --nodes=10 --ntasks-per-node=8 --gres=gpu:8" in result.stdout
     assert "experiment=lora_sft_gpu model.base.path=/scratch/someone/models/llama" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.ondemand
+def test_validation_on_an_uneven_split_of_tokenized_data_under_fsdp2_matches_one_process(
+    llm_data: Path, tmp_path: Path
+):
+    """33 validation examples (data.val_fraction=0.055 of 600) in batches of 4: shares of 17 and 16, five
+    batches and four when batched plainly, which hung FSDP2 in the sanity check. Every rank runs five; the
+    validation loss after a step that changes nothing (lr 1e-30) is one process's."""
+    common = (
+        "experiment=lora_sft",
+        f"paths.data_dir={llm_data}",
+        "data.val_fraction=0.055",
+        "data.batch_size=4",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1",
+        "trainer.num_sanity_val_steps=-1",
+        "model.optimizer.lr=1e-30",
+        "callbacks.chat_sample=null",
+    )
+    one = train(tmp_path / "one", *common, "trainer=cpu")
+    two = train(tmp_path / "two", *common, "dist.timeout_min=0.25", "dist.init_timeout_min=1")
+    assert_ok(one)
+    assert_ok(two)
+    losses = [
+        [float(r["val/loss"]) for r in read_metrics(run_dirs(tmp_path / name)[0]) if r.get("val/loss")]
+        for name in ("one", "two")
+    ]
+    assert len(losses[0]) == 1 and losses[1] == pytest.approx(losses[0], rel=1e-5)

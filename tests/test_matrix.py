@@ -235,6 +235,35 @@ REFUSED = {
         ("experiment=char_transformer", "trainer=ddp_cpu", "dist.tensor_parallel=2"),
         "needs trainer=fsdp or trainer=fsdp_cpu",
     ),
+    "trainer.precision=64-true with trainer=fsdp or fsdp_cpu": (
+        ("trainer=fsdp_cpu", "trainer.precision=64-true"),
+        "trainer.precision=64-true under FSDP2: Lightning's ModelParallelStrategy trains in",
+    ),
+    "dist.fsdp.param_dtype=float16 with trainer.precision=bf16-mixed under FSDP2": (
+        ("trainer=fsdp_cpu", "trainer.precision=bf16-mixed", "dist.fsdp.param_dtype=float16"),
+        "dist.fsdp.param_dtype=float16 with trainer.precision=bf16-mixed",
+    ),
+    "trainer.precision=16-true with an Adam optimizer": (
+        ("experiment=quickstart", "trainer.precision=16-true"),
+        "trainer.precision=16-true with model.optimizer=torch.optim.Adam: float16 optimizer states",
+    ),
+    "trainer.sync_batchnorm=true on CPU (trainer=ddp_cpu, fsdp_cpu)": (
+        ("trainer=ddp_cpu", "trainer.sync_batchnorm=true"),
+        "trainer.sync_batchnorm=true on CPU",
+    ),
+    "dist.backend=nccl on CPU": (("trainer=ddp_cpu", "dist.backend=nccl"), "dist.backend=nccl on CPU"),
+    "dist.backend=mpi where torch has no MPI": (
+        ("trainer=ddp_cpu", "dist.backend=mpi"),
+        "dist.backend=mpi, but this torch was built without MPI",
+    ),
+    "trainer.accelerator=mps off macOS": (
+        ("trainer.accelerator=mps",),
+        "trainer.accelerator=mps: Apple's GPUs",
+    ),
+    "dist.fsdp.replicate=N with tensor parallelism, or not dividing the processes": (
+        ("experiment=char_transformer", "trainer=fsdp_cpu", "trainer.devices=4", "dist.fsdp.replicate=3"),
+        "dist.fsdp.replicate=3 needs a number of processes it divides (4 here)",
+    ),
 }
 
 

@@ -185,6 +185,31 @@ def test_a_users_predict_step_and_predict_dataloader_on_two_processes(user_check
 
 
 @pytest.mark.slow
+def test_a_users_predict_dataloader_uneven_across_ranks_under_fsdp2_is_one_sentence(
+    user_checkpoint: Path, tmp_path: Path
+):
+    """161 samples in batches of 80: Lightning shards a project's own predict loader without padding, so
+    rank 0 gets 2 batches and rank 1 one, and under FSDP2 every forward is a collective: refused before the
+    first forward, instead of a hang (the template's own loaders pad: tests/test_fsdp.py)."""
+    result = run_entry(
+        "predict.py",
+        f"ckpt_path={user_checkpoint}",
+        *user_code("PredictingClassifier", data="PredictData"),  # as at training: a file names no code
+        "trainer=fsdp_cpu",
+        "+data.batch_size=80",  # the user's own data config has no such key: added, as its user would
+        "dist.timeout_min=0.25",
+        f"paths.log_dir={tmp_path}",
+        env=PROJECT_ON_PATH,
+    )
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert (
+        "error: the predict loaders give rank 0 2 batches and another rank 1, but under FSDP2"
+        in result.stdout
+    )
+    assert "Traceback" not in result.stdout
+
+
+@pytest.mark.slow
 def test_bad_input_is_one_sentence_naming_the_file(digits_checkpoint: Path, tmp_path: Path):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -55,32 +55,6 @@ def written_with(package: str, value: Any) -> Any:
     return value
 
 
-def user_classes() -> list[str]:
-    """Every class and function of user_code.py, and the library classes its configs name: the targets a
-    checkpoint of these cases stores, which eval, predict, export and hpctrain.load are told to trust
-    (they come from tests/, not from the project's configs)."""
-    import inspect
-
-    from tests.differential import user_code
-
-    own = [
-        f"{USER}.{name}"
-        for name, value in vars(user_code).items()
-        if (inspect.isclass(value) or inspect.isfunction(value)) and value.__module__ == user_code.__name__
-    ]
-    return [
-        *own,
-        "torch.optim.lr_scheduler.ReduceLROnPlateau",
-        f"{DEMOS}.BoringModel",
-        f"{DEMOS}.BoringDataModule",
-    ]
-
-
-def trust_user_code() -> str:
-    """The override that trusts `user_classes()` (a checkpoint is data: its stored classes must be named)."""
-    return f"checkpoints.trusted_targets=[{','.join(user_classes())}]"
-
-
 def target(name: str) -> str:
     return name if "." in name else f"{USER}.{name}"
 

@@ -290,16 +290,28 @@ class NaNAtStep(LitClassifier):
 
 class SleepyRank(LitClassifier):
     """Rank $SLEEP_RANK sleeps $SLEEP_S seconds in its training_step at step $SLEEP_AT_STEP (a rank stuck
-    before a collective: the others wait for it in the backward pass's all-reduce), after touching
-    $SLEEP_MARK so that a test knows it is asleep."""
+    before a collective: the others wait for it in the backward pass's all-reduce), or with
+    $SLEEP_IN=sanity_check in the sanity check's validation_step at that batch, after touching $SLEEP_MARK
+    so that a test knows it is asleep."""
+
+    def _asleep_at(self, loop, at):
+        return (
+            os.environ.get("SLEEP_IN", "train") == loop
+            and self.global_rank == int(os.environ["SLEEP_RANK"])
+            and at == int(os.environ["SLEEP_AT_STEP"])
+        )
 
     def training_step(self, batch, batch_idx):
-        if self.global_rank == int(os.environ["SLEEP_RANK"]) and self.global_step == int(
-            os.environ["SLEEP_AT_STEP"]
-        ):
+        if self._asleep_at("train", self.global_step):
             Path(os.environ["SLEEP_MARK"]).touch()
             time.sleep(float(os.environ["SLEEP_S"]))
         return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if self._asleep_at("sanity_check" if self.trainer.sanity_checking else "validate", batch_idx):
+            Path(os.environ["SLEEP_MARK"]).touch()
+            time.sleep(float(os.environ["SLEEP_S"]))  # in validation
+        return super().validation_step(batch, batch_idx)
 
 
 class SlowRankCallback(Callback):

@@ -47,7 +47,7 @@ class RankWatchdog(LightningPart, lightning="pytorch_lightning.Callback"):
         self._logged: dict[int, float] | None = None
         self.timeout_min = float(timeout_min)
         self.init_timeout_min = self.timeout_min if init_timeout_min is None else float(init_timeout_min)
-        self._training_timeout: float | None = None
+        self._training_timeout: float | bool | None = None  # False: set once a step was done
         self._several = False
         self._batch_started = 0.0
 
@@ -57,9 +57,10 @@ class RankWatchdog(LightningPart, lightning="pytorch_lightning.Callback"):
         if failures.state().children:  # rank 0 of the local launcher: its children are the watchdog's now
             launch.leave_children_to_the_watchdog()
         self._several = trainer.world_size > 1
-        failures.set_timeout_min(self.init_timeout_min)
-        if self._several and self.init_timeout_min != self.timeout_min:
-            self._training_timeout = self.timeout_min
+        if self._training_timeout is not False:  # not the test after fit, whose steps are done
+            starting = self._several and self.init_timeout_min != self.timeout_min
+            self._training_timeout = self.timeout_min if starting else None
+            failures.set_timeout_min(self.init_timeout_min, f"dist.{'init_' if starting else ''}timeout_min")
         if self._several and stage == "fit":
             every = self.straggler_every_s
             self.report = (
@@ -68,8 +69,7 @@ class RankWatchdog(LightningPart, lightning="pytorch_lightning.Callback"):
                 else None
             )
             positions.watch_steps(self.clock, self.report)
-        if stage == "fit":
-            positions.follow(trainer)
+        positions.follow(trainer)  # from the first collective: the sanity check, evaluation, test, predict
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         signals.arm(False)
@@ -124,9 +124,9 @@ class RankWatchdog(LightningPart, lightning="pytorch_lightning.Callback"):
         self.clock.step_ended()
         positions.note_phase(0)  # before the next step's backward pass, whatever hook it stalls in first
         signals.progressed(time.perf_counter() - self._batch_started)
-        if self._training_timeout is not None:  # the first step is done: from now on, dist.timeout_min
+        if self._training_timeout:  # the first step is done: from now on, dist.timeout_min
             _set_timeout(self._training_timeout, mesh_groups(trainer))
-            self._training_timeout = None
+            self._training_timeout = False
         report = self.report
         if report is not None and report.latest and report.latest is not self._logged:
             # the ranks' own time per step of the last window, at the straggler check's low rate

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import LightningPart
 from hpctrain.runtime.storage.checkpoints import trainable_only
 from hpctrain.runtime.storage.checkpoints.sharded import META_FILE
@@ -37,6 +38,12 @@ class TrainableOnly(LightningPart, lightning="pytorch_lightning.Callback"):
         if not frozen:
             return
         resumed = _marked(trainer.ckpt_path)
+        if self.setting is True and not callable(getattr(pl_module, "pretrained_files", None)):
+            raise UserError(
+                f"checkpoints.trainable_only=true, but {type(pl_module).__name__} does not read its frozen parameters "
+                "from files (pretrained_files()), so a checkpoint without them could be neither resumed nor "
+                "evaluated; pass checkpoints.trainable_only=auto to store them."
+            )
         self.active = (
             self.setting is True
             or (self.setting == "auto" and trainable_only.rebuilt_from_source(pl_module))

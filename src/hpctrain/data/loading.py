@@ -7,7 +7,9 @@ that Lightning leaves it in place), which keeps datamodules free of rank code:
 
 - training shards are padded to equal length, so every rank runs the same number of steps;
 - evaluation shards are not padded, so every validation/test sample is counted exactly once
-  (torchmetrics then sums the counts across ranks).
+  (torchmetrics then sums the counts across ranks), yet every rank runs the same number of batches
+  (under FSDP2 every forward is a collective): a rank whose share would make one batch fewer splits it
+  into batches of nearly equal size instead (9 samples, 2 ranks, batches of 4: [4, 1] and [2, 2]).
 
 `ResumableDataLoader` records how many batches of the current epoch it has handed out. Lightning
 (>= 2.2) saves that position in every checkpoint and restores it, and the sampler is a pure function
@@ -16,6 +18,7 @@ of (seed, epoch, rank), so a run resumed mid-epoch sees exactly the batches it w
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -96,10 +99,15 @@ class ShardedBatchSampler(DistributedSampler):
         self.pad = shuffle if pad is None else pad
         self._skip_batches = 0
         size = len(dataset)  # type: ignore[arg-type]
-        if self.pad:
-            self.shard_size = math.ceil(size / world_size)
-        else:
-            self.shard_size = len(range(rank, size, world_size))
+        share = math.ceil(size / world_size) if self.pad else len(range(rank, size, world_size))
+        self.sizes = _batch_sizes(share, batch_size, drop_last)  # this rank's batches, in order
+        if not self.pad and size >= world_size:  # the same number of batches on every rank
+            shortest, longest = size // world_size, math.ceil(size / world_size)
+            count = shortest // batch_size if drop_last else min(math.ceil(longest / batch_size), shortest)
+            if drop_last:
+                self.sizes = self.sizes[:count]
+            elif len(self.sizes) != count:  # one batch fewer (or more) than the others: nearly equal sizes
+                self.sizes = [share // count + (i < share % count) for i in range(count)]
 
     def in_order(self) -> ShardedBatchSampler:
         """The same batches of the same shard, unshuffled: the first batches are the same every epoch."""
@@ -119,9 +127,7 @@ class ShardedBatchSampler(DistributedSampler):
         self._skip_batches = batches
 
     def __len__(self) -> int:
-        if self.drop_last_batch:
-            return self.shard_size // self.batch_size
-        return math.ceil(self.shard_size / self.batch_size)
+        return len(self.sizes)
 
     def __iter__(self) -> Iterator[Tensor]:
         size = len(self.dataset)  # type: ignore[arg-type]
@@ -130,13 +136,20 @@ class ShardedBatchSampler(DistributedSampler):
             order = torch.randperm(size, generator=generator)
         else:
             order = torch.arange(size)
-        if self.pad and self.shard_size * self.num_replicas > size:
-            extra = self.shard_size * self.num_replicas - size
+        extra = math.ceil(size / self.num_replicas) * self.num_replicas - size
+        if self.pad and extra:
             order = torch.cat([order, order[:extra].repeat(math.ceil(extra / size))[:extra]])
         shard = order[self.rank :: self.num_replicas]
         skip, self._skip_batches = self._skip_batches, 0
+        starts = list(itertools.accumulate(self.sizes, initial=0))
         for batch in range(skip, len(self)):
-            yield shard[batch * self.batch_size : (batch + 1) * self.batch_size]
+            yield shard[starts[batch] : starts[batch + 1]]
+
+
+def _batch_sizes(share: int, batch_size: int, drop_last: bool) -> list[int]:
+    """Batches of `batch_size` over `share` samples, the last smaller unless `drop_last` drops it."""
+    full, rest = divmod(share, batch_size)
+    return [batch_size] * full + ([rest] if rest and not drop_last else [])
 
 
 class ResumableDataLoader(DataLoader):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 from numbers import Integral
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ SECRET = re.compile(r"(api_?key|token|password|secret)", re.IGNORECASE)
 SECRET_ENV = {"wandb": "WANDB_API_KEY", "mlflow": "MLFLOW_TRACKING_TOKEN"}
 
 _ABSENT = object()
+ADAMS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam")  # divide by the root of a moment plus eps
+FLOAT16_TINIEST = 6e-8  # float16's smallest positive value, about 5.96e-8: anything less is 0
 
 
 def _value(cfg: DictConfig, key: str) -> Any:
@@ -62,8 +65,11 @@ def _resolve_everything(cfg: DictConfig) -> None:
 
 
 def _check_tensor_parallel(settings: Settings, fsdp: bool) -> None:
-    """dist.tensor_parallel needs FSDP2 and a number of processes it divides (when the config fixes it)."""
-    tensor, keys = settings.dist.tensor_parallel, settings.trainer
+    """dist.tensor_parallel needs FSDP2 and a number of processes it divides (when the config fixes it);
+    dist.fsdp.replicate the same, without tensor parallelism."""
+    tensor, keys, replicate = settings.dist.tensor_parallel, settings.trainer, settings.dist.fsdp.replicate
+    if fsdp and replicate > 1 and (tensor > 1 or (keys.processes or replicate) % replicate):
+        raise UserError(replicate_refused(replicate, keys.processes, tensor))
     if tensor in (None, 1):
         return
     if not fsdp:
@@ -89,6 +95,15 @@ def _check_tensor_parallel(settings: Settings, fsdp: bool) -> None:
         )
 
 
+def replicate_refused(replicate: int, processes: int | None, tensor: int) -> str:
+    """The sentence for dist.fsdp.replicate and the processes or tensor parallelism it does not fit."""
+    return (
+        f"dist.fsdp.replicate={replicate} needs a number of processes it divides ({processes or 'auto'} here) and "
+        f"dist.tensor_parallel=1 ({tensor} here); pass dist.fsdp.replicate=${{trainer.num_nodes}} (each node's "
+        "processes shard, the nodes replicate) or 1."
+    )
+
+
 def _check_precision(settings: Settings) -> None:
     keys = settings.trainer
     precision, accelerator = str(keys.precision), keys.accelerator
@@ -99,11 +114,27 @@ def _check_precision(settings: Settings) -> None:
             "trainer.strategy=fsdp with trainer.accelerator=mps: FSDP2 runs on CUDA GPUs and CPUs; train on GPUs "
             "(trainer=fsdp) or on CPU (trainer=fsdp_cpu)."
         )
+    if accelerator == "mps" and sys.platform != "darwin":
+        raise UserError(
+            "trainer.accelerator=mps: Apple's GPUs (MPS) exist on macOS only; pass trainer.accelerator=cpu, or "
+            "gpu on a machine with NVIDIA GPUs."
+        )
     if fsdp and on_cpu and settings.dist.fsdp.cpu_offload is True:
         raise UserError(
             "dist.fsdp.cpu_offload=true with FSDP2 on CPU: it moves parameters and optimizer states from GPU "
             "memory to the host, and on CPU they are there already; drop it (or train on GPUs, trainer=fsdp)."
         )
+    several = keys.strategy in ("ddp", "fsdp") or keys.processes != 1
+    if keys.sync_batchnorm and on_cpu and several:
+        raise UserError(
+            "trainer.sync_batchnorm=true on CPU: torch's SyncBatchNorm runs on GPUs only and would fail at the "
+            "first training step; pass trainer.sync_batchnorm=false (or train on GPUs)."
+        )
+    if settings.dist.backend == "nccl" and on_cpu and several:
+        raise UserError(
+            "dist.backend=nccl on CPU: NCCL connects GPUs only; pass dist.backend=gloo, or null (the strategy's own)."
+        )
+    _check_mpi(settings.dist.backend)
     _check_tensor_parallel(settings, fsdp)
     if fsdp and precision in ("16", "16-mixed"):
         raise UserError(
@@ -112,10 +143,45 @@ def _check_precision(settings: Settings) -> None:
             "(Ampere or newer) or trainer.precision=32-true on older ones (a model that fits one GPU: trainer=ddp "
             "trainer.precision=16-mixed)."
         )
+    if fsdp and precision in ("64", "64-true"):
+        raise UserError(
+            f"trainer.precision={precision} under FSDP2: Lightning's ModelParallelStrategy trains in 32-true, "
+            "bf16-mixed, bf16-true or 16-true only; pass one of them (float64: trainer=ddp or a single process)."
+        )
+    if fsdp and precision.startswith("bf16") and settings.dist.fsdp.param_dtype == "float16":
+        raise UserError(
+            f"dist.fsdp.param_dtype=float16 with trainer.precision={precision}: parameters gathered in float16 meet "
+            "bfloat16 activations in kernels that refuse the mix; pass dist.fsdp.param_dtype=bfloat16, or null "
+            f"({precision} gathers in bfloat16)."
+        )
     if on_cpu and precision in ("16", "16-mixed"):
         raise UserError(
             f"trainer.precision={precision} needs a GPU: on CPU, Lightning would silently train in bf16-mixed "
             "instead; pass trainer.precision=bf16-mixed on CPU (or train on GPUs)."
+        )
+
+
+def _check_mpi(backend: str | None) -> None:
+    """Only a torch built from source with MPI has it; the one check that imports torch, and only for mpi."""
+    if backend == "mpi":
+        import torch.distributed as dist
+
+        if not dist.is_mpi_available():
+            raise UserError(
+                "dist.backend=mpi, but this torch was built without MPI (PyPI's wheels are); pass dist.backend=gloo "
+                "or nccl, or null (the strategy's own)."
+            )
+
+
+def _check_half_adam(cfg: DictConfig, precision: str) -> None:
+    """Adam's epsilon (1e-8 by default) is 0 in float16: with float16 weights and states, a NaN loss at once."""
+    target = str(OmegaConf.select(cfg, "model.optimizer._target_", default=""))
+    eps = OmegaConf.select(cfg, "model.optimizer.eps", default=1e-8)
+    if precision == "16-true" and target.rsplit(".", 1)[-1] in ADAMS and float(eps) < FLOAT16_TINIEST:
+        raise UserError(
+            f"trainer.precision=16-true with model.optimizer={target}: float16 optimizer states, where its eps={eps:g} "
+            "is 0, make the loss NaN at the first step; pass trainer.precision=16-mixed (GPUs), bf16-true or "
+            "bf16-mixed, or +model.optimizer.eps=1e-4."
         )
 
 
@@ -210,13 +276,19 @@ def check_config(cfg: DictConfig, where: Any = None) -> Settings:
         if not validate(value, key.schema):
             shown = value if not isinstance(value, str) else f"'{value}'"
             raise UserError(f"{key.path}={shown} is not {key.expected}; pass e.g. {key.path}={key.example}.")
-    _check_precision(settings)
+    check_settings(settings)
+    _check_half_adam(cfg, str(settings.trainer.precision))
     _check_loggers(cfg)
     _check_folds(cfg)
     _check_outputs(cfg)
+    return settings
+
+
+def check_settings(settings: Settings) -> None:
+    """What the settings alone refuse, whatever else the config holds (tests/pairwise.py asks it too)."""
+    _check_precision(settings)
     _check_init_from(settings.init_from)
     _check_signals(settings)
-    return settings
 
 
 def check_folds(num_folds: Any, fold: Any) -> int | None:

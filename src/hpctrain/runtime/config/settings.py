@@ -199,6 +199,13 @@ class FSDP:
     sync_each_micro_batch: bool = flag(
         False, "true", "FSDP2 with accumulate_grad_batches: reduce every micro-batch's gradients"
     )
+    replicate: int = setting(
+        1,
+        integer(1),
+        "a whole number, 1 or more",
+        "2",
+        "FSDP2 as HSDP: copies of the model, each sharded over its own processes; ${trainer.num_nodes}: a node's",
+    )
 
 
 @dataclass(frozen=True)
@@ -420,6 +427,7 @@ class TrainerKeys:
         "ddp",
         "fsdp: FSDP2; ddp, or auto with more than one process: DDP",
     )
+    sync_batchnorm: bool = flag(False, "true", "BatchNorm statistics over every process (DDP, FSDP2; GPUs)")
 
     @property
     def processes(self) -> int | None:

@@ -41,7 +41,8 @@ class Failures:
     stopping: bool = False  # the run is ending (on purpose, or after a failure): exits are not failures
     verdict: str | None = None  # the failure line of this job, once decided
     explained: bool = False  # the verdict says it all: no traceback (a collective that timed out)
-    timeout_min: float | None = None  # dist.timeout_min, for the sentence about a collective that timed out
+    timeout_min: float | None = None  # the collective timeout in force, for the sentence about a hang
+    timeout_key: str = "dist.timeout_min"  # ... and the key that sets it (dist.init_timeout_min until a step)
     children: list[Any] = field(default_factory=list)  # the local launcher's processes of ranks 1..N-1
 
 
@@ -208,7 +209,7 @@ def declare_hang(stalled_s: float) -> None:
     if job is None or state().stopping:
         return
     timeout = state().timeout_min
-    within = f"dist.timeout_min={timeout:g}" if timeout else "the collective timeout"
+    within = f"{state().timeout_key}={timeout:g}" if timeout else "the collective timeout"
     reason = f"no batch completed on rank {rank()} for {stalled_s:.0f} s, most of {within}"
     line = _who_did_not_arrive(job, reason=reason) or _where_every_rank_stands(job, reason)
     announce(job, line, notify.HUNG)
@@ -241,7 +242,9 @@ def _where_every_rank_stands(job: Any, reason: str) -> str:
 def _who_did_not_arrive(job: Any, wait_s: float = 3.0, reason: str | None = None) -> str | None:
     """After a collective timed out on this rank (or the job stalled, `declare_hang`): every rank dumps
     its stacks (DUMP_KEY), and the ranks whose last recorded position lags the others' are named, with
-    where their stacks say they were."""
+    where their stacks say they were; a rank that published no position (it has not reached the run's
+    setup) is named as such. A key is read only once it exists: a get of a missing key would wait for the
+    store's whole timeout."""
     me = rank()
     reason = reason or f"a collective timed out on rank {me}"
     try:
@@ -253,45 +256,65 @@ def _who_did_not_arrive(job: Any, wait_s: float = 3.0, reason: str | None = None
     time.sleep(wait_s)  # the other ranks' watchdogs look every second
     import torch.distributed as dist
 
-    positions: dict[int, tuple[int, int, int, str]] = {}
+    positions: dict[int, tuple[int, int, str, int, int, str]] = {}
     for other in range(dist.get_world_size()):
+        key = f"{POSITION_KEY}/{other}"
         try:
-            epoch, step, phase, host = job.get(f"{POSITION_KEY}/{other}").decode().split(" ", 3)
-            positions[other] = (int(epoch), int(step), int(phase), host)
+            if job.check([key]):
+                done, phase, stage, epoch, step, host = job.get(key).decode().split(" ", 5)
+                positions[other] = (int(done), int(phase), stage, int(epoch), int(step), host)
         except Exception:
             continue
     if not positions:
         return None
-    furthest = max(p[:3] for p in positions.values())
-    lagging = sorted(r for r, p in positions.items() if p[:3] < furthest)
+    furthest = max(positions.values())
+    lagging = [r for r in range(dist.get_world_size()) if positions.get(r, (-1,))[:2] < furthest[:2]]
     if not lagging:
         return None
     run_dir = stacks.run_dir()
     places = []
     for late in lagging:
-        epoch, step, phase, host = positions[late]
-        behind = (
-            "before its backward pass"
-            if (epoch, step) == furthest[:2]
-            else f"at step {step} of epoch {epoch}"
-        )
-        place = f"rank {late} on {host} ({behind}"
+        if late in positions:
+            done, host = positions[late][0], positions[late][5]
+            behind = (
+                "before its backward pass"
+                if done == furthest[0]
+                else f"{furthest[0] - done} batch(es) behind"
+            )
+            place = f"rank {late} on {host} ({behind}"
+        else:
+            place = f"rank {late} (no position: it has not reached the run's setup"
         if run_dir is not None:
             frames = stacks.main_thread_frames(stacks.latest_dump(stacks.rank_file(run_dir, late)))
             if frames:
                 place += f", {stacks.where(frames)}"
         places.append(place + ")")
-    timeout = state().timeout_min
-    within = f" within dist.timeout_min={timeout:g}" if timeout else ""
+    failed = state()
+    within = f" within {failed.timeout_key}={failed.timeout_min:g}" if failed.timeout_min else ""
     where = f"; every rank's stacks: {run_dir / stacks.STACKS_DIR}/rank<N>.txt" if run_dir is not None else ""
     return (
         f"{'; '.join(places)} did not arrive at a collective{within} while the others waited for "
-        f"{'it' if len(lagging) == 1 else 'them'} at step {furthest[1]} of epoch {furthest[0]}{where}"
+        f"{'it' if len(lagging) == 1 else 'them'} {_where(*furthest[2:5])}{where}"
     )
 
 
-def set_timeout_min(minutes: float) -> None:
-    state().timeout_min = float(minutes)
+LOOPS = {
+    "sanity_check": "the sanity check",
+    "validate": "validation",
+    "test": "the test",
+    "predict": "prediction",
+}
+
+
+def _where(stage: str, epoch: int, step: int) -> str:
+    """Where a rank stands, in words: `at step 3 of epoch 0`, `in validation at step 3 of epoch 0`."""
+    loop = f"in {LOOPS[stage]} " if stage in LOOPS else "setting up, " if stage == "setup" else ""
+    return f"{loop}at step {step} of epoch {epoch}"
+
+
+def set_timeout_min(minutes: float, key: str = "dist.timeout_min") -> None:
+    """The collective timeout now in force, and the key that sets it (for the sentences)."""
+    state().timeout_min, state().timeout_key = float(minutes), key
 
 
 def shorten(text: str, limit: int) -> str:

@@ -14,7 +14,10 @@ module that has no `configure_model` is sharded here instead, from the config (`
   of its own whose policy computes in float32 and hands the compute dtype on (FSDP's policy would cast
   their weights but not their float32 statistics, and the kernel refuses the mix).
 - `activation_checkpointing`: each sharded block recomputes its activations in the backward pass.
-- `cpu_offload`: parameters, gradients and optimizer states live in host memory between uses.
+- `cpu_offload`: parameters, gradients and optimizer states live in host memory between uses (the rest
+  of the module goes to the device: `model_to_device`).
+- `replicate`: HSDP, the processes in that many groups of consecutive ranks (a node's), the model sharded
+  within each group and replicated across them.
 - `sync_each_micro_batch`: under `trainer.accumulate_grad_batches=N`, false (the default) reduces the
   gradients once per optimizer step (`set_requires_gradient_sync`), each rank holding its unsharded
   gradients between micro-batches; true reduce-scatters every micro-batch (N times the traffic, the
@@ -53,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -64,6 +68,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
+from hpctrain.runtime.config.checks import replicate_refused
 from hpctrain.runtime.distributed.job_store import set_data_parallel
 from hpctrain.runtime.distributed.launch import _HydraLaunched
 from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
@@ -246,8 +251,8 @@ def apply_fsdp(
         policy = kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype
         )
-    if options.get("cpu_offload"):
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if options.get("cpu_offload"):  # pinned host memory needs CUDA
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     networks = roots(module)
     lower = policy is not None and policy.param_dtype not in (None, torch.float32)
     norms = norm_layers(networks) if lower else []
@@ -388,6 +393,13 @@ def _holders(unit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 MODEL_PARALLEL = "pytorch_lightning.strategies.ModelParallelStrategy"
+# each evaluation stage's count of batches (the trainer's num_<name>_batches), and its name in sentences
+EVALUATION_LOOPS = {
+    "sanity_check": ("sanity_val", "sanity check's"),
+    "validate": ("val", "validation"),
+    "test": ("test", "test"),
+    "predict": ("predict", "predict"),
+}
 
 
 class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_PARALLEL):
@@ -438,6 +450,31 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
             for unit in units:
                 unit.set_requires_gradient_sync(True, recurse=False)
 
+    def on_validation_start(self) -> None:
+        """Every forward is a collective: ranks that run different numbers of evaluation batches would wait
+        for each other until the timeout. hpctrain's loaders give every rank as many; another loader (a
+        predict_dataloader of the project's, which Lightning shards without padding) that does not is one
+        sentence before the first forward."""
+        trainer, stage = self.lightning_module.trainer, self.lightning_module.trainer.state.stage.value
+        name, words = EVALUATION_LOOPS[stage]
+        counts = getattr(trainer, f"num_{name}_batches")
+        mine = sum(counts)
+        if math.isinf(mine):  # a stream's length is unknown: left to the rank watchdog
+            return
+        extremes = torch.tensor([mine, -mine], device=self.root_device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        most, fewest = int(extremes[0]), -int(extremes[1])
+        if most != fewest:
+            other = most if most != mine else fewest
+            raise FSDPOptionsError(
+                f"the {words} loaders give rank {self.global_rank} {mine} batches and another rank "
+                f"{other}, but under FSDP2 every forward is a collective that every rank "
+                "joins; give every rank as many batches (a DataLoader with sampler=DistributedSampler(dataset, "
+                "shuffle=False), which pads, or hpctrain.data.make_loader)."
+            )
+
+    on_test_start = on_predict_start = on_validation_start
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         # Lightning's ModelParallelStrategy's (of this strategy's namespace), not _HydraLaunched's
@@ -455,6 +492,9 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         self._tensor_parallel_size = tensor
         if self._data_parallel_size == "auto":  # Lightning's default is the number of nodes
             self._data_parallel_size = self.world_size // tensor
+        replicate = int(self.fsdp_options.get("replicate") or 1)
+        if replicate > 1 and (tensor > 1 or self._data_parallel_size % replicate):  # devices=auto: known now
+            raise FSDPOptionsError(replicate_refused(replicate, self.world_size, tensor))
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -464,6 +504,8 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         data = self.device_mesh["data_parallel"]
         set_data_parallel(data.size(), data.get_local_rank())  # hpctrain's loaders shard over it
         module = self.lightning_module
+        if self._layer_sync is not None and module.trainer.state.fn == "fit":  # trainer.sync_batchnorm
+            self._layer_sync.apply(module)  # before sharding (Lightning's ModelParallelStrategy never does)
         shard = self.fsdp_options.get("shard", "auto")
         if (
             self._tensor_parallel_size > 1
@@ -498,16 +540,22 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
                 )
                 if self.global_rank == 0:
                     log.info("tensor parallel: %d layer(s) split over %d process(es) each", split, tensor)
-            sharded, norms = apply_fsdp(module, mesh["data_parallel"], options, self.compile_backend)
+            replicas, data = int(options.get("replicate") or 1), mesh["data_parallel"]
+            if replicas > 1:  # HSDP: shard within each group of consecutive ranks (a node), replicate across
+                shape, names = (replicas, data.size() // replicas), ("replicate", "shard")
+                data = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+            sharded, norms = apply_fsdp(module, data, options, self.compile_backend)
             if has_empty_parameters(module):  # a pretrained base built empty: each rank reads its shards
-                read = materialize(module, self.root_device, checkpoint_fills=self.checkpoint_fills)
+                device = "cpu" if options.get("cpu_offload") else self.root_device
+                read = materialize(module, device, checkpoint_fills=self.checkpoint_fills)
                 if self.global_rank == 0:
                     log.info("pretrained base: %d tensors read into their shards", read)
             if self.global_rank == 0:
                 log.info(
-                    "FSDP2: %d block(s) sharded over %d process(es) (%s), then %s as root(s)%s%s",
+                    "FSDP2: %d block(s) sharded over %d process(es)%s (%s), then %s as root(s)%s%s",
                     len(sharded),
-                    mesh["data_parallel"].size(),
+                    data.size(-1),
+                    f", {replicas} replicas of them (HSDP)" if replicas > 1 else "",
                     ", ".join(sorted({type(b).__name__.removeprefix("FSDP") for b in sharded})) or "none",
                     ", ".join(names),
                     f"; {len(norms)} norm layer(s) kept in float32" if norms else "",
@@ -516,6 +564,14 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
 
         setattr(configure_model, SHARDS_FROM_CONFIG, True)  # told apart from a module's own
         module.configure_model = configure_model  # type: ignore[method-assign]
+
+    def model_to_device(self) -> None:
+        """Lightning moves the whole module; under `cpu_offload` FSDP2 keeps the sharded parameters in host
+        memory, copies each unit's in for its use and refuses them on the device at the first forward: the
+        rest goes (`offloaded_to`)."""
+        if not self.fsdp_options.get("cpu_offload"):
+            return super().model_to_device()
+        offloaded_to(self.model, self.root_device)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self.saves.asynchronous:
@@ -562,6 +618,17 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
         assert self.lightning_module is not None
         return self.saves.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+
+
+def offloaded_to(module: nn.Module, device: Any) -> None:
+    """`module` on `device` but for its FSDP2 units' sharded parameters, which stay in host memory (the
+    module is sharded with CPUOffloadPolicy): what is not in a unit (metrics), and every buffer."""
+    for child in module.children():
+        if not isinstance(child, FSDPModule):
+            child.to(device)
+    for owner in module.modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            setattr(owner, name, buffer.to(device))
 
 
 def _agreed_buffers(state: dict[str, Any], module: Any, device: Any) -> dict[str, Any]:

@@ -14,7 +14,9 @@ from hpctrain.runtime.environment import launched
 FAILED_KEY = f"{__package__}/failed-rank"  # the first failure's line (failures)
 POSTED_KEY = f"{__package__}/posted"  # the rank that posts the failure (notify): one post per job
 DATA_END_KEY = f"{__package__}/data-end"  # + /<epoch>: the first rank whose training data ran out, and when
-POSITION_KEY = f"{__package__}/position"  # + /<rank>: "<epoch> <step> <phase> <host>", each second
+POSITION_KEY = (
+    f"{__package__}/position"  # + /<rank>: "<batches> <phase> <loop> <epoch> <step> <host>", each second
+)
 DUMP_KEY = f"{__package__}/dump-stacks"  # set: every rank's watchdog appends its stacks to its file, once
 
 

@@ -1,6 +1,7 @@
-"""Where each rank is in its training: its epoch, step and phase (for the sentence that names a rank that
-does not arrive at a collective), its step clock (stragglers), and where its training data ran out (ranks
-whose loaders yield different numbers of batches end the job naming the rank, instead of hanging).
+"""Where each rank is in its run: the batches it completed, its loop, epoch, step and phase (for the
+sentence that names a rank that does not arrive at a collective), its step clock (stragglers), and where
+its training data ran out (ranks whose loaders yield different numbers of batches end the job naming the
+rank, instead of hanging).
 
 The training thread only assigns (`follow`, `note_phase`, `watch_steps`); the watchdog thread reads and
 publishes to the job's store each second (`publish`), so nothing is added to a training step.
@@ -16,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from hpctrain.runtime import run_state
-from hpctrain.runtime.distributed import stragglers
+from hpctrain.runtime.distributed import signals, stragglers
 from hpctrain.runtime.distributed.failures import exit_with
 from hpctrain.runtime.distributed.job_store import DATA_END_KEY, FAILED_KEY, POSITION_KEY, rank, store
 
@@ -67,14 +68,18 @@ def _position(trainer: Any) -> tuple[int, int] | None:
 
 
 def publish(job: Any, me: int) -> None:
-    """From the watchdog thread, each second: this rank's position and step clock into the store; on
-    rank 0, now and then, the straggler lines."""
+    """From the watchdog thread, each second from the run's setup on (the sanity check, training, validation,
+    test and predict alike): this rank's position and step clock into the store; on rank 0, now and then,
+    the straggler lines. A position is the batches this rank completed so far in every loop (the same
+    sequence on every rank), its phase, its loop, epoch and step: plain attribute reads, safe here."""
     followed = _followed()
     trainer = followed.trainer
-    if trainer is not None and trainer.training:  # plain attribute reads, safe from this thread
+    if trainer is not None:
+        stage = getattr(trainer.state.stage, "value", None) or "setup"
         job.set(
             f"{POSITION_KEY}/{me}",
-            f"{trainer.current_epoch} {trainer.global_step} {followed.phase} {socket.gethostname()}",
+            f"{signals.progress()[0]} {followed.phase} {stage} {trainer.current_epoch} {trainer.global_step} "
+            f"{socket.gethostname()}",
         )
     clock = followed.clock
     if clock is None or not clock.steps:

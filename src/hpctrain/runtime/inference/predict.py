@@ -9,8 +9,10 @@ What is predicted, in this order of choice:
 Batches of an input look like a labelled split's (images, -1), so the datamodule's batch hooks (the
 normalisation) treat them as in training.
 
-Lightning shards a predict loader without padding (its UnrepeatedDistributedSamplerWrapper) and records
-which samples each batch holds. `PredictionWriter` keeps each rank's predictions with those indices,
+Lightning shards a predict loader without padding (its UnrepeatedDistributedSamplerWrapper), so the
+ranks may run different numbers of batches, which under FSDP2 (a forward is a collective) hangs: the
+loaders made here shard themselves with padding instead (`in_order`), and Lightning records which samples
+each batch holds. `PredictionWriter` keeps each rank's predictions with those indices,
 writes them to `<run dir>/predictions/part-rank<N>.pt`, and rank 0 merges the parts by index into one
 file, written atomically: a job stopped by a signal leaves no half-written output (under SLURM it is
 requeued and predicts again). A module whose `predict_step` returns `{"class", "probs"}` (the template's
@@ -32,11 +34,12 @@ import torch
 from lightning_fabric.utilities.apply_func import move_data_to_device  # namespace-free
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from hpctrain.data import decode
 from hpctrain.data.loading import ResumableDataLoader, TensorDataset
 from hpctrain.runtime.config.settings import Predict
+from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.export import tensors
 from hpctrain.runtime.namespaces import LightningPart, is_overridden, namespace_of
@@ -71,7 +74,10 @@ def predict(
     )  # the trainer's namespace
     run.trainer.callbacks.append(writer)
     # The weights only (as trainer.predict(ckpt_path=...) would load), without Lightning's warning that
-    # the training callbacks stored in the checkpoint are missing: prediction needs none of them.
+    # the training callbacks stored in the checkpoint are missing: prediction needs none of them. Under
+    # FSDP2 the model is still without memory here (the strategy shards it later): it takes memory first.
+    if has_empty_parameters(run.model):
+        materialize(run.model, "cpu", checkpoint_fills=True)
     trainable_only.load_weights(run.model, reading.read(checkpoint), f"ckpt_path={checkpoint}")
     run.trainer.predict(run.model, run.datamodule, return_predictions=False)
     return writer.written
@@ -88,8 +94,7 @@ def choose_source(
     batch_size = int(settings.batch_size or getattr(datamodule, "batch_size", None) or 64)
     if settings.input:
         dataset, paths = input_dataset(Path(settings.input).expanduser(), _image_shape(datamodule))
-        loader = DataLoader(dataset, batch_size=batch_size, num_workers=settings.num_workers)
-        _serve(datamodule, lambda: loader)
+        _serve(datamodule, lambda: in_order(dataset, batch_size, settings.num_workers, datamodule.trainer))
         return f"{len(dataset)} samples of predict.input={settings.input}", paths
     if is_overridden("predict_dataloader", datamodule) and not split_given:
         return f"the datamodule's predict_dataloader ({type(datamodule).__name__})", None
@@ -102,7 +107,10 @@ def choose_source(
 
     def split_loader() -> Any:
         datamodule.setup(stage)  # a datamodule written as in Lightning's docs sets a split up for its stage
-        return unshuffled(getattr(datamodule, hook)(), batch_size, settings.num_workers)
+        loader = getattr(datamodule, hook)()
+        if not isinstance(loader, ResumableDataLoader):
+            return loader
+        return in_order(loader.dataset, loader.sampler.batch_size, settings.num_workers, datamodule.trainer)
 
     _serve(datamodule, split_loader)
     return f"the {split} split", None
@@ -114,12 +122,12 @@ def _serve(datamodule: LightningDataModule, make_loader: Callable[[], Any]) -> N
     datamodule.predict_dataloader = make_loader  # type: ignore[method-assign]
 
 
-def unshuffled(loader: Any, batch_size: int, workers: int) -> Any:
-    """The template's loaders shuffle and pad the training split; for prediction, a plain DataLoader over
-    the same dataset in its order (Lightning shards it and records each batch's samples)."""
-    if isinstance(loader, ResumableDataLoader):
-        return DataLoader(loader.dataset, batch_size=loader.sampler.batch_size, num_workers=workers)
-    return loader
+def in_order(dataset: Any, batch_size: int, workers: int, trainer: Trainer | None) -> DataLoader:
+    """The samples in their order, each rank its share, padded with the first samples again so that
+    every rank runs as many batches (the writer keeps each sample once)."""
+    shares = trainer.distributed_sampler_kwargs if trainer is not None else None
+    sampler = DistributedSampler(dataset, shuffle=False, **shares) if shares else None
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers)
 
 
 def _image_shape(datamodule: LightningDataModule) -> tuple[int, ...]:

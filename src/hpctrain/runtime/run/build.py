@@ -523,7 +523,8 @@ def tune_model(module: LightningModule, settings: Settings) -> LightningModule:
     """The template's switches on a built model, outside its config (so no class ever receives them):
 
     - `channels_last`: parameters and 4-D inputs of its networks in channels-last memory order (faster
-      convolutions on GPUs under mixed precision);
+      convolutions on GPUs under mixed precision); under FSDP2, which shards contiguous parameters only,
+      the inputs alone (a convolution computes in its input's order);
     - `compile`: torch.compile each network in place (`nn.Module.compile`): the module and its
       state-dict keys stay the same, so checkpoints load with or without it. Under FSDP2, for a module
       that hpctrain shards, the strategy compiles each block instead (`strategy`).
@@ -531,7 +532,8 @@ def tune_model(module: LightningModule, settings: Settings) -> LightningModule:
     """
     nets = [c for c in module.children() if not isinstance(c, Metric) and any(True for _ in c.parameters())]
     if settings.channels_last:
-        module.to(memory_format=torch.channels_last)
+        if settings.trainer.strategy != "fsdp":
+            module.to(memory_format=torch.channels_last)
         for net in nets:
             net.register_forward_pre_hook(_channels_last_inputs)
     sharded_here = settings.trainer.strategy == "fsdp" and not namespaces.is_overridden(

@@ -56,18 +56,18 @@ def fingerprint(module: nn.Module) -> dict[str, Any]:
     named = dict(module.named_parameters())
     names = sorted(n for n, p in named.items() if not p.requires_grad)
     sums = torch.zeros(len(names), 2, dtype=torch.float64)
-    groups: dict[Any, list[int]] = {}
+    groups: dict[Any, list[int]] = {}  # (mesh, dimension) -> the rows sharded along it
     for i, name in enumerate(names):
         param = named[name].detach()
         local = param.to_local() if callable(getattr(param, "to_local", None)) else param
         values = local.to(torch.float64)
         sums[i, 0], sums[i, 1] = values.sum().cpu(), values.square().sum().cpu()
-        mesh = getattr(param, "device_mesh", None)
-        if mesh is not None:  # sharded: this rank's sums are a part of the whole
-            groups.setdefault(mesh, []).append(i)
-    for mesh, rows in groups.items():
+        for dim, placement in enumerate(getattr(param, "placements", ())):  # sharded: a part of the whole
+            if not placement.is_replicate():  # (Shard, or FSDP2's _StridedShard over tensor parallelism)
+                groups.setdefault((param.device_mesh, dim), []).append(i)
+    for (mesh, dim), rows in groups.items():
         part = sums[rows].to(mesh.device_type)
-        dist.all_reduce(part, group=mesh.get_group())
+        dist.all_reduce(part, group=mesh.get_group(dim))
         sums[rows] = part.cpu()
     shapes = [list(named[n].shape) for n in names]
     dtypes = [str(named[n].dtype).removeprefix("torch.") for n in names]
