@@ -116,3 +116,17 @@ def test_a_run_prints_its_summary_not_the_tree_and_the_tree_when_asked(tmp_path:
     full = train(tmp_path / "b", *tiny, "extras.print_config=full")
     assert full.returncode == 0, full.stdout[-3000:]
     assert "├── model" in full.stdout and "config (all of it: " not in full.stdout
+
+
+@pytest.mark.slow
+def test_a_readers_summary_names_the_options_its_checkpoint_proposed(trained_run: Path, tmp_path: Path):
+    """eval's own config defaults to data=mnist; the quickstart checkpoint was trained on digits, and what
+    eval composes from its proposal, and so prints, is digits."""
+    result = run_entry(
+        "eval.py", f"ckpt_path={trained_run / 'checkpoints' / 'last.ckpt'}", f"paths.log_dir={tmp_path}"
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    (options,) = [line for line in result.stdout.splitlines() if line.startswith("  options ")]
+    assert " data=digits" in options and "data=mnist" not in options, options
+    assert " model=mnist_cnn" in options
+    assert "myproject.data.digits.DigitsDataModule" in result.stdout

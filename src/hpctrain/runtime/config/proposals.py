@@ -238,7 +238,8 @@ def _target_of(path: Path, group: str) -> Any:
 def chosen(proposal: Proposal, command_line: Sequence[str]) -> dict[str, str]:
     """The options a composition of `proposal` takes: the file's, unless the command line chooses."""
     given = {_key(o): o.split("=", 1)[1] for o in relevant(command_line) if "=" in o and _is_group(_key(o))}
-    return {**{g: o for g, o in proposal.choices.items() if g not in given}, **given}
+    options = proposal.choices or inferred_choices(proposal.values)
+    return {**{g: o for g, o in options.items() if g not in given}, **given}
 
 
 def _refuse_what_changes_the_model(source: str, unfit: list[tuple[str, Any]]) -> None:

@@ -26,14 +26,20 @@ log = logging.getLogger("hpctrain")
 FIRST = ("data", "model", "trainer", "callbacks", "logger", "paths")
 
 
-def apply_extras(cfg: DictConfig, extras: Extras) -> None:
+def apply_extras(cfg: DictConfig, extras: Extras, options: dict[str, str] | None = None) -> None:
+    """Lightning's notices, warnings and the config printed as `extras` asks; `options`: the groups a
+    reader composed from its checkpoint's proposal, shown instead of its own config's."""
     quiet_lightning()
     if extras.ignore_warnings:
         warnings.filterwarnings("ignore")
     if not launched.is_rank_zero() or extras.print_config is False:
         return
     if extras.print_config == "summary":
-        log.info("%s", "\n".join(config_summary(cfg, *_hydra_choices_and_overrides())))
+        choices, overrides = _hydra_choices_and_overrides()
+        if options:
+            proposed = {g.split("/")[0] for g in options}
+            choices = {**{g: o for g, o in choices.items() if g.split("/")[0] not in proposed}, **options}
+        log.info("%s", "\n".join(config_summary(cfg, choices, overrides)))
     else:  # full (or true, its name before 0.4)
         print_config(cfg)
 

@@ -116,6 +116,7 @@ class Job:
         self.where = Sources(self.hydra_cfg, self.overrides)  # which file set a key, for its sentence
         self.settings: Settings  # hpctrain's own, typed: set once, as the preflight ends
         self.checkpoint: Path | None = None  # the checkpoint a reader (eval, predict, export) starts from
+        self.options: dict[str, str] = {}  # the options a reader's model and data were composed with
         self.outcome: records.Outcome | None = None  # how the job ended, as outcome.yaml records it
         self.attempt: attempts.Attempt | None = None  # this process's attempt, as run.yaml records it
         self.run: Run | None = None  # what `build` built
@@ -171,7 +172,7 @@ class Job:
             from hpctrain.runtime.storage.checkpoints import reading
 
             self.checkpoint = existing_checkpoint(settings.ckpt_path)
-            self.cfg = reading.config_from_checkpoint(cfg, self.checkpoint, self.chosen)
+            self.cfg, self.options = reading.config_from_checkpoint(cfg, self.checkpoint, self.chosen)
             settings = check_config(self.cfg, self.where)
         self.settings = settings  # final: what the job and its run use from here on
         assert self.outcome is not None
@@ -189,7 +190,7 @@ class Job:
         keys = settings.trainer
         if keys.accelerator in allocated.GPU_ACCELERATORS or flight_recorder.recording():
             network.flight_recorder_dumps_into(self.run_dir)  # the record of the collectives of a hang
-        console.apply_extras(cfg, settings.extras)
+        console.apply_extras(cfg, settings.extras, self.options)
         if not training:
             console.quiet_training_callbacks()
         build.configure_process(settings, cfg.data)
@@ -215,7 +216,7 @@ class Job:
     def record(self) -> None:
         """What `build` does for a job without a trainer (one process): the config printed if `extras`
         asks, and the run's record (config.yaml, run.yaml, .hydra/) written."""
-        console.apply_extras(self.cfg, self.settings.extras)
+        console.apply_extras(self.cfg, self.settings.extras, self.options)
         self._write_record(self.cfg, 1, attempts.devices_of("cpu", allocated.cpus_per_process(1)[0]))
 
     def _write_record(self, cfg: DictConfig, world_size: int, devices: dict[str, Any]) -> None:

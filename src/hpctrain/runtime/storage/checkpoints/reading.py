@@ -174,14 +174,17 @@ def resume_overrides(
     )
 
 
-def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
+def config_from_checkpoint(
+    cfg: DictConfig, checkpoint: Path, overrides: list[str]
+) -> tuple[DictConfig, dict[str, str]]:
     """`cfg` (eval's, predict's, export's) with its model, data and monitor as this project composes what
     the checkpoint proposes (`proposals.composed`): its options and values, the command line's overrides
     of those groups, of the paths and of the search path winning. A checkpoint that is not one of this
-    template's keeps the command's own (model=... and data=... choose them)."""
+    template's keeps the command's own (model=... and data=... choose them). Returns the config and the
+    options it took for those groups."""
     found = proposal(checkpoint, read(checkpoint, weights=False))
     if found is None:
-        return cfg
+        return cfg, {}
     try:
         composed = proposals.composed(found, overrides, lambda chosen: compose("train", chosen))
     except proposals.ProposalRefused as err:
@@ -195,4 +198,4 @@ def config_from_checkpoint(cfg: DictConfig, checkpoint: Path, overrides: list[st
         for group in proposals.GROUPS:
             if group in composed:
                 cfg[group] = composed[group]
-    return cfg
+    return cfg, proposals.chosen(found, overrides)
