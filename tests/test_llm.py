@@ -10,6 +10,7 @@ fingerprint of a frozen base, FSDP2's grouping of tied and mixed-dtype parameter
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -129,7 +130,10 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(lora_run: Run,
     whole = sharded.read_folder(lora_run.logs / "end_full.ckpt")["state_dict"]
     base = _base_tensors(llm_data)
     frozen = {k: v for k, v in whole.items() if "lora_" not in k}
-    assert len(frozen) == len(base)
+    # the demo base ties its output layer to the embedding, as most bases do: its file stores it once
+    head, embedding = "net.base_model.model.lm_head.weight", "net.base_model.model.model.embed_tokens.weight"
+    assert "lm_head.weight" not in base and len(frozen) == len(base) + 1
+    assert torch.equal(frozen.pop(head), frozen[embedding])
     assert all(torch.equal(v, base[_file_key(k)]) for k, v in frozen.items())
 
     trained = sharded.read_folder(last)["state_dict"]
@@ -146,7 +150,7 @@ def test_a_trainable_only_checkpoint_holds_no_base_and_is_under_a_fifth_of_a_who
     assert any("base_layer" in k for k in _keys(full))  # the same step saved whole holds the base
     assert _size(mid) * 5 < _size(full), (_size(mid), _size(full))
     stored = trainable_only.stored(torch.load(mid / sharded.META_FILE, weights_only=True))
-    assert stored is not None and len(stored["names"]) == 21 and stored["digest"]
+    assert stored is not None and len(stored["names"]) == 20 and stored["digest"]  # the tied head once
 
 
 @pytest.mark.slow
@@ -165,7 +169,7 @@ def test_tokens_per_second_and_the_mfu_are_logged(lora_run: Run):
     assert rows and float(rows[-1]["train/tokens_per_s"]) > 0
     assert re.search(r"performance: .* TFLOP/s per device, MFU \d", lora_run.stdout)  # FLOPs from the shape
     assert "FSDP2: 2 block(s) sharded over 2 process(es) (LlamaDecoderLayer)" in lora_run.stdout
-    assert "pretrained base: 21 tensors read into their shards" in lora_run.stdout
+    assert "pretrained base: 20 tensors read into their shards" in lora_run.stdout
 
 
 @pytest.mark.slow
@@ -287,6 +291,8 @@ def test_the_exports_load_with_peft_and_transformers_alone(lora_run: Run, llm_da
         p.name for p in adapter.iterdir()
     }
     base = AutoModelForCausalLM.from_pretrained(str(llm_data / "tiny_llm" / "base"))
+    merged_config = json.loads((merged / "config.json").read_text())
+    assert merged_config["tie_word_embeddings"] is base.config.tie_word_embeddings is True  # as the base's
     with torch.no_grad():
         assert torch.equal(PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=ids).logits, want)
         alone = AutoModelForCausalLM.from_pretrained(str(merged)).eval()
@@ -533,6 +539,34 @@ def test_a_base_built_empty_is_read_from_its_files_and_a_missing_one_is_one_sent
         materialize(Module({"net.weight": "w", "net.bias": "x"}), "cpu")
 
 
+def test_a_parameter_shared_by_two_modules_stays_shared_when_read_from_its_files(tmp_path: Path):
+    """A tied output layer (the embedding's weight, stored once in the file) is the embedding after the
+    base is read, not a tensor of its own left empty: a tied base trains against its real output layer."""
+    require_modules("safetensors", install="pip install -e '.[llm]'")
+    from safetensors.torch import save_file
+
+    from hpctrain import empty_weights
+    from hpctrain.runtime.distributed.materialize import materialize
+
+    table = torch.arange(12.0).reshape(3, 4)
+    save_file({"embed.weight": table}, str(tmp_path / "base.safetensors"))
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with empty_weights():
+                self.net = nn.ModuleDict({"embed": nn.Embedding(3, 4), "head": nn.Linear(4, 3, bias=False)})
+            self.net["head"].weight = self.net["embed"].weight
+
+        def pretrained_files(self):
+            return {"net.embed.weight": (str(tmp_path / "base.safetensors"), "embed.weight")}
+
+    module = Tied()
+    assert materialize(module, "cpu") == 1
+    assert module.net["head"].weight is module.net["embed"].weight
+    assert torch.equal(module.net["head"].weight, table)
+
+
 def test_the_experiments_compose_with_the_names_the_guide_gives(tmp_path: Path):
     from hpctrain.runtime.config.compose import compose
 
@@ -603,7 +637,7 @@ def test_a_lora_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupted_o
     log = _output(tmp_path, interrupted)
     assert f"starting from {requeue_ckpt} (restart 1 of this job)" in log
     assert (
-        log.count("pretrained base: 21 tensors read into their shards") == 2
+        log.count("pretrained base: 20 tensors read into their shards") == 2
     )  # read again after the requeue
     assert all("lora_" in k for k in _keys(requeue_ckpt) if k.startswith("state_dict."))
     a, b = (_everything(r / "checkpoints" / "last.ckpt", tmp_path / r.name) for r in (resumed, uninterrupted))
