@@ -10,7 +10,10 @@ process ever holds a whole large base it does not need. The base is frozen; only
 frozen) checkpoints store the adapters and their optimizer state only.
 
 Batches are those of `data=instructions` (`hpctrain.data.TokenizedDataModule`): the loss is taken on the
-tokens whose label is not -100 (the assistant's, or all), next-token shifted. With the data's
+tokens whose label is not -100 (the assistant's, or all), next-token shifted, and weighted by token over
+the whole optimizer step, as TRL and transformers (>= 4.46) weight it: every token of every micro-batch of
+`trainer.accumulate_grad_batches` on every rank counts the same, however the tokens fall into batches
+(`on_before_optimizer_step`). With the data's
 `packing=concat` (`packing`), the examples packed in a row (their positions restart at 0 where each
 begins) attend only inside themselves.
 
@@ -89,6 +92,7 @@ class CausalLMLoRA(L.LightningModule):
         self.scheduler_interval = scheduler_interval
         self.packed = packing == "concat"  # rows of several examples: attention kept inside each
         self.val_loss = Mean()
+        self.step_sums: Tensor | None = None  # this rank's loss sum and token count since the last step
 
     def pretrained_files(self) -> dict[str, tuple[str, str]]:
         """{parameter: (safetensors file, tensor name)} of the base's weights (read by hpctrain)."""
@@ -121,7 +125,7 @@ class CausalLMLoRA(L.LightningModule):
         return self.net(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
 
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """The mean next-token cross-entropy over the tokens that count, and how many count."""
+        """The next-token cross-entropy summed over the tokens that count, and how many count."""
         logits = self(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
         targets = batch["labels"][:, 1:]
         count = (targets != IGNORE).sum()
@@ -131,7 +135,7 @@ class CausalLMLoRA(L.LightningModule):
             ignore_index=IGNORE,
             reduction="sum",
         )
-        return total / count.clamp(min=1), count
+        return total, count
 
     def flops_per_batch(self, batch: dict[str, Tensor]) -> float:
         """A training step's FLOPs on `batch` (read by the performance callback for the MFU), as PaLM counts
@@ -148,13 +152,33 @@ class CausalLMLoRA(L.LightningModule):
         return float(tokens * (4 * every + 2 * trainable + attention))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, _ = self.loss(batch)
-        self.log("train/loss", loss)  # written every trainer.log_every_n_steps steps
-        return loss
+        """The loss summed over this micro-batch's tokens: Lightning divides it by accumulate_grad_batches,
+        and DDP and FSDP2 average its gradients over the ranks; `on_before_optimizer_step` then divides
+        the gradients by the step's tokens instead."""
+        total, count = self.loss(batch)
+        sums = torch.stack([total.detach(), count.to(total.dtype)])
+        self.step_sums = sums if self.step_sums is None else self.step_sums + sums
+        return total
+
+    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Every micro-batch of the step on every rank has added its gradient: scale them to the gradient
+        of the mean over the step's tokens, all ranks together (one all-reduce of two numbers, on the
+        device: no rank waits on the host), and log that mean as train/loss."""
+        if self.step_sums is None:
+            return
+        trainer = self.trainer
+        loss_sum, tokens = trainer.strategy.reduce(self.step_sums, reduce_op="sum").unbind()
+        tokens = tokens.clamp(min=1)
+        scale = trainer.world_size * trainer.accumulate_grad_batches / tokens
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
+        self.log("train/loss", loss_sum / tokens)  # written every trainer.log_every_n_steps steps
+        self.step_sums = None
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss, count = self.loss(batch)
-        self.val_loss.update(loss, count)  # weighted by the tokens that count
+        total, count = self.loss(batch)
+        self.val_loss.update(total / count.clamp(min=1), count)  # weighted by the tokens that count
 
     def on_validation_epoch_end(self) -> None:
         self.log("val/loss", self.val_loss, prog_bar=True)
