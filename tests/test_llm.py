@@ -300,28 +300,6 @@ def test_the_exports_load_with_peft_and_transformers_alone(lora_run: Run, llm_da
         assert alone.generate(input_ids=ids, max_new_tokens=3, do_sample=False).shape == (1, ids.shape[1] + 3)
 
 
-@pytest.mark.slow
-def test_ddp_trains_the_adapters_into_a_file_checkpoint_written_asynchronously(
-    llm_data: Path, tmp_path: Path
-):
-    result = train(
-        tmp_path,
-        "experiment=lora_sft",
-        "trainer=ddp_cpu",
-        f"paths.data_dir={llm_data}",
-        *SHORT,
-        "trainer.limit_train_batches=4",
-        "checkpoints.async_save=true",
-        timeout=400,
-    )
-    assert_ok(result)
-    (run,) = run_dirs(tmp_path)
-    content = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
-    assert content["state_dict"] and all("lora_" in k for k in content["state_dict"])
-    assert trainable_only.stored(content) is not None
-    assert "sample after epoch 0:" in result.stdout
-
-
 # ------------------------------------------------------------------------------------------ in one process
 
 

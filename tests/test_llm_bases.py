@@ -1,0 +1,191 @@
+"""The bases people fine-tune (tests/llm_bases.py: one table of their shapes and flags), each under each
+strategy: `experiment=lora_sft` on the base's folder, its own tokenizer and chat template, replayed outside
+the template (tests/llm_reference.py: transformers, peft and torch's AdamW alone) on the batches it ran.
+
+Each cell is one short run: a validation of the base before the first step (the sanity check, every
+val batch), 4 micro-batches in 2 optimizer steps (`accumulate_grad_batches=2`), a validation, a generated
+sample and a checkpoint. It proves that the step-0 val/loss is transformers' own over the same tokens
+(<= 1e-4), that each step's train/loss is the reference's (<= 1e-4) and that the adapters after the last
+step are the reference's (<= 1e-5). Per base, beyond it: a resume, the evaluation of its checkpoint,
+generation with src/predict.py and both exports.
+
+CI runs the cells of CI_CELLS (a tied base with Conv1D layers and no pad token on one process, a tied
+ChatML base under FSDP2, a sliding-window base under DDP); the others run with `pytest --ondemand`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from hpctrain.runtime.storage.checkpoints import trainable_only
+from tests import llm_reference as reference
+from tests.helpers import ROOT, assert_ok, read_metrics, require_modules, run_dirs, train
+from tests.llm_bases import BASES, make
+
+STRATEGIES = ("cpu", "ddp_cpu", "fsdp_cpu")
+CI_CELLS = {("gpt2", "cpu"), ("qwen2.5", "fsdp_cpu"), ("mistral", "ddp_cpu")}
+LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+LR = 0.003
+ACCUMULATE = 2
+
+
+def cells() -> list:
+    return [
+        pytest.param(name, strategy, marks=() if (name, strategy) in CI_CELLS else pytest.mark.ondemand)
+        for name in BASES
+        for strategy in STRATEGIES
+    ]
+
+
+def require_llm() -> None:
+    require_modules("transformers", "peft", "tokenizers", "safetensors", install="pip install -e '.[llm]'")
+
+
+@pytest.fixture(scope="session")
+def base_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every base of the table, made once for the session, with 160 instructions beside it."""
+    require_llm()
+    from myproject.data import tiny_llm
+
+    root = tmp_path_factory.mktemp("bases")
+    records = tiny_llm.instructions(160)
+    return {name: make(base, root / name, records) for name, base in BASES.items()}
+
+
+def run_cell(folder: Path, strategy: str, logs: Path, *extra: str):
+    return train(
+        logs,
+        "experiment=lora_sft",
+        f"trainer={strategy}",
+        f"model.base.path={folder}",
+        f"data.path={folder / 'sft.jsonl'}",
+        "data.demo=false",
+        f"data.cache_dir={logs / 'tokenized'}",
+        "data.max_length=128",  # Qwen's default system prompt alone is 60 tokens here
+        "data.batch_size=4",
+        "data.val_fraction=0.1",  # 16 examples: 2 batches a rank on 2 ranks
+        f"model.lora.r={LORA['r']}",
+        f"model.lora.alpha={LORA['alpha']}",
+        f"model.lora.target_modules={LORA['target_modules']}",
+        f"model.optimizer.lr={LR}",
+        "model/scheduler=none",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=4",
+        f"trainer.accumulate_grad_batches={ACCUMULATE}",
+        "trainer.limit_val_batches=2",
+        "trainer.num_sanity_val_steps=-1",  # the whole (limited) val split before the first step
+        "trainer.log_every_n_steps=1",
+        "callbacks.chat_sample.max_new_tokens=4",
+        "+callbacks.record._target_=tests.llm_code.RecordSteps",
+        f"+callbacks.record.dir={logs / 'record'}",
+        "dist.timeout_min=0.5",
+        "dist.init_timeout_min=3",
+        *extra,
+        env={"PYTHONPATH": str(ROOT)},
+        timeout=400,
+    )
+
+
+class Cell(NamedTuple):
+    folder: Path  # the base's
+    logs: Path
+    run: Path
+    stdout: str
+
+
+@pytest.fixture(scope="session")
+def trained(base_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The run of a cell (base, strategy), made once for the session by the first test that asks."""
+    made: dict[tuple[str, str], Cell] = {}
+
+    def cell(name: str, strategy: str) -> Cell:
+        if (name, strategy) not in made:
+            logs = tmp_path_factory.mktemp(f"{name}-{strategy}")
+            result = run_cell(base_folders[name], strategy, logs, "checkpoints.async_save=true")
+            assert_ok(result)
+            (run,) = run_dirs(logs)
+            made[name, strategy] = Cell(base_folders[name], logs, run, result.stdout)
+        return made[name, strategy]
+
+    return cell
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "strategy"), cells())
+def test_a_base_trains_as_transformers_and_peft_alone_train_it(trained, name: str, strategy: str):
+    cell = trained(name, strategy)
+    records, params = reference.read(cell.logs / "record")
+    assert len(records) == (1 if strategy == "cpu" else 2)
+
+    # the base before the first step: transformers' own loss over the same tokens
+    val = [b for r in records for b in r["val"]]
+    assert all(r["val_loss"] == records[0]["val_loss"] for r in records)
+    want = reference.val_loss(cell.folder, val)
+    assert abs(records[0]["val_loss"] - want) <= 1e-4, (records[0]["val_loss"], want)
+
+    # each optimizer step: the loss over the step's tokens, all micro-batches and ranks, and the adapters
+    steps = reference.steps_of(records, ACCUMULATE)
+    assert len(steps) == 2 and sorted(params) == [0, 1, 2]
+    model = reference.adapted(cell.folder, LORA, params[0])
+    optimizer = torch.optim.AdamW(list(reference.trainable(model).values()), lr=LR, weight_decay=0.0)
+    losses = reference.replay(model, steps, optimizer)
+    logged = [float(r["train/loss"]) for r in read_metrics(cell.run) if r.get("train/loss")]
+    assert logged == pytest.approx(losses, abs=1e-4)
+    final = reference.trainable(model)
+    worst = max((params[2][n] - p.detach()).abs().max().item() for n, p in final.items())
+    assert worst <= 1e-5, worst
+    assert "sample after epoch 0:" in cell.stdout  # generated after the validation, on every rank
+
+    # its checkpoint, written while training went on: the adapters alone, over the base's fingerprint
+    last = cell.run / "checkpoints" / "last.ckpt"
+    if last.is_dir():
+        stored = [k.removeprefix("state_dict.") for k in _keys(last) if k.startswith("state_dict.")]
+    else:
+        content = torch.load(last, weights_only=True, map_location="cpu")
+        stored = list(content["state_dict"])
+        assert trainable_only.stored(content) is not None
+    assert sorted(stored) == sorted(final)
+
+
+def _keys(folder: Path) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return list(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [pytest.param("cpu", marks=pytest.mark.ondemand), "ddp_cpu"])
+def test_accumulated_micro_batches_on_any_ranks_give_the_gradient_of_one_batch(
+    base_folders: dict[str, Path], strategy: str, tmp_path: Path
+):
+    """2 micro-batches (on one process, and on each of 2), one SGD step at lr=1 without momentum: the
+    adapters moved by exactly the gradient of the mean loss over all their tokens taken as one batch, as
+    transformers (>= 4.46) and TRL weight them, not by the mean of per-batch means."""
+    folder = base_folders["llama-3.2"]
+    result = run_cell(
+        folder,
+        strategy,
+        tmp_path,
+        "model/optimizer=sgd",
+        "model.optimizer.lr=1.0",
+        "model.optimizer.momentum=0.0",
+        "model.optimizer.nesterov=false",
+        "model.optimizer.weight_decay=0.0",
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+    )
+    assert_ok(result)
+    records, params = reference.read(tmp_path / "record")
+    (examples,) = reference.steps_of(records, ACCUMULATE)
+    counts = [reference.tokens(b) for b in examples]
+    assert len(examples) == ACCUMULATE * len(records) and len(set(counts)) > 1, counts  # unequal batches
+    want = reference.gradient(reference.adapted(folder, LORA, params[0]), examples)
+    moved = {n: params[0][n] - params[1][n] for n in want}
+    scale = max(g.abs().max().item() for g in want.values())
+    worst = max((moved[n] - g).abs().max().item() for n, g in want.items())
+    assert worst <= 1e-6 * max(scale, 1.0), (worst, scale)
