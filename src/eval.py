@@ -1,7 +1,9 @@
-"""Test a checkpoint: python src/eval.py ckpt_path=<path/to/file.ckpt> [key=value ...]
+"""Evaluate a checkpoint: python src/eval.py ckpt_path=<path/to/file.ckpt> [eval.split=test|val] [key=value ...]
 
 The model config comes from the checkpoint (the weights define the architecture), and so does the
-data config unless you choose one (data=... or data.<key>=...). The lifecycle is train.py's (Job).
+data config unless you choose one (data=... or data.<key>=...). The test split where the model has a
+`test_step` and the data a test split, else the validation split (said in one line); `eval.split` chooses.
+The lifecycle is train.py's (Job).
 """
 
 import sys
@@ -26,8 +28,8 @@ def main(cfg: DictConfig) -> dict[str, float]:
         checkpoint = existing_checkpoint(job.settings.ckpt_path)
         cfg = job.from_checkpoint(checkpoint)  # the model (and data) it was trained with
         run = job.build(training=False)  # weights of another model: refused here
-        with job.running(run):  # under SLURM a signal requeues the job, which tests again
-            run.test(checkpoint)
+        with job.running(run):  # under SLURM a signal requeues the job, which evaluates again
+            run.evaluate(checkpoint, job.settings.eval.split)
             return job.finish(run)
     return {}
 

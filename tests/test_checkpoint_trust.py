@@ -380,21 +380,6 @@ def test_a_stored_interpolation_is_refused_unless_the_command_line_gives_the_val
         assert SECRET not in OmegaConf.to_yaml(given)
 
 
-def test_a_name_hydra_would_find_elsewhere_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A package that rebinds the name of one of its modules: importing `pkg.mod` finds the class the module
-    defines, Hydra's attribute-by-attribute lookup finds the package's `mod`, something else. Refused."""
-    package = tmp_path / "rebinding_pkg"
-    package.mkdir()
-    (package / "mod.py").write_text("class Name:\n    pass\n")
-    (package / "__init__.py").write_text(
-        "from rebinding_pkg import mod as _real\n\nclass mod:\n    Name = print\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert targets.resolve("rebinding_pkg.mod.Name").__module__ == "rebinding_pkg.mod"
-    with pytest.raises(UserError, match="leads Hydra's attribute-by-attribute lookup to another object"):
-        targets.resolved_for_hydra("rebinding_pkg.mod.Name")
-
-
 def test_a_classic_pickle_is_refused_before_it_runs(tmp_path: Path, marker: Path):
     path = hostile.classic_pickle(tmp_path / "pickled.ckpt", marker)
     with pytest.raises(UserError, match="holds pickled Python objects"):

@@ -52,7 +52,6 @@ class PerformanceLog(LightningPart, lightning="pytorch_lightning.Callback"):
         self.count_flops = bool(flops)
         self.peak_flops = peak_flops
         self.gpu_every_s = float(gpu_every_s)
-        self.model_config: Any = None  # set by the build: the model's config, for the FLOPs on a meta copy
         self.meter = RankMeter()
         self.summary: dict[str, Any] = {}
         self._every = 50
@@ -190,18 +189,14 @@ class PerformanceLog(LightningPart, lightning="pytorch_lightning.Callback"):
 
     def _count_flops(self, trainer: Trainer, batch: Any, pl_module: LightningModule | None = None) -> None:
         """Once, on rank 0: the FLOPs of one training step (the module's own count, `flops_per_batch(batch)`,
-        where it has one: a transformer's from its shape; else a meta copy's, else the first real step as
-        it runs), and the device's peak FLOP/s."""
+        where it has one: a transformer's from its shape; else the first real step's, as it runs), and the
+        device's peak FLOP/s."""
         if not (self.count_flops and trainer.is_global_zero):
             return
         self._peak = flop_count.peak_flops(trainer, self.peak_flops)
         own = getattr(pl_module, "flops_per_batch", None)
         if callable(own):
             self._flops_counted(float(own(batch)), batch)
-            return
-        counted = flop_count.meta_step_flops(self.model_config, batch)
-        if counted is not None:
-            self._flops_counted(counted, batch)
         else:
             self._real_counter = flop_count.RealStepCounter()
 

@@ -51,6 +51,13 @@ INTERNALS = (
         "tests/test_train.py::test_unknown_override_key_fails_naming_the_key",
     ),
     Internal(
+        "hydra._internal.utils:_locate",
+        "runtime/config/targets.py",
+        "a `_target_` looked up exactly as Hydra's instantiate looks it up (hydra.utils.get_object logs an "
+        "error before raising, which the one-sentence report replaces)",
+        "tests/test_hydra_spellings.py::test_every_public_name_is_found_as_hydra_finds_it",
+    ),
+    Internal(
         "hydra._internal.hydra:Hydra",
         "runtime/config/command_line.py",
         "--help lists each group's options from its config repository once instead of deep-copying it per group",

@@ -374,6 +374,19 @@ class Predict:
 
 
 @dataclass(frozen=True)
+class Eval:
+    """src/eval.py's (conf/eval.yaml): the split a checkpoint is evaluated on."""
+
+    split: str | None = setting(
+        None,
+        {"enum": [None, "test", "val"]},
+        "test, val or null",
+        "val",
+        "null: test where the model has a test_step and the data a test split, else val",
+    )
+
+
+@dataclass(frozen=True)
 class TrainerKeys:
     """The keys of Lightning's trainer group that hpctrain reads (the launch checks, the strategy, the CPU
     plan, the precision notes). The group's other keys are Lightning's: passed to the Trainer whole,
@@ -452,6 +465,7 @@ class Settings:
     trainer: TrainerKeys = field(default_factory=TrainerKeys)
     cluster: Cluster | None = None  # None: no preset chosen (cluster=null)
     predict: Predict | None = None  # None: not src/predict.py's config
+    eval: Eval | None = None  # None: not src/eval.py's config
     # the top-level keys (conf/train.yaml): the entry points' and the build's switches
     seed: int = setting(
         12345,
@@ -544,7 +558,7 @@ def _built(kind: type, content: Mapping[str, Any], prefix: str, where: Any) -> A
 def _section(kind: type, name: str) -> type | None:
     """The settings dataclass a field holds (a section of keys), or None for a plain value."""
     if kind is Settings:
-        return {**SECTIONS, "cluster": Cluster, "predict": Predict}.get(name)
+        return {**SECTIONS, "cluster": Cluster, "predict": Predict, "eval": Eval}.get(name)
     factory = next(f.default_factory for f in fields(kind) if f.name == name)
     return factory if factory is not MISSING and is_dataclass(factory) else None
 

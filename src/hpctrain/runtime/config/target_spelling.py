@@ -14,6 +14,7 @@ import ast
 import difflib
 import importlib.util
 import pkgutil
+import sys
 from pathlib import Path
 
 from hpctrain.runtime.config.compose import project_packages
@@ -54,6 +55,9 @@ def _names_under(parts: list[str]) -> set[str] | None:
     if spec is None:
         return None
     names = _top_level_names(spec.origin)
+    imported = sys.modules.get(".".join(parts))  # a package that re-exports with `import *` (torch.nn)
+    if imported is not None:
+        names |= set(dir(imported))
     if spec.submodule_search_locations:
         names |= {module.name for module in pkgutil.iter_modules(spec.submodule_search_locations)}
     return names

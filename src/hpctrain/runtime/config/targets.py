@@ -1,18 +1,15 @@
-"""Which code a run may build: one rule for every `_target_`, enforced here and nowhere else.
+"""Which code a run may build: one rule for a file's `_target_`s, and the project's own resolved as Hydra does.
 
 1. **A file's targets are a closed set of exact names** (`check_stored`). A config read from a file
    (a checkpoint's stored model and data config, an export's metadata) may name only a `_target_` that
    appears verbatim in the configs this project composes: every `_target_:` of the YAML files Hydra
    reads (conf/, hpctrain's groups, a `hydra.searchpath` folder), this command line's overrides, or the
    user's `checkpoints.trusted_targets`. A name is compared as a string, before anything is imported:
-   no prefix, no package, no pattern.
-2. **A target is one attribute of one module** (`resolve`), the project's own configs' included: the
-   module part is imported, and one attribute (or one attribute of a class) is taken from it, which must
-   be defined there (`obj.__module__` is that module) or be a public name the module declares (its
-   `__all__`, as `torch.optim` declares `AdamW`; a moved name its module's `__getattr__` keeps). Hydra
-   resolves a dotted name attribute by attribute, so to a prefix check
-   `<package>.<a module that imports torch>.torch.hub.load` is "the package's"; here it is no module's
-   attribute at all. Hydra's own lookup must then give the very same object.
+   no prefix, no package, no pattern. So a file reaches no further than the user's own configs do.
+2. **The project's own configs are trusted code**: a target there (and so one a file repeats exactly) is
+   looked up as Hydra looks it up (`locate`: `torch.nn.Linear`, `torch.optim.Adam`, a re-export, a
+   classmethod such as `LightningDataModule.from_datasets`); one that cannot be found is one sentence
+   with the name it most likely means.
 3. **A file's strings stay text**: `build_stored` builds a checked file's config from plain containers,
    with no OmegaConf (so no interpolation, no resolver) on it at all.
 
@@ -21,25 +18,23 @@ it warns, and Hydra 1.5 will refuse): `instantiate` passes the node's own exact 
 Hydra has one. Hydra 1.4 also checks a factory's result when it is callable, by its class's name: an
 nn.Module is, so a function of the project's that returns torchvision's ResNet needs `torchvision.*`;
 the packages of the template's stack (RESULT_PACKAGES), hpctrain's and the project's are allowed for
-results. The names themselves were decided above. No torch here.
+results. No torch here.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import importlib.util
 import re
-import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import hydra.utils
 import yaml
+from hydra._internal.utils import _locate  # Hydra's own lookup (hpctrain.runtime.internals)
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_object
 from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -170,7 +165,7 @@ def check_stored(
             raise refusal(source, f"{key}._target_" if key else TARGET, target, how, searchpath)
 
 
-# --------------------------------------------------------------------------- rule 2: one attribute
+# --------------------------------------------------------------------------- rule 2: as Hydra looks it up
 
 
 def cannot_import(target: str, missing: BaseException) -> UserError:
@@ -195,117 +190,19 @@ def cannot_import(target: str, missing: BaseException) -> UserError:
     )
 
 
-def _module(name: str) -> types.ModuleType | None:
-    """The module of that exact dotted name, imported; None when no module has that name."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name and (name == err.name or name.startswith(f"{err.name}.")):
-            return None  # the name itself (or a package above it) is not a module
-        raise  # the module exists, but something it imports is missing
-
-
-def _declared(module: types.ModuleType, name: str) -> bool:
-    """Whether `module` declares `name` public though another module defines it: its `__all__`, or a name
-    its module-level `__getattr__` (PEP 562: a moved name) answers."""
-    if name in (getattr(module, "__all__", None) or ()):
-        return True
-    return name not in vars(module) and "__getattr__" in vars(module)
-
-
-def _walk_refusal(target: str, owner: str, name: str, obj: Any) -> UserError:
-    if isinstance(obj, types.ModuleType):
-        held, fix = f"the module {obj.__name__}", "name the class or function by the module that defines it"
-    else:
-        defined = getattr(obj, "__module__", None) or type(obj).__module__
-        qualified = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", name)
-        held, fix = f"{defined}.{qualified}, imported", f"write `_target_: {defined}.{qualified}`"
-    return UntrustedTarget(
-        f"_target_: {target} is not a name {owner} defines ({name} there is {held}): a target is one "
-        f"attribute of one module, never followed through the modules another one imports; {fix}."
-    )
-
-
-def resolve(target: str) -> Any:
-    """Rule 2: the object `target` names, as one attribute of one module (or one attribute of a class
-    that module defines), else one sentence. Imports the module part (only call it for a name the
-    project's configs give, or one `check_stored` admitted)."""
-    parts = target.split(".") if isinstance(target, str) else []
-    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
-        raise UntrustedTarget(
-            f"_target_: {target!r} is not the dotted name of a module's class or function "
-            "(<module>.<name>, e.g. mypackage.models.Net); write the full path."
+def locate(target: Any) -> Any:
+    """Rule 2: the object `target` names, looked up as Hydra looks it up (module by module, then attribute
+    by attribute), else one sentence (a misspelt name: the one it most likely means). Imports what it
+    names: call it only for a name the project's configs give, or one `check_stored` admitted."""
+    if not isinstance(target, str) or "." not in target:
+        raise UserError(
+            f"_target_: {target!r} is not the dotted name of a class or function (<module>.<name>, e.g. "
+            "mypackage.models.Net); write the full path."
         )
-    for cut in (len(parts) - 1, len(parts) - 2):  # module.name, then module.Class.name
-        if cut < 1:
-            break
-        module_name = ".".join(parts[:cut])
-        try:
-            module = _module(module_name)
-        except ModuleNotFoundError as err:
-            raise cannot_import(target, err) from err
-        if module is None:
-            continue
-        name, rest = parts[cut], parts[cut + 1 :]
-        if not hasattr(module, name):
-            close = target_spelling.closest_target(target)
-            raise UserError(
-                f"_target_: {target} cannot be imported: module {module_name} has no {name}; "
-                + (
-                    f"did you mean {close}?"
-                    if close
-                    else "check the spelling of the class or function name in the config."
-                )
-            )
-        obj = getattr(module, name)
-        if isinstance(obj, types.ModuleType) or not (
-            getattr(obj, "__module__", None) == module.__name__ or _declared(module, name)
-        ):
-            raise _walk_refusal(target, module_name, name, obj)
-        if rest:  # one attribute of a class the module defines (Class.from_config)
-            if not isinstance(obj, type) or not hasattr(obj, rest[0]):
-                raise UserError(
-                    f"_target_: {target} cannot be imported: {module_name}.{name} has no attribute {rest[0]}; "
-                    "check the spelling of the name in the config."
-                )
-            obj = getattr(obj, rest[0])
-            if isinstance(obj, types.ModuleType):
-                raise _walk_refusal(target, f"{module_name}.{name}", rest[0], obj)
-        return obj
     try:
-        top = _module(parts[0])
-    except ModuleNotFoundError as err:
-        raise cannot_import(target, err) from err
-    if top is None:
-        raise cannot_import(target, ModuleNotFoundError(f"No module named {parts[0]!r}", name=parts[0]))
-    raise _not_a_module_attribute(target, parts)
-
-
-def _not_a_module_attribute(target: str, parts: list[str]) -> UntrustedTarget:
-    """The sentence for a name whose module part is no module: the longest module above it, and what
-    it holds under the next part (another module, most often: the walk Hydra would take)."""
-    for cut in range(len(parts) - 2, 0, -1):
-        module = _module(".".join(parts[:cut]))
-        if module is not None and hasattr(module, parts[cut]):
-            return _walk_refusal(target, module.__name__, parts[cut], getattr(module, parts[cut]))
-        if module is not None:
-            break
-    return UntrustedTarget(
-        f"_target_: {target} is not an attribute of a module (no module is named {'.'.join(parts[:-1])}); "
-        "write <module>.<name> for a class or function the module defines."
-    )
-
-
-def resolved_for_hydra(target: str) -> Any:
-    """`resolve(target)`, which Hydra's own lookup of the same string must give too (a package that
-    rebinds the name of one of its modules would send Hydra elsewhere)."""
-    obj = resolve(target)
-    if get_object(target) is not obj:
-        raise UntrustedTarget(
-            f"_target_: {target} leads Hydra's attribute-by-attribute lookup to another object than the one "
-            "its module defines under that name; name the object by the module that defines it."
-        )
-    return obj
+        return _locate(target)
+    except (ImportError, ValueError) as err:
+        raise cannot_import(target, err.__cause__ or err) from err
 
 
 # --------------------------------------------------------------------------- building
@@ -319,7 +216,7 @@ def build_stored(node: Any) -> Any:
     if isinstance(node, Mapping):
         if TARGET not in node:
             return {key: build_stored(value) for key, value in node.items()}
-        target = resolve(node[TARGET])
+        target = locate(node[TARGET])
         recursive = node.get(_RECURSIVE, True) is not False
         args = list(node.get(_ARGS) or [])
         kwargs = {k: v for k, v in node.items() if k not in (TARGET, _ARGS, _PARTIAL, _RECURSIVE, _CONVERT)}
@@ -347,13 +244,13 @@ def whitelist_supported() -> bool:
 
 def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     """hydra.utils.instantiate for a config the project composed (or one `check_stored` admitted): every
-    `_target_` in it resolved by rule 2 first, and, where Hydra has one, its exact names as Hydra's
-    execution whitelist (with the results' packages, see the module docstring)."""
+    `_target_` in it located first (a name that cannot be found is one sentence), and, where Hydra has one,
+    its exact names as Hydra's execution whitelist (with the results' packages, see the module docstring)."""
     plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig | ListConfig) else node
     names = {t for _, t in targets_in(plain) if isinstance(t, str)}
     names |= {t for _, t in targets_in(kwargs) if isinstance(t, str)}
     for name in sorted(names):
-        resolved_for_hydra(name)
+        locate(name)
     if not whitelist_supported():
         return hydra_instantiate(node, *args, **kwargs)
     packages = {f"{package}.*" for package in ("hpctrain", *project_packages(), *RESULT_PACKAGES)}

@@ -533,7 +533,9 @@ class HydraModelParallelStrategy(_HydraLaunched, LightningPart, lightning=MODEL_
         """A folder committed whole (`saves`, hpctrain.runtime.storage.checkpoints.folder_saves); the write
         into it is Lightning's: one shard per rank."""
         write = super().save_checkpoint
-        self.saves.save(self, checkpoint, filepath, lambda folder: write(checkpoint, folder, storage_options))
+        self.saves.save(
+            self, checkpoint, filepath, lambda state, folder: write(state, folder, storage_options)
+        )
 
     @property
     def last_save(self) -> Any:

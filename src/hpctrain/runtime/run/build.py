@@ -44,7 +44,6 @@ from hpctrain.callbacks.model_checkpoint import ModelCheckpoint
 from hpctrain.callbacks.monitored_metric import MonitoredMetric, no_monitor_note
 from hpctrain.callbacks.non_finite_loss import NonFiniteLoss
 from hpctrain.callbacks.one_rank_calls import OneRankCalls
-from hpctrain.callbacks.performance_log import PerformanceLog
 from hpctrain.callbacks.rank_watchdog import RankWatchdog
 from hpctrain.callbacks.requeue_on_signal import RequeueOnSignal
 from hpctrain.callbacks.resume_state import ResumeState
@@ -101,13 +100,32 @@ class Run:
             self.requeue.after_fit(self.trainer)  # a signal during the last validation
 
     def test(self, checkpoint: str | Path | None) -> None:
+        self._evaluate(self.trainer.test, checkpoint)
+
+    def evaluate(self, checkpoint: str | Path, split: str | None) -> None:
+        """src/eval.py: `checkpoint` on `split` (None: the test split where the model and the data have one,
+        else the validation split, said in one line)."""
+        lacking = {
+            "test": missing_test(self.model, self.datamodule),
+            "val": missing_hook(self.model, self.datamodule, "validation_step", "val_dataloader"),
+        }
+        if split is None:
+            split = "test" if lacking["test"] is None else "val"
+            if split == "val" and launched.is_rank_zero():
+                log.info("eval: %s, so the checkpoint is evaluated on the validation split", lacking["test"])
+        if lacking[split] is not None:
+            other = "val" if split == "test" else "test"
+            raise UserError(f"eval.split={split}, but {lacking[split]}; pass eval.split={other}.")
+        self._evaluate(self.trainer.test if split == "test" else self.trainer.validate, checkpoint)
+
+    def _evaluate(self, loop: Any, checkpoint: str | Path | None) -> None:
         self.check_namespace()
         if checkpoint is not None and Path(checkpoint).is_dir() and not _sharded_strategy(self.trainer):
-            with tempfile.TemporaryDirectory() as tmp:  # a sharded checkpoint tested on one process, whole
+            with tempfile.TemporaryDirectory() as tmp:  # a sharded checkpoint evaluated on one process, whole
                 single = consolidate(checkpoint, Path(tmp) / "model.ckpt", safetensors=False)[0]
-                self.trainer.test(self.model, self.datamodule, ckpt_path=single, weights_only=True)
+                loop(self.model, self.datamodule, ckpt_path=single, weights_only=True)
             return
-        self.trainer.test(self.model, self.datamodule, ckpt_path=checkpoint, weights_only=True)
+        loop(self.model, self.datamodule, ckpt_path=checkpoint, weights_only=True)
 
     def best_checkpoint(self) -> str | None:
         return best_checkpoint(self.trainer)
@@ -272,7 +290,7 @@ def built_from_file(node: Any, key: str) -> Any:
     its plain values (`targets.build_stored`: no interpolation on a file's strings), and checked as the
     project's own are, in the Lightning namespace of the run being built, else of the class it names."""
     target = node.get(targets.TARGET) if isinstance(node, dict) else None
-    named = targets.resolve(target) if isinstance(target, str) else None
+    named = targets.locate(target) if isinstance(target, str) else None
     namespace = namespaces.being_built() or namespaces.choose({key: named} if isinstance(named, type) else {})
     try:
         with namespaces.building(namespace):
@@ -323,7 +341,7 @@ def _respelled(node: Any, namespace: Namespace) -> Any:
 
 def _import_failure(err: InstantiationException) -> str | None:
     """One sentence for a `_target_` that cannot be imported when Hydra builds it (a module that imports
-    something missing as the class is built; a path is checked before, by `targets.resolve`), instead of
+    something missing as the class is built; a path is checked before, by `targets.locate`), instead of
     Hydra's three chained tracebacks."""
     cause = err.__cause__
     found = re.search(r"target '([^']+)'", str(err))
@@ -458,8 +476,6 @@ def callbacks(
     if not has_logger:
         lr_monitor = namespaces.current().get("pytorch_lightning.callbacks.LearningRateMonitor")
         callback_list = [c for c in callback_list if not isinstance(c, lr_monitor)]
-    for performance in (c for c in callback_list if isinstance(c, PerformanceLog)):
-        performance.model_config = cfg.get("model")  # its FLOPs are counted on a meta copy built from it
     callback_list.append(TrainableOnly(settings.checkpoints.trainable_only))  # how eval reads them too
     callback_list.append(
         RankWatchdog(
@@ -650,16 +666,25 @@ def log_hyperparameters(trainer: Trainer, cfg: DictConfig) -> None:
 def can_test(module: LightningModule, data: LightningDataModule) -> bool:
     """Whether `test=true` can test this model on this data: a module without a test_step (a GAN, say)
     or data without a test split is not an error, it is said once and the run completes."""
-    for owner, what, hook in ((module, "model", "test_step"), (data, "datamodule", "test_dataloader")):
+    missing = missing_test(module, data)
+    if missing is not None and launched.is_rank_zero():
+        log.info("no test: %s (pass test=false to skip it silently)", missing)
+    return missing is None
+
+
+def missing_test(module: LightningModule, data: LightningDataModule) -> str | None:
+    """Why this model cannot be tested on this data (None: it can)."""
+    missing = missing_hook(module, data, "test_step", "test_dataloader")
+    if missing is None and not getattr(data, "has_test", True):  # e.g. an image folder without test/
+        return "the datamodule has no test split"
+    return missing
+
+
+def missing_hook(module: LightningModule, data: LightningDataModule, step: str, loader: str) -> str | None:
+    for owner, what, hook in ((module, "model", step), (data, "datamodule", loader)):
         if not namespaces.is_overridden(hook, owner):
-            if launched.is_rank_zero():
-                log.info("no test: the %s has no %s (pass test=false to skip it silently)", what, hook)
-            return False
-    if not getattr(data, "has_test", True):  # e.g. an image folder without test/
-        if launched.is_rank_zero():
-            log.info("no test: the datamodule has no test split (pass test=false to skip it silently)")
-        return False
-    return True
+            return f"the {what} has no {hook}"
+    return None
 
 
 def best_checkpoint(trainer: Trainer) -> str | None:

@@ -38,7 +38,7 @@ from hpctrain.runtime.storage.checkpoints.folders import (
 )
 from hpctrain.runtime.storage.checkpoints.sharded import META_FILE
 from hpctrain.runtime.storage.checkpoints.staging import HostStaging
-from hpctrain.runtime.storage.checkpoints.writing import Save
+from hpctrain.runtime.storage.checkpoints.writing import Save, without_numpy
 
 
 class FolderSaves:
@@ -52,9 +52,15 @@ class FolderSaves:
         self._staging = HostStaging()  # the host copy of an asynchronous save, reused by the next
 
     def save(
-        self, strategy: Any, checkpoint: dict[str, Any], filepath: Any, write: Callable[[Path], None]
+        self,
+        strategy: Any,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        write: Callable[[dict[str, Any], Path], None],
     ) -> None:
-        """`write(folder)`: the strategy's own write of `checkpoint` into a folder, on every rank."""
+        """`write(checkpoint, folder)`: the strategy's own write of a checkpoint into a folder, on every
+        rank; numpy values in its state are written as Python numbers and tensors (`without_numpy`)."""
+        checkpoint = without_numpy(checkpoint)
         path = Path(strategy.broadcast(str(filepath)))
         token, tag = strategy.broadcast((uuid.uuid4().hex[:8], writer_tag()))  # rank 0's: one folder for all
         staging = staging_path(path, token, tag)
@@ -63,7 +69,7 @@ class FolderSaves:
             return
         started, step = time.perf_counter(), checkpoint.get("global_step")
         try:
-            write(staging)
+            write(checkpoint, staging)
             strategy.barrier("hpctrain-sharded-save")
             if strategy.global_rank == 0:
                 record_shards(staging)

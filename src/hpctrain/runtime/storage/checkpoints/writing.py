@@ -18,7 +18,6 @@ import io
 import logging
 import os
 import pickle
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from pytorch_lightning import LightningDataModule, LightningModule  # key names, as in lightning.pytorch
@@ -92,6 +92,7 @@ class AtomicCheckpointIO(LightningPart, lightning="lightning_fabric.plugins.io.t
 
     def _plain(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         checkpoint, left_out = plain_hyperparameters(checkpoint)
+        checkpoint = without_numpy(checkpoint)
         for key in _HPARAMS:  # no secret kept there either: URLs' credentials, values from the environment
             if key in checkpoint:
                 checkpoint[key] = redact.scrub(checkpoint[key], self.environment)
@@ -109,6 +110,21 @@ class AtomicCheckpointIO(LightningPart, lightning="lightning_fabric.plugins.io.t
         return checkpoint
 
 
+def without_numpy(value: Any) -> Any:
+    """`value` with numpy scalars as Python numbers and numpy arrays as tensors, at any depth: what a
+    scheduler written with numpy leaves in the optimizer's state (`lr` as a numpy.float64), which
+    weights_only=True loading refuses. The containers are new; nothing else changes."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, without_numpy(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(without_numpy(v) for v in value)
+    return value
+
+
 def check_readable(checkpoint: dict[str, Any]) -> None:
     """Refuse, before it is written, a checkpoint that `weights_only=True` loading could not read back (an
     object put there by a hook or a callback's state_dict): its structure, with every tensor replaced
@@ -119,14 +135,24 @@ def check_readable(checkpoint: dict[str, Any]) -> None:
     try:
         torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as err:
-        found = re.search(r"GLOBAL ([\w.]+)", str(err))
-        name = found.group(1) if found else "an object"
-        where = _key_of(checkpoint, name.rsplit(".", 1)[-1]) or "an entry"
+        parts, found = _first_object(checkpoint) or ((), None)
+        top = parts[0] if parts else ""
+        source = _SOURCES.get(top) or (f"callback {parts[1]}'s state_dict" if top == "callbacks" else "")
+        key = ".".join(str(part) for part in parts)
+        where = f"{key} (from {source or 'on_save_checkpoint'})" if key else "an entry"
         raise UnreadableCheckpoint(
-            f"the checkpoint's {where} holds a {name}, which weights_only=True loading refuses (resume, eval "
-            "and predict would fail on it); keep tensors, numbers, strings, lists and dicts in on_save_checkpoint "
-            "and state_dict (save an object's state, not the object)."
+            f"the checkpoint's {where} holds a {type(found).__module__}.{type(found).__qualname__}, which "
+            "weights_only=True loading refuses (resume, eval and predict would fail on it); keep tensors, numbers, "
+            "strings, lists and dicts there (save an object's state, not the object)."
         ) from err
+
+
+_SOURCES = {
+    "optimizer_states": "the optimizer's state_dict",
+    "lr_schedulers": "a scheduler's state_dict",
+    "state_dict": "the model's state_dict",
+    "loops": "Lightning's loops",
+}
 
 
 def _skeleton(value: Any) -> Any:
@@ -139,16 +165,16 @@ def _skeleton(value: Any) -> Any:
     return value
 
 
-def _key_of(node: Any, class_name: str, path: str = "") -> str | None:
-    """The dotted key of the first value in `node` whose class is named `class_name`."""
-    if type(node).__name__ == class_name:
-        return path or None
-    items = node.items() if isinstance(node, dict) else enumerate(node) if type(node) in (list, tuple) else ()
-    for key, value in items:
-        found = _key_of(value, class_name, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
-    return None
+def _first_object(node: Any, path: tuple[Any, ...] = ()) -> tuple[tuple[Any, ...], Any] | None:
+    """The keys leading to the first value in `node` that is no plain data, and that value."""
+    if type(node) in (dict, OrderedDict, list, tuple):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            found = _first_object(value, (*path, key))
+            if found:
+                return found
+        return None
+    return None if isinstance(node, _PLAIN) else (path, node)
 
 
 # where Lightning puts what save_hyperparameters() recorded, of the module and of the datamodule,
