@@ -15,12 +15,14 @@ ChatML base under FSDP2, a sliding-window base under DDP); the others run with `
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 
+from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.storage.checkpoints import trainable_only
 from tests import llm_reference as reference
 from tests.helpers import ROOT, assert_ok, read_metrics, require_modules, run_dirs, train
@@ -189,3 +191,103 @@ def test_accumulated_micro_batches_on_any_ranks_give_the_gradient_of_one_batch(
     scale = max(g.abs().max().item() for g in want.values())
     worst = max((moved[n] - g).abs().max().item() for n, g in want.items())
     assert worst <= 1e-6 * max(scale, 1.0), (worst, scale)
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+def _build(folder: Path, **settings):
+    from myproject.models.causal_lm import CausalLMLoRA
+
+    lora = {"r": 2, "target_modules": settings.pop("targets", "all-linear")}
+    return CausalLMLoRA({"path": str(folder)}, lora, torch.optim.AdamW, **settings)
+
+
+@pytest.mark.slow
+def test_target_modules_that_adapt_nothing_are_refused_naming_the_linear_layers(base_folders):
+    """Adapters on no layer, or a typo among several names (PEFT drops it silently): one sentence naming
+    the unmatched names and the model's linear layers, before anything is built."""
+    for name, targets, unmatched, layers in (
+        (
+            "llama-3.2",
+            ["q_proj", "v_prj"],
+            "v_prj",
+            "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
+        ),
+        ("gpt2", ["q_proj", "v_proj"], "q_proj, v_proj", "c_attn, c_proj, c_fc"),
+        ("phi-3", r".*\.q_proj", r".*\.q_proj", "o_proj, qkv_proj, gate_up_proj, down_proj"),
+    ):
+        with pytest.raises(UserError) as refused:
+            _build(base_folders[name], targets=targets)
+        assert str(refused.value).startswith(f"model.lora.target_modules: {unmatched} names no linear layer")
+        assert f"whose linear layers are {layers};" in str(refused.value)
+    assert _build(base_folders["gpt2"], targets=["c_attn"])  # the name of a Conv1D layer
+    assert _build(base_folders["phi-3"], targets=r".*\.qkv_proj")  # a regular expression, as PEFT takes it
+
+
+@pytest.mark.slow
+def test_a_base_folder_that_cannot_be_read_safely_or_fully_is_one_sentence(base_folders, tmp_path: Path):
+    import shutil
+
+    with pytest.raises(UserError, match=r"data.max_length=2048 is beyond the base's 1024 positions"):
+        _build(base_folders["gpt2"], max_length=2048)
+    assert _build(base_folders["gpt2"], max_length=1024)
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(base_folders["gpt2"], pickled)
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")  # never read: refused by name
+    with pytest.raises(UserError, match=rf"model.base.path={pickled} holds pytorch_model.bin only, a format"):
+        _build(pickled)
+
+    # a config asking for the folder's own code: never run, never asked about
+    own = tmp_path / "own"
+    shutil.copytree(base_folders["phi-3"], own)
+    ran = tmp_path / "ran"
+    (own / "modeling_phi3.py").write_text(f"open({str(ran)!r}, 'w')\n")
+    config = json.loads((own / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}
+    (own / "config.json").write_text(json.dumps(config))
+    assert type(_build(own).net.get_base_model()).__module__.startswith(
+        "transformers."
+    )  # transformers' Phi-3
+    config["model_type"] = "phi3_custom"
+    (own / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"asks to run its own Python code \(auto_map in config.json"):
+        _build(own)
+    assert not ran.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("override", "sentence"),
+    [
+        (
+            "model.base.path={missing}",
+            "error: model.base.path={missing} does not exist; pass a local Hugging Face model folder",
+        ),
+        (
+            "model.lora.target_modules=[q_proj,v_prj]",
+            "error: model.lora.target_modules: v_prj names no linear layer",
+        ),
+    ],
+)
+def test_a_mistake_in_the_model_is_one_sentence_and_exit_2_before_tokenizing(
+    base_folders, tmp_path: Path, override: str, sentence: str
+):
+    missing = tmp_path / "no-such-base"
+    folder = base_folders["llama-3.2"]
+    result = train(
+        tmp_path,
+        "experiment=lora_sft",
+        "trainer=cpu",
+        f"model.base.path={folder}",
+        f"data.path={folder / 'sft.jsonl'}",
+        "data.demo=false",
+        f"data.cache_dir={tmp_path / 'tokenized'}",
+        override.format(missing=missing),
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout[-2000:]
+    assert sentence.format(missing=missing) in result.stdout + (result.stderr or "")
+    assert "Traceback" not in result.stdout + (result.stderr or "")
+    assert not list(tmp_path.glob("tokenized/instructions-*"))  # nothing tokenized

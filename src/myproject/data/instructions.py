@@ -116,7 +116,7 @@ class InstructionsDataModule(TokenizedDataModule):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path))
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path), trust_remote_code=False)
         return self._tokenizer
 
     @property

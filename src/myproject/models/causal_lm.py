@@ -55,6 +55,7 @@ class CausalLMLoRA(L.LightningModule):
         scheduler: Callable[..., Any] | None = None,
         scheduler_interval: str = "step",
         packing: str = "none",
+        max_length: int | None = None,
     ) -> None:
         super().__init__()
         # imported here: the llm extra is optional, and the quick tier composes every model
@@ -67,7 +68,8 @@ class CausalLMLoRA(L.LightningModule):
             source = self.base_path
             if base.get("stage_dir"):  # read from node-local disk: copied there once per node
                 self.base_path = str(stage_folder(source, base["stage_dir"]))
-            config = AutoConfig.from_pretrained(self.base_path)
+            # never the folder's own Python code (a config's auto_map), never a question on the terminal
+            config = AutoConfig.from_pretrained(self.base_path, trust_remote_code=False)
             config.name_or_path = source  # what an exported adapter names as its base: the shared folder
             with empty_weights():  # read from its files by hpctrain (pretrained_files)
                 network = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -76,7 +78,9 @@ class CausalLMLoRA(L.LightningModule):
             config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
             network = AutoModelForCausalLM.from_config(config, dtype=dtype)
         network.config.use_cache = False  # training: no key/value cache (generate turns it on for itself)
+        _check_positions(max_length, network.config)
         targets = lora.get("target_modules", "all-linear")
+        _check_targets(targets, network)
         self.net = get_peft_model(
             network,
             LoraConfig(
@@ -108,9 +112,13 @@ class CausalLMLoRA(L.LightningModule):
             single = folder / "model.safetensors"
             with safe_open(str(single), framework="pt") as stored:
                 where = {k: str(single) for k in stored.keys()}  # noqa: SIM118 (a safetensors handle)
+        prefix = (
+            self.net.get_base_model().base_model_prefix + "."
+        )  # GPT-2's files name h.0..., not transformer.h.0...
         files = {}
         for name, _ in self.named_parameters():
             key = name.removeprefix("net.base_model.model.").replace(".base_layer.", ".")
+            key = key if key in where else key.removeprefix(prefix)
             if key in where:
                 files[name] = (where[key], key)
         return files
@@ -191,6 +199,48 @@ class CausalLMLoRA(L.LightningModule):
         )
 
 
+def _check_positions(max_length: int | None, config: Any) -> None:
+    positions = getattr(config, "max_position_embeddings", None)
+    if max_length is not None and positions is not None and max_length > positions:
+        raise UserError(
+            f"data.max_length={max_length} is beyond the base's {positions} positions (max_position_embeddings "
+            f"in its config.json); pass data.max_length={positions} or less."
+        )
+
+
+def _linear_layers(network: torch.nn.Module) -> dict[str, list[str]]:
+    """{last part of the name: full names} of the layers LoRA can adapt (nn.Linear, GPT-2's Conv1D), the
+    output layer aside, as PEFT's all-linear leaves it."""
+    from transformers.pytorch_utils import Conv1D
+
+    found: dict[str, list[str]] = {}
+    for name, module in network.named_modules():
+        if isinstance(module, (torch.nn.Linear, Conv1D)) and name.split(".")[-1] != "lm_head":
+            found.setdefault(name.split(".")[-1], []).append(name)
+    return found
+
+
+def _check_targets(targets: str | list[str], network: torch.nn.Module) -> None:
+    """Every name of model.lora.target_modules adapts some layer (PEFT's rule: a full name, or its last
+    parts); a regular expression matches some layer; else one sentence naming the model's linear layers."""
+    import re
+
+    layers = _linear_layers(network)
+    names = [name for names in layers.values() for name in names]
+    if isinstance(targets, str):
+        if targets == "all-linear" or any(re.fullmatch(targets, n) for n in names):
+            return
+        unmatched = [targets]
+    else:
+        unmatched = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if unmatched:
+        raise UserError(
+            f"model.lora.target_modules: {', '.join(map(str, unmatched))} names no linear layer of "
+            f"{type(network).__name__}, whose linear layers are {', '.join(layers)}; pass some of them, e.g. "
+            f"model.lora.target_modules=[{','.join(list(layers)[:2])}], or all-linear."
+        )
+
+
 def _base_folder(base: dict[str, Any]) -> str | None:
     path, config = base.get("path"), base.get("config")
     if (path is None) == (config is None):
@@ -201,12 +251,42 @@ def _base_folder(base: dict[str, Any]) -> str | None:
     if path is None:
         return None
     folder = Path(str(path)).expanduser()
+    if base.get("demo") and not (folder / "config.json").is_file():  # experiment=lora_sft: made offline
+        from hpctrain.data import made_once
+        from myproject.data import tiny_llm
+
+        made_once(folder.parent, tiny_llm.make, marker=f"{folder.name}/config.json")
     if not (folder / "config.json").is_file():
+        what = "holds no config.json" if folder.is_dir() else "does not exist"
         raise UserError(
-            f"model.base.path={folder} holds no config.json; pass a local Hugging Face model folder (config.json, "
+            f"model.base.path={folder} {what}; pass a local Hugging Face model folder (config.json, "
             "*.safetensors and the tokenizer files, e.g. as huggingface-cli download writes it)."
         )
+    if not any(folder.glob("*.safetensors")):
+        pickled = sorted(p.name for p in folder.glob("*.bin"))
+        held = f"holds {', '.join(pickled[:2])} only" if pickled else "holds no *.safetensors"
+        raise UserError(
+            f"model.base.path={folder} {held}, a format this template does not read (a pickle runs code when "
+            "loaded); convert it once where you trust the file: AutoModelForCausalLM.from_pretrained(folder)"
+            ".save_pretrained(new_folder) writes model.safetensors, then pass model.base.path=<new_folder>."
+        )
+    _check_own_code(folder)
     return str(folder)
+
+
+def _check_own_code(folder: Path) -> None:
+    """A config.json whose auto_map names the folder's own Python: transformers' implementation of its
+    model_type is used where transformers has one (the folder's code never runs, as with
+    trust_remote_code=False); without one the base is refused, never run and never asked about."""
+    from transformers import CONFIG_MAPPING
+
+    config = json.loads((folder / "config.json").read_text())
+    if "auto_map" in config and config.get("model_type") not in CONFIG_MAPPING:
+        raise UserError(
+            f"model.base.path={folder} asks to run its own Python code (auto_map in config.json, model_type "
+            f"{config.get('model_type')!r}, which transformers does not implement); this template never runs "
+            "code from a model folder: use a base of an architecture transformers implements."
+        )
 
 
 def _initialise_adapters(network: torch.nn.Module) -> None:

@@ -77,7 +77,8 @@ def run_peft(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
     from transformers import AutoModelForCausalLM
 
     base = PeftConfig.from_pretrained(str(path)).base_model_name_or_path
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(path)).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=False)  # never a folder's own code
+    model = PeftModel.from_pretrained(loaded, str(path)).eval()
     with torch.no_grad():
         return model(input_ids=inputs).logits
 
@@ -87,7 +88,7 @@ def run_merged(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=False).eval()
     with torch.no_grad():
         logits = model(input_ids=inputs).logits
         model.generate(input_ids=inputs[:1], max_new_tokens=4, do_sample=False)

@@ -212,14 +212,14 @@ def _data_class_has(node: DictConfig, flag: str) -> bool:
 def run_objects(
     cfg: DictConfig, settings: Settings, run_dir: str | Path, training: bool = True, sweep: bool = False
 ) -> Run:
-    """Datamodule (its data checked, on every rank, before any process group), model, callbacks,
+    """Datamodule, model, the data checked (on every rank, before any process group), callbacks,
     loggers and trainer for `cfg` (hpctrain's own keys read from `settings`, typed, checked in the
     preflight); with `training=False` (eval) no training-only callbacks; `sweep`: a point of a sweep,
     which needs the monitored value."""
     with namespace_of_run(cfg) as namespace:  # before anything is built: mixed imports are one sentence
         data = datamodule(cfg, settings)
+        module = tune_model(model(cfg), settings, settings.trainer.strategy)  # its mistakes before tokenizing
         check_data_available(data)
-        module = tune_model(model(cfg), settings, settings.trainer.strategy)
         built = trainer(cfg, settings, run_dir, training=training, sweep=sweep)
     monitor = next((c for c in built.callbacks if isinstance(c, MonitoredMetric)), None)
     requeue = next((c for c in built.callbacks if isinstance(c, RequeueOnSignal)), None)
