@@ -40,6 +40,8 @@ def train(cfg: DictConfig) -> float | None:
         with job.running(run):  # a signal: checkpoint where every rank agrees, then requeue or stop
             if settings.train:
                 run.fit(start.checkpoint)
+            else:  # the model as built, or as ckpt_path left it, on the val split: a base before fine-tuning
+                run.evaluate(start.checkpoint, "val")
             best = run.best_checkpoint()
             if settings.test and run.can_test():
                 run.test(best)

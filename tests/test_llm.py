@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -214,23 +216,50 @@ def _everything(folder: Path, scratch: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_ckpt_path_last_continues_the_newest_run_for_more_epochs(lora_run: Run, llm_data: Path):
-    """The guide's `ckpt_path=last trainer.max_epochs=N`: the newest last.ckpt of this task's runs (the
-    adapters only), one more epoch of 8 steps."""
-    last = lora_run.dir / "checkpoints" / "last.ckpt"
-    result = train(
-        lora_run.logs,
-        "experiment=lora_sft",
-        f"paths.data_dir={llm_data}",
-        *SHORT,
-        "ckpt_path=last",
-        "trainer.max_epochs=2",
-        timeout=400,
-    )
-    assert_ok(result)
-    assert f"starting from {last}" in result.stdout
-    (continued,) = [r for r in run_dirs(lora_run.logs) if r != lora_run.dir]
-    assert sharded.read_folder(continued / "checkpoints" / "last.ckpt", weights=False)["global_step"] == 16
+def test_the_guides_lines_run_in_order(lora_run: Run, llm_data: Path, tmp_path: Path):
+    """The guide's first block, line by line, each with the tests' short limits (its second line is the
+    session's lora_run): the base validated before fine-tuning; a DDP run; `ckpt_path=last` continuing the
+    DDP run's file checkpoint under FSDP2 for a second epoch; eval on the val split; answers to a JSONL of
+    prompts; an export. `<run>` is the newest run's folder."""
+    from tests.test_docs import block_commands, blocks
+
+    guide = ROOT / "docs" / "guides" / "fine-tune-a-language-model.md"
+    lines = block_commands(blocks(guide)[0])
+    second = ["python", "src/train.py", "experiment=lora_sft"]
+    assert shlex.split(lines[1], comments=True) == second  # the session's lora_run
+    logs, outputs, newest = lora_run.logs, [], {"train": lora_run.dir}
+    quick = (*SHORT, "trainer.limit_train_batches=4", f"paths.data_dir={llm_data}", "dist.timeout_min=0.5")
+    for line in [lines[0], *lines[2:]]:
+        words = shlex.split(line, comments=True)
+        if words[0] != "python":  # writing the prompts
+            assert subprocess.run(line, shell=True, cwd=tmp_path).returncode == 0, line
+            continue
+        task = {"src/train.py": "train", "src/eval.py": "eval", "src/predict.py": "predict"}.get(words[1])
+        args = [w.replace("<run>", str(newest["train"])) for w in words[2:]]
+        args = [a.replace("=prompts.jsonl", f"={tmp_path / 'prompts.jsonl'}") for a in args]
+        if task == "train":
+            result = train(logs, *quick, *args, timeout=400)  # the line's own values last: they win
+        else:
+            where = (f"paths.log_dir={logs}", f"paths.data_dir={llm_data}")
+            result = run_entry(words[1].removeprefix("src/"), *args, *where, timeout=400)
+        assert_ok(result)
+        outputs.append(result.stdout)
+        if task:
+            newest[task] = max(run_dirs(logs, task), key=lambda r: r.name)
+        if "trainer=ddp_cpu" in line:
+            ddp_run = newest["train"]
+
+    validated, _, continued, evaluated, predicted, exported = outputs
+    assert "predictions of 2 samples" in predicted
+    assert re.search(r"finished: val/loss \d+\.\d+  val/perplexity \d+", validated)  # the base, not fitted
+    assert f"starting from {ddp_run / 'checkpoints' / 'last.ckpt'}" in continued  # a file, under FSDP2
+    last = newest["train"] / "checkpoints" / "last.ckpt"
+    assert sharded.read_folder(last, weights=False)["global_step"] == 12  # 3 epochs of 4 steps
+    assert "evaluated on the validation split" in evaluated and "val/loss" in evaluated
+    answers = [json.loads(a) for a in (newest["predict"] / "predictions.jsonl").read_text().splitlines()]
+    assert [a["prompt"] for a in answers] == ["Reverse the word kalo.", "Say mi twice."]
+    assert all(isinstance(a["completion"], str) for a in answers)
+    assert re.search(rf"wrote {re.escape(str(logs))}/export/runs/[^/]+/adapter ", exported)
 
 
 def json_free(value: object, prefix: str = "") -> dict[str, torch.Tensor]:

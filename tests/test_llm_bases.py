@@ -16,6 +16,7 @@ ChatML base under FSDP2, a sliding-window base under DDP); the others run with `
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,7 +26,7 @@ import torch
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.storage.checkpoints import trainable_only
 from tests import llm_reference as reference
-from tests.helpers import ROOT, assert_ok, read_metrics, require_modules, run_dirs, train
+from tests.helpers import ROOT, assert_ok, read_metrics, require_modules, run_dirs, run_entry, train
 from tests.llm_bases import BASES, make
 
 STRATEGIES = ("cpu", "ddp_cpu", "fsdp_cpu")
@@ -191,6 +192,70 @@ def test_accumulated_micro_batches_on_any_ranks_give_the_gradient_of_one_batch(
     scale = max(g.abs().max().item() for g in want.values())
     worst = max((moved[n] - g).abs().max().item() for n, g in want.items())
     assert worst <= 1e-6 * max(scale, 1.0), (worst, scale)
+
+
+AFTER_CI = {"gpt2"}  # Conv1D layers, no pad token, files without the model's prefix
+
+
+def after_training() -> list:
+    """Each base under the strategy of its CI cell, else FSDP2."""
+    strategy = {name: s for name, s in CI_CELLS}
+    return [
+        pytest.param(
+            name, strategy.get(name, "fsdp_cpu"), marks=() if name in AFTER_CI else pytest.mark.ondemand
+        )
+        for name in BASES
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "strategy"), after_training())
+def test_a_trained_base_resumes_evaluates_answers_prompts_and_exports(trained, name: str, strategy: str):
+    """From its cell's checkpoint, under the same strategy: one more epoch (2 more steps); the val split
+    evaluated; greedy answers to a JSONL of prompts, in input order; both exports, each checked by loading
+    it back with transformers and peft alone, the merged one tied as the base is."""
+    cell = trained(name, strategy)
+    last = cell.run / "checkpoints" / "last.ckpt"
+    resumed = run_cell(cell.folder, strategy, cell.logs, f"ckpt_path={last}", "trainer.max_epochs=2")
+    assert_ok(resumed)
+    assert f"starting from {last}" in resumed.stdout
+    where = (f"paths.log_dir={cell.logs}", f"trainer={strategy}", "dist.timeout_min=0.5")
+    evaluated = run_entry("eval.py", f"ckpt_path={last}", *where, timeout=400)
+    assert_ok(evaluated)
+    assert re.search(r"finished: val/loss \d", evaluated.stdout)
+
+    prompts = cell.logs / "prompts.jsonl"
+    asked = [
+        "Reverse the word kalo.",
+        "Say mi twice.",
+        "What number comes after 41?",
+        "Spell to in capitals.",
+    ]
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in asked))
+    answered = run_entry(
+        "predict.py",
+        f"ckpt_path={last}",
+        f"predict.input={prompts}",
+        "predict.batch_size=2",  # left-padded rows of different lengths, one batch a rank
+        "+model.generation.max_new_tokens=6",
+        *where,
+        timeout=400,
+    )
+    assert_ok(answered)
+    (output,) = (cell.logs / "predict" / "runs").glob("*/predictions.jsonl")
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [(r["index"], r["prompt"]) for r in rows] == list(enumerate(asked))
+
+    base_config = json.loads((cell.folder / "config.json").read_text())
+    for fmt, folder in (("peft", "adapter"), ("hf_merged", "merged")):
+        exported = run_entry(
+            "export.py", f"ckpt_path={last}", f"export.format={fmt}", f"paths.log_dir={cell.logs}"
+        )
+        assert_ok(exported)
+        (written,) = (cell.logs / "export" / "runs").glob(f"*/{folder}")
+        assert (written / "model_card.md").is_file()
+    merged = json.loads(next((cell.logs / "export" / "runs").glob("*/merged/config.json")).read_text())
+    assert merged.get("tie_word_embeddings") == base_config["tie_word_embeddings"]
 
 
 # ------------------------------------------------------------------------------------------ refusals

@@ -171,6 +171,18 @@ class InstructionsDataModule(TokenizedDataModule):
         if skipped:
             log.info("%s: %d example(s) skipped: no token to learn from within data.max_length=%d", split, skipped, self.max_length)
 
+    def predict_input(self, path: Path, batch_size: int) -> Any:
+        """src/predict.py predict.input=<prompts.jsonl>: each prompt rendered as a conversation up to the
+        assistant's answer (myproject.data.prompts)."""
+        from myproject.data import prompts
+
+        def render(record: dict[str, Any]) -> list[int]:
+            if "text" in record and "messages" not in record:
+                return self.tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+            return self._chat(record.get("messages") or [{"role": "user", "content": record["prompt"]}], prompt=True)
+
+        return prompts.loader(path, render, self.pad_id, batch_size)
+
     def tokens(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
         """One record's token ids and labels (IGNORE where no loss is taken)."""
         tokens = self.tokenizer

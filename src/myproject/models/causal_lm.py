@@ -43,6 +43,7 @@ from myproject.models import optim
 from myproject.models.metrics import Mean
 
 IGNORE = -100
+GENERATION = {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -56,6 +57,7 @@ class CausalLMLoRA(L.LightningModule):
         scheduler_interval: str = "step",
         packing: str = "none",
         max_length: int | None = None,
+        generation: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         # imported here: the llm extra is optional, and the quick tier composes every model
@@ -97,6 +99,7 @@ class CausalLMLoRA(L.LightningModule):
         self.packed = packing == "concat"  # rows of several examples: attention kept inside each
         self.val_loss = Mean()
         self.step_sums: Tensor | None = None  # this rank's loss sum and token count since the last step
+        self.generation = {**GENERATION, **(generation or {})}
 
     def pretrained_files(self) -> dict[str, tuple[str, str]]:
         """{parameter: (safetensors file, tensor name)} of the base's weights (read by hpctrain)."""
@@ -192,11 +195,50 @@ class CausalLMLoRA(L.LightningModule):
         self.log("val/loss", self.val_loss, prog_bar=True)
         self.log("val/perplexity", math.exp(min(float(self.val_loss.compute()), 50.0)), sync_dist=True)
 
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, str]]:
+        """src/predict.py: an answer to each prompt of the batch (left-padded: myproject.data.prompts), up
+        to `generation.max_new_tokens` or the end-of-turn token; greedy at temperature 0, else sampled with
+        `top_p`, from `seed`, the batch and the rank (the same command gives the same answers). Every rank
+        generates until the last one is done (`synced_gpus`): under FSDP2 each step gathers parameters."""
+        tokenizer = self.trainer.datamodule.tokenizer  # type: ignore[attr-defined]
+        settings = self.generation
+        sampled = float(settings["temperature"]) > 0
+        torch.manual_seed(int(settings["seed"]) + 100_003 * batch_idx + self.global_rank)
+        with torch.no_grad():
+            out = self.net.generate(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                max_new_tokens=int(settings["max_new_tokens"]),
+                do_sample=sampled,
+                temperature=float(settings["temperature"]) if sampled else None,
+                top_p=float(settings["top_p"]) if sampled else None,
+                top_k=0 if sampled else None,  # top_p alone decides what is sampled
+                use_cache=True,
+                synced_gpus=_sharded(self.net),  # no rank waits for another's parameters forever
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id
+                if tokenizer.pad_token_id is not None
+                else tokenizer.eos_token_id,
+            )
+        answers = out[:, batch["input_ids"].shape[1] :]
+        return [
+            {"prompt": prompt, "completion": tokenizer.decode(answer, skip_special_tokens=True)}
+            for prompt, answer in zip(batch["prompt"], answers, strict=True)
+        ]
+
     def configure_optimizers(self) -> Any:
-        trainable = [p for p in self.parameters() if p.requires_grad]  # the adapters: the base is frozen
+        """Every parameter, in the module's order: the frozen base never has a gradient, so the optimizer
+        steps and keeps state for the adapters alone, and its state is numbered as the module's parameters
+        are (a checkpoint of one strategy then continues under another: FSDP2 names the states by that
+        numbering)."""
         return optim.configure(
-            self, trainable, self.optimizer_factory, self.scheduler_factory, self.scheduler_interval
+            self, self.parameters(), self.optimizer_factory, self.scheduler_factory, self.scheduler_interval
         )
+
+
+def _sharded(network: torch.nn.Module) -> bool:
+    """Whether the parameters are sharded across processes (FSDP2: every forward gathers them)."""
+    return any(callable(getattr(p, "full_tensor", None)) for p in network.parameters())
 
 
 def _check_positions(max_length: int | None, config: Any) -> None:
