@@ -669,3 +669,36 @@ def test_the_ten_node_command_is_checked_and_not_run(tmp_path: Path):
     assert_ok(result)
     assert "sbatch --nodes=10 --ntasks-per-node=8 --gres=gpu:8" in result.stdout
     assert "experiment=lora_sft_gpu model.base.path=/scratch/someone/models/llama" in result.stdout
+
+
+@pytest.mark.slow
+def test_no_training_or_validation_step_makes_the_host_read_a_device_value(llm_data: Path, tmp_path: Path):
+    """Counted where torch reads a tensor's value on the host (what makes a GPU wait): none in 4 training
+    steps between logging steps (the token-weighted loss's all-reduce stays on the device), none in a
+    validation step (the loss weighted by a device tensor)."""
+    out = tmp_path / "reads.json"
+    result = train(
+        tmp_path,
+        "experiment=lora_sft",
+        "trainer=cpu",
+        f"paths.data_dir={llm_data}",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=7",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=10",
+        "trainer.accumulate_grad_batches=2",
+        "callbacks.chat_sample=null",
+        "+callbacks.reads._target_=tests.llm_code.CountHostReads",
+        f"+callbacks.reads.out={out}",
+        env={"PYTHONPATH": str(ROOT)},
+        timeout=400,
+    )
+    assert_ok(result)
+    reads = json.loads(out.read_text())
+    # allowed: transformers' check that a padding mask lets sdpa use its causal kernel, once per forward
+    # (a library's choice of the faster kernel), and the optimizer's step counters, which torch keeps on
+    # the host (no GPU waits for them)
+    allowed = ("masking_utils.py:", "optimizer.py:")
+    found = {k: {p: n for p, n in v.items() if not p.startswith(allowed)} for k, v in reads.items()}
+    assert found == {"train": {}, "val": {}}, reads
+    assert reads["val"] and reads["train"]  # the counting sees what it should
