@@ -108,7 +108,8 @@ def trained(base_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     def cell(name: str, strategy: str) -> Cell:
         if (name, strategy) not in made:
             logs = tmp_path_factory.mktemp(f"{name}-{strategy}")
-            result = run_cell(base_folders[name], strategy, logs, "checkpoints.async_save=true")
+            recompute = f"model.gradient_checkpointing={strategy == 'fsdp_cpu'}"  # a model option under FSDP2
+            result = run_cell(base_folders[name], strategy, logs, "checkpoints.async_save=true", recompute)
             assert_ok(result)
             (run,) = run_dirs(logs)
             made[name, strategy] = Cell(base_folders[name], logs, run, result.stdout)
@@ -181,6 +182,7 @@ def test_accumulated_micro_batches_on_any_ranks_give_the_gradient_of_one_batch(
         "trainer.limit_train_batches=2",
         "trainer.limit_val_batches=0",
         "trainer.num_sanity_val_steps=0",
+        "model.gradient_checkpointing=true",  # recomputed activations give the same gradient, under DDP too
     )
     assert_ok(result)
     records, params = reference.read(tmp_path / "record")
@@ -194,7 +196,7 @@ def test_accumulated_micro_batches_on_any_ranks_give_the_gradient_of_one_batch(
     assert worst <= 1e-6 * max(scale, 1.0), (worst, scale)
 
 
-AFTER_CI = {"gpt2"}  # Conv1D layers, no pad token, files without the model's prefix
+AFTER_CI: set[str] = set()  # CI runs the guide's lines instead (tests/test_llm.py), on the tied demo base
 
 
 def after_training() -> list:
@@ -256,6 +258,57 @@ def test_a_trained_base_resumes_evaluates_answers_prompts_and_exports(trained, n
         assert (written / "model_card.md").is_file()
     merged = json.loads(next((cell.logs / "export" / "runs").glob("*/merged/config.json")).read_text())
     assert merged.get("tie_word_embeddings") == base_config["tie_word_embeddings"]
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_recomputes_each_layer_and_keeps_the_gradient(base_folders):
+    """model.gradient_checkpointing=true: every decoder layer runs again in the backward, and the adapters'
+    gradient is the one without it (within float32's rounding)."""
+    from hpctrain.runtime.distributed.materialize import materialize
+    from myproject.models.causal_lm import CausalLMLoRA
+
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    grads, calls = [], []
+    for recompute in (False, True):
+        torch.manual_seed(0)  # the same adapters
+        model = CausalLMLoRA(
+            {"path": str(base_folders["llama-3.2"])},
+            {"r": 2},
+            torch.optim.AdamW,
+            gradient_checkpointing=recompute,
+        )
+        materialize(model, "cpu")
+        first = model.net.get_base_model().model.layers[0].input_layernorm  # run again when recomputed
+        first.register_forward_hook(lambda *_, on=recompute: calls.append(on))
+        model.train()
+        total, _ = model.loss(batch)
+        total.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert calls.count(False) == 1 and calls.count(True) == 2  # forward, and again in the backward
+    worst = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
+    assert worst <= 1e-6, worst
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_of_fsdp_under_another_strategy_is_refused_naming_the_model_option(tmp_path):
+    from hpctrain.runtime.config.checks import check_config
+    from hpctrain.runtime.config.compose import compose
+
+    cfg = compose(
+        "train",
+        [
+            "experiment=lora_sft",
+            "trainer=ddp_cpu",
+            "dist.fsdp.activation_checkpointing=true",
+            f"paths.output_dir={tmp_path}",
+        ],
+    )
+    with pytest.raises(
+        UserError,
+        match=r"^dist.fsdp.activation_checkpointing=true recomputes FSDP2's blocks, but trainer.strategy=ddp; .*model.gradient_checkpointing=true",
+    ):
+        check_config(cfg)
 
 
 # ------------------------------------------------------------------------------------------ refusals

@@ -58,6 +58,7 @@ class CausalLMLoRA(L.LightningModule):
         packing: str = "none",
         max_length: int | None = None,
         generation: dict[str, Any] | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         # imported here: the llm extra is optional, and the quick tier composes every model
@@ -80,6 +81,10 @@ class CausalLMLoRA(L.LightningModule):
             config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
             network = AutoModelForCausalLM.from_config(config, dtype=dtype)
         network.config.use_cache = False  # training: no key/value cache (generate turns it on for itself)
+        if (
+            gradient_checkpointing
+        ):  # each decoder layer's activations recomputed in the backward, any strategy
+            network.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         _check_positions(max_length, network.config)
         targets = lora.get("target_modules", "all-linear")
         _check_targets(targets, network)
