@@ -311,6 +311,78 @@ def test_activation_checkpointing_of_fsdp_under_another_strategy_is_refused_nami
         check_config(cfg)
 
 
+@pytest.mark.slow
+def test_a_base_in_4_bits_trains_its_adapters_in_their_dtype(base_folders):
+    """model.base.quantization=nf4 (QLoRA): every frozen linear layer of the base stored as torchao's NF4
+    (about an eighth of its float32 bytes), its logits within the quantization's error of the base's, the
+    adapters float32 with a gradient; dequantized, the layers give back the values it computed with."""
+    require_modules("torchao", install="pip install -e '.[llm]'")
+    from hpctrain.runtime.distributed.materialize import materialize
+    from myproject.models.causal_lm import CausalLMLoRA
+
+    def built(**base):
+        torch.manual_seed(0)
+        model = CausalLMLoRA({"path": str(base_folders["qwen2.5"]), **base}, {"r": 2}, torch.optim.AdamW)
+        materialize(model, "cpu")
+        return model
+
+    def frozen_bytes(model) -> int:
+        inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+        total = 0
+        for name, p in model.named_parameters():
+            if not p.requires_grad and "layers." in name:
+                parts = [getattr(p, k) for k in inner] if hasattr(p, "quantized_data") else [p]
+                total += sum(t.numel() * t.element_size() for t in parts)
+        return total
+
+    full, four = built(), built(quantization="nf4")
+    layers = [
+        m
+        for m in four.net.modules()
+        if isinstance(m, torch.nn.Linear) and hasattr(m.weight, "quantized_data")
+    ]
+    assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
+    assert frozen_bytes(four) * 5 < frozen_bytes(full), (frozen_bytes(four), frozen_bytes(full))
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (four(ids) - full(ids)).abs().max().item()
+    assert 0 < difference < 0.5, difference  # the 4-bit codes' error, on logits of about unit size
+    total, _ = four.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    total.backward()
+    adapters = [p for p in four.parameters() if p.requires_grad]
+    assert adapters and all(p.dtype == torch.float32 and p.grad is not None for p in adapters)
+    with torch.no_grad():
+        before = four(ids)
+        assert four.dequantize() == 14 and torch.allclose(four(ids), before, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.ondemand
+def test_qlora_trains_under_ddp_exports_merged_and_is_refused_under_fsdp2_and_as_adapters(
+    base_folders, tmp_path: Path
+):
+    require_modules("torchao", install="pip install -e '.[llm]'")
+    folder = base_folders["qwen2.5"]
+    result = run_cell(
+        folder, "ddp_cpu", tmp_path, "model.base.quantization=nf4", "trainer.limit_val_batches=1"
+    )
+    assert_ok(result)
+    (run,) = run_dirs(tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+    merged = run_entry(
+        "export.py", f"ckpt_path={last}", "export.format=hf_merged", f"paths.log_dir={tmp_path}"
+    )
+    assert_ok(merged)  # checked against the trained model over its dequantized base, with transformers alone
+    adapters = run_entry("export.py", f"ckpt_path={last}", "export.format=peft", f"paths.log_dir={tmp_path}")
+    assert (
+        adapters.returncode == 2
+        and "trained over its quantized weights (14 layers in 4 bits)" in adapters.stdout
+    )
+    sharded = run_cell(folder, "fsdp_cpu", tmp_path / "fsdp", "model.base.quantization=nf4")
+    assert sharded.returncode == 2, sharded.stdout[-2000:]
+    assert "error: model.base.quantization=nf4 quantizes the base once it is read whole" in sharded.stdout
+
+
 # ------------------------------------------------------------------------------------------ refusals
 
 

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from hpctrain import UserError, empty_weights
 from hpctrain.data import stage_folder
-from myproject.models import optim
+from myproject.models import optim, quantized
 from myproject.models.metrics import Mean
 
 IGNORE = -100
@@ -65,6 +65,14 @@ class CausalLMLoRA(L.LightningModule):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        self.quantization = base.get("quantization")
+        if self.quantization not in (None, "nf4"):
+            raise UserError(
+                f"model.base.quantization={self.quantization} is not one of nf4, null; pass "
+                "model.base.quantization=nf4 (QLoRA: the frozen base in 4 bits) or null."
+            )
+        if self.quantization:
+            quantized.check_installed()
         self.base_path = _base_folder(base)
         dtype = getattr(torch, str(base.get("dtype") or "float32"))
         if self.base_path is not None:
@@ -99,6 +107,8 @@ class CausalLMLoRA(L.LightningModule):
             ),
         )
         _initialise_adapters(self.net)
+        if self.quantization and self.base_path is None:  # a new architecture: its weights exist already
+            self._quantize()
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.scheduler_interval = scheduler_interval
         self.packed = packing == "concat"  # rows of several examples: attention kept inside each
@@ -130,6 +140,34 @@ class CausalLMLoRA(L.LightningModule):
             if key in where:
                 files[name] = (where[key], key)
         return files
+
+    def pretrained_loaded(self) -> None:
+        """Called by hpctrain once the base's values are read: with model.base.quantization=nf4, its
+        frozen linear layers in 4 bits (myproject.models.quantized)."""
+        if not self.quantization:
+            return
+        if _sharded(self.net):
+            raise UserError(
+                "model.base.quantization=nf4 quantizes the base once it is read whole, but under FSDP2 "
+                "(trainer.strategy=fsdp) each rank reads only its shards; train it with trainer=cpu, ddp_cpu "
+                "or ddp (each process holding the 4-bit base), or pass model.base.quantization=null."
+            )
+        self._quantize()
+
+    def _quantize(self) -> None:
+        quantized.to_nf4(self.net)
+        # DDP copies every parameter from rank 0 as it wraps the module (torch's private list of those it
+        # leaves out: tests/test_llm_bases.py fails if it goes), and a 4-bit weight copied in is
+        # quantized again, not kept: every process quantized the same values already
+        from torch.nn.parallel import DistributedDataParallel
+
+        four_bits = [n for n, p in self.named_parameters() if quantized.is_quantized(p)]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, four_bits)
+
+    def dequantize(self) -> int:
+        """The base's 4-bit weights back in their dtype, the values it computed with (an export writes
+        those); how many layers were quantized."""
+        return quantized.dequantized(self.net)
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None

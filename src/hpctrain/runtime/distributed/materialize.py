@@ -12,7 +12,8 @@ always real (a rotary embedding's frequencies are computed when the module is bu
   memory-mapped file and keeping only its own shard (`distribute_tensor` without communication), one
   tensor at a time. The ranks of a node read the same pages of the node's page cache, so a base staged
   to node-local disk is read from disk once per node, and no rank ever holds the whole base.
-A parameter left empty that the files do not hold is one sentence, before any step. A parameter shared
+A parameter left empty that the files do not hold is one sentence, before any step. Once they are read,
+the module's `pretrained_loaded()`, if it has one, is called. A parameter shared
 by several modules (tied input and output embeddings) stays shared: `to_empty` gives each module its own
 tensor, and a file stores the shared tensor once.
 """
@@ -95,6 +96,8 @@ def materialize(module: nn.Module, device: torch.device | str) -> int:
         read = 0
         for path, names in _by_file(files, empty).items():
             read += _fill_from(path, {n: tensors[n] for n in names}, files)
+    if callable(loaded := getattr(module, "pretrained_loaded", None)):
+        loaded()  # what the module does with the values once they are in (e.g. quantize its base)
     return read
 
 

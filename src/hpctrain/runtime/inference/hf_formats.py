@@ -60,11 +60,24 @@ def _save_folder(model: Any, predictor: Predictor, folder: Path) -> None:
             shutil.copyfile(Path(source) / name, folder / name)
 
 
+def _dequantized(predictor: Predictor) -> int:
+    """A base trained quantized (QLoRA) back in the values it computed with: the layers it had quantized."""
+    dequantize = getattr(predictor.model, "dequantize", None)
+    return dequantize() if callable(dequantize) else 0
+
+
 def write_peft(predictor: Predictor, example: Tensor, path: Path) -> None:
+    if quantized := _dequantized(predictor):
+        raise UserError(
+            f"export.format=peft writes adapters for the base in its folder, but they were trained over its "
+            f"quantized weights ({quantized} layers in 4 bits); export.format=hf_merged writes them merged into "
+            "those weights, as the model computed."
+        )
     _save_folder(peft_model(predictor, "peft"), predictor, path)
 
 
 def write_merged(predictor: Predictor, example: Tensor, path: Path) -> None:
+    _dequantized(predictor)
     merged = copy.deepcopy(peft_model(predictor, "hf_merged")).merge_and_unload()
     merged.config.use_cache = True  # for generation, the user's next step
     _save_folder(merged, predictor, path)
