@@ -188,6 +188,7 @@ NEEDS_VALUES[("experiment", "lora_sft_gpu")] = [  # one batch on one CPU process
     "model.base.dtype=float32",
     "trainer.strategy=auto",
     "trainer.precision=32-true",
+    "dist.fsdp.activation_checkpointing=false",  # FSDP2's: refused under another strategy
 ]
 
 

@@ -181,13 +181,12 @@ class CausalLMLoRA(L.LightningModule):
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """The next-token cross-entropy summed over the tokens that count, and how many count."""
         logits = self(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
-        targets = batch["labels"][:, 1:]
+        # each position's next token (the last position predicts none): the logits are read as they are,
+        # not copied into a shifted view
+        targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
         count = (targets != IGNORE).sum()
         total = F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-            targets.reshape(-1),
-            ignore_index=IGNORE,
-            reduction="sum",
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
         )
         return total, count
 
