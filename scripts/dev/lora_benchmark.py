@@ -20,8 +20,8 @@ them alike; `--rounds` rounds:
 
 Per variant: tokens a loss was taken on per second, the median over the steps after `--warmup` of each
 step's rate (host clock, from taking the baton to the step's end: the template's loading of the batch,
-its hooks and logging included), and the peak RSS of the process while it trained (VmHWM, reset when
-training starts). The ratio template/bare is the median of the rounds' ratios.
+its hooks and logging included), the peak RSS of the process while it trained (VmHWM, reset when
+training starts), and the bytes its parameters hold (4-bit weights as stored). The ratio template/bare is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -94,6 +94,16 @@ def overrides(args: argparse.Namespace, data_dir: str, out: str) -> list[str]:
     ]
 
 
+def parameter_bytes(module) -> int:
+    """The bytes the module's parameters hold (a 4-bit weight's codes and scales, as stored)."""
+    inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+    total = 0
+    for p in module.parameters():
+        parts = [getattr(p, k) for k in inner] if hasattr(p, "quantized_data") else [p]
+        total += sum(t.numel() * t.element_size() for t in parts)
+    return total
+
+
 def tokens(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
@@ -104,10 +114,16 @@ class Turns:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.inbox, self.outbox = os.open(args.baton_in, os.O_RDWR), os.open(args.baton_out, os.O_RDWR)
+        self.ready = os.open(Path(args.baton_in).with_name("ready"), os.O_RDWR)
         self.total = args.warmup + args.steps
         self.seconds: list[float] = []
         self.counted: list[int] = []
         self._started = 0.0
+
+    def start(self) -> None:
+        """Ready to train (its model built, its data read); the first turn comes once every process is."""
+        os.write(self.ready, b"r")
+        self.take()
 
     def take(self) -> None:
         os.read(self.inbox, 1)
@@ -136,8 +152,9 @@ def run_template(args: argparse.Namespace, cfg, settings, found: dict) -> None:
 
     class Measure(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
+            found["parameter_mib"] = parameter_bytes(pl_module) / 2**20
             _reset_peak()
-            turns.take()
+            turns.start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             turns.step_done(tokens(batch))  # and waits for its next turn, the rest of this batch's work in it
@@ -178,8 +195,9 @@ def run_bare(args: argparse.Namespace, cfg, settings, found: dict) -> None:
     model = get_peft_model(base, lora).train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     turns = Turns(args)
+    found["parameter_mib"] = parameter_bytes(model) / 2**20
     _reset_peak()
-    turns.take()
+    turns.start()
     for batch in batches:
         count = tokens(batch)
         loss = model(
@@ -215,7 +233,8 @@ def _round(args: argparse.Namespace, data_dir: str, env: dict) -> dict:
     boxes = [ring / f"baton-{i}" for i in range(len(VARIANTS))]
     for box in boxes:
         os.mkfifo(box)
-    held = [os.open(box, os.O_RDWR) for box in boxes]  # open while the workers come and go
+    os.mkfifo(ring / "ready")
+    held = [os.open(box, os.O_RDWR) for box in [*boxes, ring / "ready"]]  # open while the workers come and go
     workers = []
     for i, variant in enumerate(VARIANTS):
         command = [PYTHON, str(Path(__file__).resolve()), "--worker", "--variant", variant,
@@ -227,7 +246,9 @@ def _round(args: argparse.Namespace, data_dir: str, env: dict) -> dict:
         workers.append(
             (variant, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env), out)
         )
-    os.write(held[0], b"x")  # the first turn
+    for _ in VARIANTS:  # none steps while another still builds its model: the first turn once all are ready
+        os.read(held[-1], 1)
+    os.write(held[0], b"x")
     found = {}
     for variant, process, out in workers:
         process.wait(timeout=3600)
@@ -293,12 +314,13 @@ def main() -> None:
         "peak_rss_mib": {
             v: round(statistics.median(r[v]["peak_rss_mib"] for r in rounds), 1) for v in VARIANTS
         },
+        "parameter_mib": {v: round(rounds[0][v]["parameter_mib"], 1) for v in VARIANTS},
         "template_over_bare": round(statistics.median(r["ratio"] for r in rounds), 3),
         "goal": GOAL,
     }
     print(
         f"LoRA on CPU, a {parameters / 1e6:.0f} M-parameter base, 1 process: tokens/s {summary['tokens_per_s']}, "
-        f"peak RSS MiB {summary['peak_rss_mib']}; template/bare {summary['template_over_bare']} (goal >= {GOAL})"
+        f"peak RSS MiB {summary['peak_rss_mib']}, parameters MiB {summary['parameter_mib']}; template/bare {summary['template_over_bare']} (goal >= {GOAL})"
     )
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
