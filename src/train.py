@@ -44,6 +44,8 @@ def train(cfg: DictConfig) -> "Outcome":
         start.prepare(run.model, cfg.model, init)  # the checkpoint checked, or init_from's weights loaded
         if settings.train:
             run.fit(start.checkpoint)  # a signal: checkpoint where every rank agrees, then requeue or stop
+        else:  # the model as built, or as ckpt_path left it, on the val split: a base before fine-tuning
+            run.evaluate(start.checkpoint, "val")
         best = run.best_checkpoint()
         if settings.test and run.can_test():
             run.test(best)

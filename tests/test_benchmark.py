@@ -66,3 +66,18 @@ def test_the_fsdp_benchmark_reports_memory_throughput_and_saves(tmp_path: Path):
         )
     assert f"of sync (goal <= {1 / 8};" in result.stdout  # the ratio printed, measured in the same run
     assert all(size > 0 for size in report["saves"]["fsdp"]["bytes_per_rank"])  # every rank wrote its shard
+
+
+@pytest.mark.ondemand
+def test_the_lora_benchmark_reports_tokens_memory_and_the_ratio(tmp_path: Path):
+    """scripts/dev/lora_benchmark.py at a tiny size: each variant's tokens/s and peak RSS, and template/bare
+    computed from the same round (on demand: three processes each train a model)."""
+    out = tmp_path / "lora.json"
+    result = run_script("scripts/dev/lora_benchmark.py", "--tiny", "--json", str(out), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["tokens_per_s"]) == set(report["peak_rss_mib"]) == {"template", "bare", "qlora"}
+    assert all(v > 0 for v in (*report["tokens_per_s"].values(), *report["peak_rss_mib"].values()))
+    assert (
+        report["template_over_bare"] > 0 and f"template/bare {report['template_over_bare']}" in result.stdout
+    )

@@ -341,7 +341,7 @@ def test_a_stored_string_never_resolves_whatever_escaping_it_carries(
         path = tmp_path / f"{i}.ckpt"
         stored = {"choices": options, "monitor": {"metric": text}, "data": {"pin_memory": text}}
         torch.save({"state_dict": {}, reading.CONFIG_KEY: stored}, path)
-        given = reading.config_from_checkpoint(OmegaConf.create({"seed": 1}), path, [])
+        given, _ = reading.config_from_checkpoint(OmegaConf.create({"seed": 1}), path, [])
         assert given.monitor.metric == "val/acc" and given.data.pin_memory is None  # the project's own
         assert SECRET not in OmegaConf.to_yaml(given, resolve=True)
         stored["model"] = {"net": {"dropout": text}}

@@ -188,6 +188,7 @@ NEEDS_VALUES[("experiment", "lora_sft_gpu")] = [  # one batch on one CPU process
     "model.base.dtype=float32",
     "trainer.strategy=auto",
     "trainer.precision=32-true",
+    "dist.fsdp.activation_checkpointing=false",  # FSDP2's: refused under another strategy
 ]
 
 
@@ -274,10 +275,11 @@ def test_data_option_yields_a_batch(option: str, tmp_path: Path, data_dir: Path)
 
 def _one_batch_of_everything(cfg, tmp_path: Path) -> None:
     """fast_dev_run: one real training, validation and test batch through the composed objects."""
-    datamodule, module = build.datamodule(cfg.data, Settings.of(cfg)), build.model(cfg.model)
+    with build.namespace_of_run(cfg):  # the data and the trainer follow the model's Lightning package
+        datamodule, module = build.datamodule(cfg.data, Settings.of(cfg)), build.model(cfg.model)
+        trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
     build.check_data_available(datamodule)
     before = [p.detach().clone() for p in module.parameters()]
-    trainer = build.trainer(cfg, Settings.of(cfg), tmp_path, logger=False)
     trainer.fit(module, datamodule)
     if build.can_test(module, datamodule):  # as train.py: a module without a test_step is not tested
         trainer.test(module, datamodule)

@@ -284,8 +284,9 @@ def test_eval_composes_the_options_and_values_a_checkpoint_proposes_and_the_comm
     cfg = OmegaConf.create({"model": {}, "data": {}, "monitor": {"metric": "val/acc", "mode": "max"}})
     with caplog.at_level("INFO"):
         given = ["model.optimizer.lr=0.5", f"paths.data_dir={tmp_path}", "trainer.max_epochs=3"]
-        cfg = config_from_checkpoint(cfg, tmp_path / "last.ckpt", given)
+        cfg, options = config_from_checkpoint(cfg, tmp_path / "last.ckpt", given)
     assert cfg.model._target_ == "myproject.models.classifier.ImageClassifier"  # the project's, as composed
     assert (cfg.model.net.dropout, cfg.model.optimizer.lr, cfg.data.batch_size) == (0.25, 0.5, 32)
     assert (cfg.monitor.metric, cfg.monitor.mode) == ("val_loss", "min")
     assert "trainer" not in cfg  # only the groups a checkpoint proposes are composed
+    assert options == stored["choices"]  # what the run's summary shows as its options

@@ -5,6 +5,7 @@ benchmark: install
 	$(PYTHON) scripts/dev/benchmark.py
 	$(PYTHON) scripts/dev/data_benchmark.py
 	$(PYTHON) scripts/dev/fsdp_benchmark.py
+	$(PYTHON) scripts/dev/lora_benchmark.py
 
 # The quick tier against the oldest and the newest releases of hpctrain's support window (fresh venvs);
 # PRE=1 adds the newest with the next Hydra and OmegaConf release candidates

@@ -23,14 +23,16 @@ class ThroughputLog(LightningPart, lightning="pytorch_lightning.Callback"):
     process started the first training step began.
 
     For token batches (a mapping with `labels`, -100 where no loss is taken: padding, masked prompts) it
-    logs `train/tokens_per_s` too: the tokens a loss was taken on, all ranks together, per second. They are
-    counted on the device, so no step waits for the count.
+    logs `train/tokens_per_s` at every logging step (`trainer.log_every_n_steps`): the tokens a loss was
+    taken on since the last one, all ranks together, per second. They are counted on the device, so no
+    step waits for the count.
     """
 
     def __init__(self) -> None:
         self.samples = 0
         self.tokens: Any = None  # a device tensor, for token batches
         self.seconds = 0.0
+        self._logged: tuple[Any, float] = (0, 0.0)  # the tokens and seconds at the last logging step
         self._started: float | None = None
         self._first_step_logged = True
 
@@ -39,7 +41,7 @@ class ThroughputLog(LightningPart, lightning="pytorch_lightning.Callback"):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.samples, self.seconds, self._started = 0, 0.0, time.perf_counter()
-        self.tokens = None
+        self.tokens, self._logged = None, (0, 0.0)
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -57,8 +59,22 @@ class ThroughputLog(LightningPart, lightning="pytorch_lightning.Callback"):
     ) -> None:
         self.samples += batch_size_of(batch)
         counted = tokens_of(batch)
-        if counted is not None:
-            self.tokens = counted if self.tokens is None else self.tokens + counted
+        if counted is None:
+            return
+        self.tokens = counted if self.tokens is None else self.tokens + counted
+        if trainer._logger_connector.should_update_logs:  # as Lightning's LearningRateMonitor asks
+            seconds = self.seconds + time.perf_counter() - (self._started or time.perf_counter())
+            if seconds > self._logged[1]:
+                pl_module.log(
+                    "train/tokens_per_s",
+                    (self.tokens - self._logged[0]).double()
+                    / (seconds - self._logged[1])
+                    / tensor_parallel(trainer),
+                    on_step=True,
+                    sync_dist=True,  # a logging step: every rank logs
+                    reduce_fx="sum",
+                )
+            self._logged = (self.tokens, seconds)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause()
@@ -74,14 +90,6 @@ class ThroughputLog(LightningPart, lightning="pytorch_lightning.Callback"):
                 sync_dist=True,
                 reduce_fx="sum",
             )
-            if self.tokens is not None:
-                pl_module.log(
-                    "train/tokens_per_s",
-                    self.tokens.double() / self.seconds / tensor_parallel(trainer),
-                    on_epoch=True,
-                    sync_dist=True,
-                    reduce_fx="sum",
-                )
 
     def _pause(self) -> None:
         if self._started is not None:

@@ -45,6 +45,12 @@ INTERNALS = (
         since="torch 2.8",
     ),
     Internal(
+        "pytorch_lightning.trainer.connectors.logger_connector.logger_connector:_LoggerConnector.should_update_logs",
+        "callbacks/throughput_log.py",
+        "whether this step's logged values are written (Lightning's LearningRateMonitor asks it too)",
+        "tests/test_llm.py::test_tokens_per_second_and_the_learning_rate_are_logged_per_log_interval",
+    ),
+    Internal(
         "hydra._internal.utils:run_and_report",
         "runtime/config/command_line.py",
         "Hydra reports composition errors through it; wrapped so a mistake is one sentence, exit 2",

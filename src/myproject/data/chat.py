@@ -138,6 +138,12 @@ def _turns(
     return spans
 
 
+def prompt_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The conversation so far rendered up to the assistant's answer (its generation prompt): what a model
+    continues at inference, tokenized as training tokenizes a conversation."""
+    return list(tokenizer(_render(tokenizer, messages, prompt=True), add_special_tokens=False)["input_ids"])
+
+
 def _render(tokenizer: Any, messages: list[dict[str, Any]], prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
 

@@ -130,7 +130,7 @@ class InstructionsDataModule(TokenizedDataModule):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path))
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path), trust_remote_code=False)
             if self.chat_template is not None:
                 self._tokenizer.chat_template = self.chat_template
         return self._tokenizer
@@ -213,6 +213,19 @@ class InstructionsDataModule(TokenizedDataModule):
                 self.max_length,
                 skipped,
             )
+
+    def predict_input(self, path: Path, batch_size: int) -> Any:
+        """src/predict.py predict.input=<prompts.jsonl>: each prompt rendered as a conversation up to the
+        assistant's answer (myproject.data.prompts)."""
+        from myproject.data import prompts
+
+        def render(record: dict[str, Any]) -> list[int]:
+            if "text" in record and "messages" not in record:
+                return self.tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+            messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+            return chat.prompt_tokens(self.tokenizer, messages)
+
+        return prompts.loader(path, render, self.pad_id, batch_size)
 
     def tokens(self, record: dict[str, Any]) -> tuple[list[int], list[int]]:
         """One record's token ids and labels (IGNORE where no loss is taken), as a line of the file is read."""

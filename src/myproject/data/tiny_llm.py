@@ -30,7 +30,7 @@ ARCHITECTURE = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
+    "tie_word_embeddings": True,  # as most small bases people fine-tune (Qwen2.5, Llama-3.2, Gemma)
 }
 SYLLABLES = ["ka", "lo", "mi", "ren", "to", "vi", "sul", "ne", "pa", "dor", "fi", "gu", "ha", "je", "ost", "ru"]
 

@@ -41,8 +41,9 @@ class Mean(Metric):
         self.add_state("weighted_sum", torch.zeros((), dtype=torch.float32), dist_reduce_fx="sum")
         self.add_state("count", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, batch_mean: Tensor, batch_size: int) -> None:
-        self.weighted_sum.add_(batch_mean.detach().float(), alpha=batch_size)
+    def update(self, batch_mean: Tensor, batch_size: int | Tensor) -> None:
+        # a multiplication, not add_(alpha=...): a device tensor as alpha would be read on the host
+        self.weighted_sum.add_(batch_mean.detach().float() * batch_size)
         self.count.add_(batch_size)
 
     def compute(self) -> Tensor:

@@ -136,6 +136,12 @@ def _check_precision(settings: Settings) -> None:
         )
     _check_mpi(settings.dist.backend)
     _check_tensor_parallel(settings, fsdp)
+    if not fsdp and settings.dist.fsdp.activation_checkpointing:
+        raise UserError(
+            f"dist.fsdp.activation_checkpointing=true recomputes FSDP2's blocks, but trainer.strategy={keys.strategy}"
+            "; without FSDP2 a model recomputes its own (model.gradient_checkpointing=true in model=causal_lm_lora)"
+            ", or pass trainer=fsdp."
+        )
     if fsdp and precision in ("16", "16-mixed"):
         raise UserError(
             f"trainer.precision={precision} under FSDP2 (trainer.strategy=fsdp): Lightning's ModelParallelStrategy "

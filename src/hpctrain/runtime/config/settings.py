@@ -475,7 +475,7 @@ class Settings:
         "42",
         "seeds torch, numpy, python and dataloader workers",
     )
-    train: bool = flag(True, "true", "fit the model")
+    train: bool = flag(True, "false", "fit the model; false: validate it as built (or as ckpt_path left it)")
     test: bool = flag(True, "false", "test the best checkpoint after fit")
     ckpt_path: str | None = setting(
         None,

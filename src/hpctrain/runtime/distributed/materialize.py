@@ -12,7 +12,10 @@ always real (a rotary embedding's frequencies are computed when the module is bu
   memory-mapped file and keeping only its own shard (`distribute_tensor` without communication), one
   tensor at a time. The ranks of a node read the same pages of the node's page cache, so a base staged
   to node-local disk is read from disk once per node, and no rank ever holds the whole base.
-A parameter left empty that the files do not hold is one sentence, before any step.
+A parameter left empty that the files do not hold is one sentence, before any step. Once they are read,
+the module's `pretrained_loaded()`, if it has one, is called. A parameter shared
+by several modules (tied input and output embeddings) stays shared: `to_empty` gives each module its own
+tensor, and a file stores the shared tensor once.
 """
 
 from __future__ import annotations
@@ -81,11 +84,15 @@ def materialize(module: nn.Module, device: torch.device | str, checkpoint_fills:
             "tensors in pretrained_files()."
         )
     kept = {name: _local(t).detach().clone() for name, t in _tensors(module) if not t.is_meta}
+    shared = _shared_parameters(module)
     if checkpoint_fills and any(p.is_meta for p in module.parameters(recurse=False)):
         module.to_empty(device=device, recurse=False)
     for child in module.children():  # the networks (FSDP2 roots), not the metrics beside them
         if has_empty_parameters(child):
             child.to_empty(device=device)  # FSDP2 re-registers its sharded parameters (FSDPModule._apply)
+    for (first, first_name), *others in shared:
+        for owner, name in others:
+            setattr(owner, name, getattr(first, first_name))
     tensors = dict(_tensors(module))
     with torch.no_grad():
         for name, value in kept.items():
@@ -93,7 +100,18 @@ def materialize(module: nn.Module, device: torch.device | str, checkpoint_fills:
         read = 0
         for path, names in _by_file(files, empty).items():
             read += _fill_from(path, {n: tensors[n] for n in names}, files)
+    if callable(loaded := getattr(module, "pretrained_loaded", None)):
+        loaded()  # what the module does with the values once they are in (e.g. quantize its base)
     return read
+
+
+def _shared_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Where each parameter held by several modules is registered, first as `named_modules` meets it."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, param in owner.named_parameters(recurse=False):
+            places.setdefault(id(param), []).append((owner, name))
+    return [where for where in places.values() if len(where) > 1]
 
 
 def _pretrained_files(module: nn.Module) -> Mapping[str, tuple[str, str]]:

@@ -60,11 +60,24 @@ def _save_folder(model: Any, predictor: Predictor, folder: Path) -> None:
             shutil.copyfile(Path(source) / name, folder / name)
 
 
+def _dequantized(predictor: Predictor) -> int:
+    """A base trained quantized (QLoRA) back in the values it computed with: the layers it had quantized."""
+    dequantize = getattr(predictor.model, "dequantize", None)
+    return dequantize() if callable(dequantize) else 0
+
+
 def write_peft(predictor: Predictor, example: Tensor, path: Path) -> None:
+    if quantized := _dequantized(predictor):
+        raise UserError(
+            f"export.format=peft writes adapters for the base in its folder, but they were trained over its "
+            f"quantized weights ({quantized} layers in 4 bits); export.format=hf_merged writes them merged into "
+            "those weights, as the model computed."
+        )
     _save_folder(peft_model(predictor, "peft"), predictor, path)
 
 
 def write_merged(predictor: Predictor, example: Tensor, path: Path) -> None:
+    _dequantized(predictor)
     merged = copy.deepcopy(peft_model(predictor, "hf_merged")).merge_and_unload()
     merged.config.use_cache = True  # for generation, the user's next step
     _save_folder(merged, predictor, path)
@@ -77,7 +90,8 @@ def run_peft(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
     from transformers import AutoModelForCausalLM
 
     base = PeftConfig.from_pretrained(str(path)).base_model_name_or_path
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(path)).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=False)  # never a folder's own code
+    model = PeftModel.from_pretrained(loaded, str(path)).eval()
     with torch.no_grad():
         return model(input_ids=inputs).logits
 
@@ -87,7 +101,7 @@ def run_merged(path: Path, inputs: Tensor, predictor: Predictor) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=False).eval()
     with torch.no_grad():
         logits = model(input_ids=inputs).logits
         model.generate(input_ids=inputs[:1], max_new_tokens=4, do_sample=False)

@@ -1,7 +1,7 @@
-"""model_card.md beside an export: what the model is, what it takes and gives, how well it did, and how
-to load it. Everything comes from what exists: the checkpoint, the config stored in it, and the records of
-the run that trained it (its run dir is usually the checkpoint's folder's parent: run.yaml, outcome.yaml,
-metrics.csv, see `records`); a record that is missing is said, not guessed.
+"""model_card.md beside an export (inside an exported folder): what the model is, what it takes and
+gives, how well it did, and how to load it. Everything comes from what exists: the checkpoint, the config
+stored in it, and the records of the run that trained it (its run dir is usually the checkpoint's folder's
+parent: run.yaml, outcome.yaml, metrics.csv, see `records`); a record that is missing is said, not guessed.
 
 Those are files someone else may have written: what they give is shown as data, one line of text each
 (`_text`: no line break, no backtick, so nothing they hold can end a comment or open a code block), a
@@ -43,8 +43,9 @@ CARD = "model_card.md"
 
 
 def write(exported: Exported, predictor: Predictor, checkpoint: Path) -> Path:
-    """Write model_card.md in the export's folder and return its path."""
-    card = exported.path.parent / CARD
+    """Write model_card.md inside the export where it is a folder (peft, hf_merged), else beside its file;
+    return its path."""
+    card = (exported.path if exported.path.is_dir() else exported.path.parent) / CARD
     card.write_text(text(exported, predictor, checkpoint))
     return card
 

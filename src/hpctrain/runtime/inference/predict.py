@@ -1,9 +1,10 @@
 """Prediction with a trained model: every sample exactly once, on one process or many, in input order.
 
 What is predicted, in this order of choice:
-- `predict.input`: a folder of PNG/JPEG images (any depth, sorted by path; decoded as in
-  `hpctrain.data.decode`) or a tensor file (`.pt` read with weights_only, or `.npy`) of uint8 images
-  (N, C, H, W) with the checkpoint's `data.image_shape`;
+- `predict.input`: a file the datamodule reads itself where it has `predict_input(path, batch_size)` (a
+  loader: the prompts of a language model's datamodule), else a folder of PNG/JPEG images (any depth,
+  sorted by path; decoded as in `hpctrain.data.decode`) or a tensor file (`.pt` read with weights_only, or
+  `.npy`) of uint8 images (N, C, H, W) with the checkpoint's `data.image_shape`;
 - the datamodule's own `predict_dataloader`, if it has one (and `predict.split` was not given);
 - the split `predict.split` (test, val or train), unshuffled.
 Batches of an input look like a labelled split's (images, -1), so the datamodule's batch hooks (the
@@ -16,7 +17,8 @@ each batch holds. `PredictionWriter` keeps each rank's predictions with those in
 writes them to `<run dir>/predictions/part-rank<N>.pt`, and rank 0 merges the parts by index into one
 file, written atomically: a job stopped by a signal leaves no half-written output (under SLURM it is
 requeued and predicts again). A module whose `predict_step` returns `{"class", "probs"}` (the template's
-classifier) gets a CSV `index,path,class,prob_0..prob_{K-1}`; any other gets `predictions.pt`
+classifier) gets a CSV `index,path,class,prob_0..prob_{K-1}`; one that returns a list of JSON objects, one
+a sample (a language model's generations), `predictions.jsonl`; any other gets `predictions.pt`
 (`{"index": ..., "predictions": ...}`, loadable with weights_only=True).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,7 +42,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from hpctrain.data import decode
 from hpctrain.data.loading import ResumableDataLoader, TensorDataset
 from hpctrain.runtime.config.settings import Predict
-from hpctrain.runtime.distributed.materialize import has_empty_parameters, materialize
+from hpctrain.runtime.distributed.materialize import has_empty_parameters
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.inference.export import tensors
 from hpctrain.runtime.namespaces import LightningPart, is_overridden, namespace_of
@@ -73,11 +76,11 @@ def predict(
         run_dir, output, paths
     )  # the trainer's namespace
     run.trainer.callbacks.append(writer)
+    if has_empty_parameters(run.model):  # a base read once sharded (FSDP2): the weights loaded after it
+        run.trainer.predict(run.model, run.datamodule, ckpt_path=checkpoint, return_predictions=False)
+        return writer.written
     # The weights only (as trainer.predict(ckpt_path=...) would load), without Lightning's warning that
-    # the training callbacks stored in the checkpoint are missing: prediction needs none of them. Under
-    # FSDP2 the model is still without memory here (the strategy shards it later): it takes memory first.
-    if has_empty_parameters(run.model):
-        materialize(run.model, "cpu", checkpoint_fills=True)
+    # the training callbacks stored in the checkpoint are missing: prediction needs none of them.
     trainable_only.load_weights(run.model, reading.read(checkpoint), f"ckpt_path={checkpoint}")
     run.trainer.predict(run.model, run.datamodule, return_predictions=False)
     return writer.written
@@ -92,6 +95,15 @@ def choose_source(
     """Point the datamodule's `predict_dataloader` at what is to be predicted; returns its description and,
     for a folder of images, each sample's path."""
     batch_size = int(settings.batch_size or getattr(datamodule, "batch_size", None) or 64)
+    read = getattr(datamodule, "predict_input", None)
+    if settings.input and callable(read):  # a file of the datamodule's own kind
+        given = read(
+            Path(settings.input).expanduser(), batch_size
+        )  # its dataset and collate, shared out here
+        _serve(
+            datamodule, lambda: in_order(given.dataset, batch_size, 0, datamodule.trainer, given.collate_fn)
+        )
+        return f"{len(given.dataset)} samples of predict.input={settings.input}", None
     if settings.input:
         dataset, paths = input_dataset(Path(settings.input).expanduser(), _image_shape(datamodule))
         _serve(datamodule, lambda: in_order(dataset, batch_size, settings.num_workers, datamodule.trainer))
@@ -122,12 +134,16 @@ def _serve(datamodule: LightningDataModule, make_loader: Callable[[], Any]) -> N
     datamodule.predict_dataloader = make_loader  # type: ignore[method-assign]
 
 
-def in_order(dataset: Any, batch_size: int, workers: int, trainer: Trainer | None) -> DataLoader:
+def in_order(
+    dataset: Any, batch_size: int, workers: int, trainer: Trainer | None, collate: Any = None
+) -> DataLoader:
     """The samples in their order, each rank its share, padded with the first samples again so that
     every rank runs as many batches (the writer keeps each sample once)."""
     shares = trainer.distributed_sampler_kwargs if trainer is not None else None
     sampler = DistributedSampler(dataset, shuffle=False, **shares) if shares else None
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers)
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate
+    )
 
 
 def _image_shape(datamodule: LightningDataModule) -> tuple[int, ...]:
@@ -274,11 +290,18 @@ class PredictionWriter(LightningPart, lightning="pytorch_lightning.callbacks.Bas
         keep[1:] = index[1:] != index[:-1]  # a sample predicted twice (a padding sampler of the user's): once
         order = order[keep]
         index, predictions = index[keep], apply_to_collection(predictions, Tensor, lambda t: t[order])
+        records = _is_records(predictions)
+        if records:
+            predictions = [predictions[i] for i in order.tolist()]
         classifier = _is_classification(predictions)
-        output = self.output or self.parts_dir.parent / (
-            "predictions.csv" if classifier else "predictions.pt"
-        )
-        if classifier and output.suffix != ".pt":
+        kind = "csv" if classifier else "jsonl" if records else "pt"
+        output = self.output or self.parts_dir.parent / f"predictions.{kind}"
+        if records and output.suffix != ".pt":
+            lines = (
+                json.dumps({"index": i, **r}) + "\n" for i, r in zip(index.tolist(), predictions, strict=True)
+            )
+            write_atomically(output, "".join(lines))
+        elif classifier and output.suffix != ".pt":
             _write_csv(output, index, predictions, self.paths)
         else:
             _save_atomically({"index": index, "predictions": predictions}, output)
@@ -291,7 +314,10 @@ class PredictionWriter(LightningPart, lightning="pytorch_lightning.callbacks.Bas
 
 
 def _rows(prediction: Any) -> int:
-    """The number of samples a prediction covers: the first dimension every tensor in it shares."""
+    """The number of samples a prediction covers: the first dimension every tensor in it shares (or the
+    length of a list of JSON objects)."""
+    if _is_records(prediction):
+        return len(prediction)
     leaves = tensors(prediction)
     sizes = {len(t) if isinstance(t, Tensor) and t.dim() > 0 else None for t in leaves}
     if len(sizes) != 1 or None in sizes:
@@ -305,8 +331,14 @@ def _rows(prediction: Any) -> int:
     return sizes.pop()
 
 
+def _is_records(predictions: Any) -> bool:
+    return isinstance(predictions, list) and all(isinstance(p, dict) for p in predictions)
+
+
 def _cat(items: list[Any]) -> Any:
     first = items[0]
+    if _is_records(first):
+        return [record for item in items for record in item]
     if isinstance(first, Tensor):
         return torch.cat(items)
     if isinstance(first, dict):

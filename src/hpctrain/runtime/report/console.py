@@ -246,6 +246,11 @@ def quiet_lightning() -> None:
         logging.getLogger(f"{namespace.package}.utilities.rank_zero").addFilter(
             _DropMessages(("💡 Tip", "Trainer already configured with model summary"))
         )
+    # torchao (imported by peft wherever it is installed) registers enums torch now knows: torch's notice
+    # of it on every LLM run is for torchao's authors, not for a run
+    logging.getLogger("torch.utils._pytree").addFilter(
+        _DropMessages(("%s is an Enum subclass and is now natively",))
+    )
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings(

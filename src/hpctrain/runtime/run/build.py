@@ -2,10 +2,11 @@
 point, reads as a table of contents; each object is built once, by its own function, and left as built:
 
     namespace    run_namespace(cfg)        the Lightning package the user's classes are written with
-    datamodule   datamodule(cfg.data)      its data checked on every rank, before any process group
-                                           (check_data_available)
+    datamodule   datamodule(cfg.data)
     model        model(cfg.model)          built (a reader's without memory, then checked against its
                                            checkpoint), with the template's switches (channels_last, compile)
+    data checked check_data_available      on every rank, before any process group; after the model, whose
+                                           mistakes come before a tokenizer runs
     trainer      trainer(cfg)              and what it runs with, each from its own function:
       loggers    loggers(cfg.logger)
       callbacks  callbacks(cfg.callbacks)  the user's and the template's, by concern and in one order
@@ -99,7 +100,7 @@ class Run:
     def test(self, checkpoint: str | Path | None) -> None:
         self._evaluate(self.trainer.test, checkpoint)
 
-    def evaluate(self, checkpoint: str | Path, split: str | None) -> None:
+    def evaluate(self, checkpoint: str | Path | None, split: str | None) -> None:
         """src/eval.py: `checkpoint` on `split` (None: the test split where the model and the data have one,
         else the validation split, said in one line)."""
         lacking = {
@@ -214,8 +215,8 @@ def run_objects(
     evaluates; `attempt`: this process's attempt, recorded in run.yaml."""
     with namespaces.building(run_namespace(cfg)) as namespace:  # mixed imports: one sentence, nothing built
         data = datamodule(cfg.data, settings)
+        module = model(cfg.model, settings, checkpoint)  # its mistakes before the data is tokenized
         check_data_available(data)  # missing files are one sentence, on every rank, before any process group
-        module = model(cfg.model, settings, checkpoint)
         built = trainer(cfg, settings, run_dir, training, sweep, module=module, attempt=attempt)
     monitor = next((c for c in built.callbacks if isinstance(c, MonitoredMetric)), None)
     requeue = next((c for c in built.callbacks if isinstance(c, RequeueOnSignal)), None)

@@ -34,7 +34,8 @@ class DifferentBase(UserError):
 
 
 def frozen_names(module: nn.Module) -> list[str]:
-    return [name for name, p in module.named_parameters() if not p.requires_grad]
+    """Every name of a frozen parameter: a tied one (an output layer sharing the embedding) under each."""
+    return [name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
 
 def mostly_frozen(module: nn.Module) -> bool:
