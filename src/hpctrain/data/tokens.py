@@ -84,17 +84,12 @@ class TokenExamples(torch.utils.data.Dataset):
         numbers = [int(index)] if not isinstance(index, Tensor) or index.dim() == 0 else index.tolist()
         examples = [self.example(i) for i in numbers]
         width = max(len(ids) for ids, _, _ in examples)
-        batch = {
-            "input_ids": torch.full((len(examples), width), self.pad_id, dtype=torch.int64),
-            "labels": torch.full((len(examples), width), IGNORE, dtype=torch.int64),
-            "position_ids": torch.zeros((len(examples), width), dtype=torch.int64),
-            "attention_mask": torch.zeros((len(examples), width), dtype=torch.int64),
-        }
-        for row, (ids, labels, positions) in enumerate(examples):
-            n = len(ids)
-            batch["input_ids"][row, :n] = torch.from_numpy(ids.astype(np.int64))
-            batch["labels"][row, :n] = torch.from_numpy(labels.astype(np.int64))
-            batch["position_ids"][row, :n] = torch.from_numpy(positions.astype(np.int64))
+        padding = {"input_ids": self.pad_id, "labels": IGNORE, "position_ids": 0, "attention_mask": 0}
+        batch = {k: torch.full((len(examples), width), v, dtype=torch.int64) for k, v in padding.items()}
+        for row, example in enumerate(examples):
+            n = len(example[0])
+            for key, values in zip(("input_ids", "labels", "position_ids"), example, strict=True):
+                batch[key][row, :n] = torch.from_numpy(values.astype(np.int64))
             batch["attention_mask"][row, :n] = 1
         return batch
 
