@@ -57,16 +57,8 @@ class AttemptProgress(LightningPart, lightning="pytorch_lightning.Callback"):
             self._steps.append(time.perf_counter() - self._step_started)
         self._progress(trainer)
 
-    def on_validation_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
-        self._progress(trainer)
-
-    def on_test_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
-        self._progress(trainer)
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._progress(trainer)
-
-    def _progress(self, trainer: Trainer) -> None:
+    def _progress(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
+        """A batch or training ended: a save the writer made since is recorded, and a heartbeat when due."""
         if not trainer.is_global_zero:
             return
         # the writer's record of its newest save (an FSDP2 strategy that writes its own shards may keep one)
@@ -87,6 +79,8 @@ class AttemptProgress(LightningPart, lightning="pytorch_lightning.Callback"):
         if time.monotonic() >= self._beat_at:
             self._record(seen={"at": round(time.time(), 3), "step": trainer.global_step})
             self._beat_at = time.monotonic() + attempts.HEARTBEAT_S
+
+    on_validation_batch_end = on_test_batch_end = on_train_end = _progress
 
     def _record(self, **fields: Any) -> None:
         if self.attempt is not None:

@@ -180,7 +180,6 @@ class PerformanceLog(LightningPart, lightning="pytorch_lightning.Callback"):
                 }
                 for r in sorted(per_rank)
             }
-            hosts = {r: s["host"] for r, s in sums.items()}
             summary["nodes"] = {
                 host: {name: {k: rounded(v) for k, v in spread.items()} for name, spread in spreads.items()}
                 for host, spreads in node_spreads(per_rank, hosts).items()

@@ -39,13 +39,12 @@ class RankWatchdog(LightningPart, lightning="pytorch_lightning.Callback"):
         straggler_every_s: float = 30,
         straggler_factor: float = 1.5,
     ) -> None:
-        self.timeout_s = 60 * float(timeout_min)  # dist.timeout_min: how long ranks wait for each other
         self.straggler_every_s = float(straggler_every_s)
         self.straggler_factor = float(straggler_factor)
         self.clock = StepClock()
         self.report: StragglerReport | None = None
         self._logged: dict[int, float] | None = None
-        self.timeout_min = float(timeout_min)
+        self.timeout_min = float(timeout_min)  # dist.timeout_min: how long ranks wait for each other
         self.init_timeout_min = self.timeout_min if init_timeout_min is None else float(init_timeout_min)
         self._training_timeout: float | bool | None = None  # False: set once a step was done
         self._several = False
@@ -139,7 +138,7 @@ class RankWatchdog(LightningPart, lightning="pytorch_lightning.Callback"):
                 trainer.current_epoch,
                 trainer.fit_loop.epoch_loop.batch_progress.current.ready,
                 trainer.world_size,
-                self.timeout_s,
+                60 * self.timeout_min,
             )
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

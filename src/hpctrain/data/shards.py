@@ -93,28 +93,35 @@ def write_shard(
             labels=labels[kept],
             names=names[kept],
         )
-    index_digest = hashlib.sha256(Path(f"{stem}.npz.tmp").read_bytes()).hexdigest()
     os.replace(f"{stem}.bin.tmp", f"{stem}.bin")
     os.replace(f"{stem}.npz.tmp", f"{stem}.npz")
-    entry = {
-        "file": f"{split}/{stem.name}.bin",
-        "index": f"{split}/{stem.name}.npz",
-        "samples": len(kept),
-        "skipped": skipped,
-        "bytes": position,
-        "sha256": digest.hexdigest(),
-        "index_bytes": Path(f"{stem}.npz").stat().st_size,
-        "index_sha256": index_digest,
-    }
+    entry = shard_entry(stem, len(kept), skipped, position, digest.hexdigest())
     tmp = entry_file.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(entry))
     os.replace(tmp, entry_file)
     return entry
 
 
+def shard_entry(stem: Path, samples: int, skipped: int, size: int, sha256: str) -> dict[str, Any]:
+    """A shard's manifest entry, once `<stem>.bin` and its index `<stem>.npz` are written."""
+    split = stem.parent.name
+    index = Path(f"{stem}.npz")
+    return {
+        "file": f"{split}/{stem.name}.bin",
+        "index": f"{split}/{index.name}",
+        "samples": samples,
+        "skipped": skipped,
+        "bytes": size,
+        "sha256": sha256,
+        "index_bytes": index.stat().st_size,
+        "index_sha256": hashlib.sha256(index.read_bytes()).hexdigest(),
+    }
+
+
 def write_manifest(
-    out: Path, classes: Sequence[str], splits: dict[str, list[dict[str, Any]]], source: str
+    out: Path, classes: Sequence[str], splits: dict[str, list[dict[str, Any]]], source: str, **more: Any
 ) -> None:
+    """The manifest, last: the shards' entries by split, and `more` (a token set's `kind` and `tokens`)."""
     manifest = {
         "format": FORMAT,
         "source": source,
@@ -123,6 +130,7 @@ def write_manifest(
             split: {"samples": sum(e["samples"] for e in entries), "shards": entries}
             for split, entries in splits.items()
         },
+        **more,
     }
     tmp = out / f"{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")

@@ -28,7 +28,7 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -55,36 +55,45 @@ def stage(
     own = private_folder(stage_dir)
     target = own / source.name
     expected = _marker(files)
-    lock = own / f".{source.name}.lock"
+    once(
+        own / f".{source.name}.lock",
+        lambda: _reusable(target, expected),
+        lambda: _copy(source, target, files, index, expected, verify),
+        f"stage {target}",
+    )
+    return target
+
+
+def once(lock: Path, done: Callable[[], bool], make: Callable[[], None], doing: str) -> bool:
+    """`make()` run by the first process of the job (on any node sharing `lock`'s folder) to create `lock`
+    while `done()` is false; the others wait until it is done, or take over from a holder that died.
+    Whether this process made it."""
     waited_since = time.monotonic()
     reported = 0.0
-    while True:
-        if _reusable(target, expected):
-            return target
+    while not done():
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             if _holder_is_gone(lock):
-                lock.unlink(missing_ok=True)  # a process of an earlier attempt died while copying
+                lock.unlink(missing_ok=True)  # a process of an earlier attempt died while making it
                 continue
             if time.monotonic() - waited_since - reported >= 60:
                 reported = time.monotonic() - waited_since
                 log.info(
-                    "waiting for %s to stage %s (%.0f s so far)",
-                    _read(lock) or "another process",
-                    target,
-                    reported,
+                    "waiting for %s to %s (%.0f s so far)", _read(lock) or "another process", doing, reported
                 )
             time.sleep(POLL_S)
             continue
         with os.fdopen(fd, "w") as file:
             file.write(f"{socket.gethostname()} {os.getpid()}\n")
         try:
-            if not _reusable(target, expected):  # another process may have finished between our two looks
-                _copy(source, target, files, index, expected, verify)
+            if done():  # another process may have finished between our two looks
+                return False
+            make()
         finally:
             lock.unlink(missing_ok=True)
-        return target
+        return True
+    return False
 
 
 def private_folder(stage_dir: Path) -> Path:
@@ -182,7 +191,9 @@ def _check_name(name: str, source: Path, target: Path) -> None:
     or in the copy, a regular file of the set, whose copy lies inside the copy's folder."""
     parts = PurePosixPath(name).parts
     plain = bool(parts) and not PurePosixPath(name).is_absolute() and str(PurePosixPath(*parts)) == name
-    linked = any(root.joinpath(*parts[:i]).is_symlink() for root in (source, target) for i in range(1, len(parts)))
+    linked = any(
+        root.joinpath(*parts[:i]).is_symlink() for root in (source, target) for i in range(1, len(parts))
+    )
     if not plain or ".." in parts or linked or not confined.inside(target / name, target):
         raise UserError(
             f"the manifest of {source} names {name!r}, which is no file of the set itself (a path that leaves it, or "

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -39,9 +38,8 @@ import torch
 from torch import Tensor
 
 from hpctrain.data.loading import ResumableDataLoader, make_loader, pin_memory_default
-from hpctrain.data.shards import MANIFEST, manifest_files, read_manifest, write_manifest
-from hpctrain.data.staging import POLL_S, stage
-from hpctrain.runtime.environment import launched
+from hpctrain.data.shards import MANIFEST, manifest_files, read_manifest, shard_entry, write_manifest
+from hpctrain.data.staging import once, stage
 from hpctrain.runtime.errors import UserError
 from hpctrain.runtime.namespaces import LightningPart
 
@@ -86,17 +84,12 @@ class TokenExamples(torch.utils.data.Dataset):
         numbers = [int(index)] if not isinstance(index, Tensor) or index.dim() == 0 else index.tolist()
         examples = [self.example(i) for i in numbers]
         width = max(len(ids) for ids, _, _ in examples)
-        batch = {
-            "input_ids": torch.full((len(examples), width), self.pad_id, dtype=torch.int64),
-            "labels": torch.full((len(examples), width), IGNORE, dtype=torch.int64),
-            "position_ids": torch.zeros((len(examples), width), dtype=torch.int64),
-            "attention_mask": torch.zeros((len(examples), width), dtype=torch.int64),
-        }
-        for row, (ids, labels, positions) in enumerate(examples):
-            n = len(ids)
-            batch["input_ids"][row, :n] = torch.from_numpy(ids.astype(np.int64))
-            batch["labels"][row, :n] = torch.from_numpy(labels.astype(np.int64))
-            batch["position_ids"][row, :n] = torch.from_numpy(positions.astype(np.int64))
+        padding = {"input_ids": self.pad_id, "labels": IGNORE, "position_ids": 0, "attention_mask": 0}
+        batch = {k: torch.full((len(examples), width), v, dtype=torch.int64) for k, v in padding.items()}
+        for row, example in enumerate(examples):
+            n = len(example[0])
+            for key, values in zip(("input_ids", "labels", "position_ids"), example, strict=True):
+                batch[key][row, :n] = torch.from_numpy(values.astype(np.int64))
             batch["attention_mask"][row, :n] = 1
         return batch
 
@@ -125,11 +118,7 @@ def write_tokens(out: Path, splits: dict[str, Iterable[Example]], source: str, a
                 pending, lengths, size = [], [], 0
         if pending or not entries[split]:
             entries[split].append(_write_shard(out, split, len(entries[split]), pending, lengths))
-    write_manifest(out, [], entries, source)
-    manifest = json.loads((out / MANIFEST).read_text())
-    manifest["kind"] = "tokens"
-    manifest["tokens"] = about
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_manifest(out, [], entries, source, kind="tokens", tokens=about)
 
 
 def _write_shard(
@@ -144,16 +133,7 @@ def _write_shard(
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else sizes
     with open(f"{stem}.npz", "wb") as index:
         np.savez(index, offsets=offsets, lengths=np.asarray(lengths, dtype=np.int64))
-    return {
-        "file": f"{split}/{stem.name}.bin",
-        "index": f"{split}/{stem.name}.npz",
-        "samples": len(lengths),
-        "skipped": 0,
-        "bytes": data.nbytes,
-        "sha256": hashlib.sha256(data.tobytes()).hexdigest(),
-        "index_bytes": Path(f"{stem}.npz").stat().st_size,
-        "index_sha256": hashlib.sha256(Path(f"{stem}.npz").read_bytes()).hexdigest(),
-    }
+    return shard_entry(stem, len(lengths), 0, data.nbytes, hashlib.sha256(data.tobytes()).hexdigest())
 
 
 def source_digest(sources: Sequence[Path], settings: dict[str, Any]) -> str:
@@ -178,50 +158,20 @@ def made_once(target: Path, make: Any, marker: str = MANIFEST) -> bool:
     """`target` (a folder holding `marker` once complete) made by the first process of the job to get here,
     on any node (a shared filesystem), `make(tmp)` writing into a temporary folder renamed into place; the
     others wait for it. Whether this process made it."""
-    lock = target.with_name(f".{target.name}.lock")
-    waited = time.monotonic()
-    reported = 0.0
-    target.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        if (target / marker).is_file():
-            return False
+
+    def make_in_place() -> None:
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            host, _, pid = _read(lock).partition(" ")
-            if host and launched.process_is_gone(host, pid):
-                lock.unlink(missing_ok=True)  # its maker died: take over
-                continue
-            if time.monotonic() - waited - reported >= 60:
-                reported = time.monotonic() - waited
-                log.info(
-                    "waiting for %s to write %s (%.0f s so far)", host or "another process", target, reported
-                )
-            time.sleep(POLL_S)
-            continue
-        with os.fdopen(fd, "w") as file:
-            file.write(f"{socket.gethostname()} {os.getpid()}\n")
-        try:
-            if (target / marker).is_file():
-                return False
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            try:
-                make(tmp)
-                os.replace(tmp, target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            make(tmp)
+            os.replace(tmp, target)
         finally:
-            lock.unlink(missing_ok=True)
-        return True
+            shutil.rmtree(tmp, ignore_errors=True)
 
-
-def _read(lock: Path) -> str:
-    try:
-        return lock.read_text().strip()
-    except OSError:
-        return ""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.with_name(f".{target.name}.lock")
+    return once(lock, (target / marker).is_file, make_in_place, f"write {target}")
 
 
 class TokenizedDataModule(LightningPart, lightning="pytorch_lightning.LightningDataModule"):

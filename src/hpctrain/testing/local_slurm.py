@@ -27,6 +27,8 @@ from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "srun")
 NODE_NAMES = ("node1", "node2")
+# the job states `wait` ends at
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 # Held while a cluster picks its ports and until its daemons listen on them: two clusters started at once
 # (one per pytest-xdist worker) would otherwise pick the same free ports, and one's daemons would fail to
 # bind while its clients talked to the other's.
@@ -186,24 +188,12 @@ class LocalSlurmCluster:
         out = self.run("scontrol", "show", "job", "-o", job_id).stdout
         return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
-    def wait(
-        self,
-        job_id: str,
-        timeout_s: float,
-        until: tuple[str, ...] = (
-            "COMPLETED",
-            "FAILED",
-            "CANCELLED",
-            "TIMEOUT",
-            "NODE_FAIL",
-            "OUT_OF_MEMORY",
-        ),
-    ) -> dict[str, str]:
-        """Poll until the job reaches one of `until`; cancel it and raise after `timeout_s`."""
+    def wait(self, job_id: str, timeout_s: float) -> dict[str, str]:
+        """Poll until the job has ended (`ENDED`); cancel it and raise after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             info = self.job(job_id)
-            if info.get("JobState") in until:
+            if info.get("JobState") in ENDED:
                 return info
             time.sleep(0.5)
         self.run("scancel", job_id)
@@ -263,10 +253,7 @@ PartitionName=debug Nodes=node[1-{len(NODE_NAMES)}] Default=YES MaxTime=INFINITE
         deadline = time.monotonic() + timeout_s
         out = ""
         while time.monotonic() < deadline:
-            result = subprocess.run(
-                ["sinfo", "-h", "-o", "%T %D"], env=self.env, capture_output=True, text=True
-            )
-            out = result.stdout.strip()
+            out = self.run("sinfo", "-h", "-o", "%T %D").stdout.strip()
             if out == f"idle {len(NODE_NAMES)}":
                 return
             time.sleep(0.5)

@@ -39,11 +39,8 @@ from hpctrain.runtime.errors import UserError
 log = logging.getLogger("hpctrain")
 
 GROUPS = ("model", "data", "monitor")  # the config a checkpoint stores and a reader takes from it
-CHOSEN = (
-    "experiment",
-    "model",
-    "data",
-)  # the groups whose options a checkpoint records (and their subgroups)
+# the groups whose options a checkpoint records (and their subgroups)
+CHOSEN = ("experiment", "model", "data")
 BUDGET = 100_000  # nodes of a stored config: a model's config has hundreds
 DEPTH = 64  # levels of a stored config: a model's config has a handful
 MAX_TEXT = 4096  # characters of one stored string
@@ -65,18 +62,18 @@ class Proposal:
     values: dict[str, Any]
 
 
-def plain(value: Any, source: str, budget: int = BUDGET) -> Any:
-    """`value` as JSON data (a copy), or one sentence: another type, more than `budget` nodes or `DEPTH`
+def plain(value: Any, source: str) -> Any:
+    """`value` as JSON data (a copy), or one sentence: another type, more than `BUDGET` nodes or `DEPTH`
     levels, or a node reached twice (a file can share one node many levels deep and claim a vast tree in a
     few bytes)."""
     seen: set[int] = set()
-    left = [budget]
+    left = [BUDGET]
 
     def copy(node: Any, depth: int = 0) -> Any:
         left[0] -= 1
         if left[0] < 0 or depth > DEPTH:
             raise ProposalRefused(
-                f"{source} stores a config of more than {budget} values or {DEPTH} levels, which no config "
+                f"{source} stores a config of more than {BUDGET} values or {DEPTH} levels, which no config "
                 "written by src/train.py holds; pass a checkpoint of this project."
             )
         if node is None or isinstance(node, bool | int | float):
@@ -108,7 +105,8 @@ def plain(value: Any, source: str, budget: int = BUDGET) -> Any:
 def proposal_of(stored: Any, source: str) -> Proposal:
     """The proposal of a file's stored config (`{choices, model, data, monitor}`), checked for its shape."""
     stored = plain(stored, source)
-    if not isinstance(stored, dict):
+    values = {g: stored[g] for g in GROUPS if g in stored} if isinstance(stored, dict) else None
+    if values is None or not all(isinstance(v, dict) for v in values.values()):
         raise ProposalRefused(
             f"{source} holds something else where its config should be; pass a checkpoint written by this project."
         )
@@ -119,11 +117,6 @@ def proposal_of(stored: Any, source: str) -> Proposal:
     ):
         raise ProposalRefused(
             f"{source} records config options that are no group's option names; pass model=<option> data=<option>."
-        )
-    values = {g: stored[g] for g in GROUPS if g in stored}
-    if not all(isinstance(v, dict) for v in values.values()):
-        raise ProposalRefused(
-            f"{source} holds something else where its config should be; pass a checkpoint written by this project."
         )
     return Proposal(source, {g: o for g, o in choices.items() if o is not None}, values)
 
@@ -314,11 +307,10 @@ def _fits(value: Any, now: Any) -> bool:
 
 
 def _scalar_or_scalars(value: Any) -> bool:
-    if isinstance(value, list):
-        return all(
-            v is None or (isinstance(v, bool | int | float | str) and not _interpolates(v)) for v in value
-        )
-    return value is None or (isinstance(value, bool | int | float | str) and not _interpolates(value))
+    return all(
+        v is None or (isinstance(v, bool | int | float | str) and not _interpolates(v))
+        for v in (value if isinstance(value, list) else [value])
+    )
 
 
 def _interpolates(value: Any) -> bool:

@@ -226,17 +226,9 @@ def _recorded(job: Any) -> str | None:
 def _where_every_rank_stands(job: Any, reason: str) -> str:
     """The sentence when no rank lags by position: where each one's stacks say it is."""
     run_dir = stacks.run_dir()
-    places = {}
-    if run_dir is not None:
-        for other in sorted(stacks.known_ranks(run_dir)):
-            frames = stacks.main_thread_frames(stacks.latest_dump(stacks.rank_file(run_dir, other)))
-            if frames:
-                places[other] = stacks.where(frames)
+    places = stacks.places(run_dir) if run_dir is not None else {}
     where = f" ({stacks.summary(places)})" if places else ""
-    folder = (
-        f"; every rank's stacks: {run_dir / stacks.STACKS_DIR}/rank<N>.txt" if run_dir is not None else ""
-    )
-    return f"the job hung: {reason}{where}{folder}"
+    return f"the job hung: {reason}{where}{stacks.folder_note(run_dir)}"
 
 
 def _who_did_not_arrive(job: Any, wait_s: float = 3.0, reason: str | None = None) -> str | None:
@@ -272,6 +264,7 @@ def _who_did_not_arrive(job: Any, wait_s: float = 3.0, reason: str | None = None
     if not lagging:
         return None
     run_dir = stacks.run_dir()
+    stood = stacks.places(run_dir) if run_dir is not None else {}
     places = []
     for late in lagging:
         if late in positions:
@@ -284,17 +277,12 @@ def _who_did_not_arrive(job: Any, wait_s: float = 3.0, reason: str | None = None
             place = f"rank {late} on {host} ({behind}"
         else:
             place = f"rank {late} (no position: it has not reached the run's setup"
-        if run_dir is not None:
-            frames = stacks.main_thread_frames(stacks.latest_dump(stacks.rank_file(run_dir, late)))
-            if frames:
-                place += f", {stacks.where(frames)}"
-        places.append(place + ")")
+        places.append(place + (f", {stood[late]})" if late in stood else ")"))
     failed = state()
     within = f" within {failed.timeout_key}={failed.timeout_min:g}" if failed.timeout_min else ""
-    where = f"; every rank's stacks: {run_dir / stacks.STACKS_DIR}/rank<N>.txt" if run_dir is not None else ""
     return (
         f"{'; '.join(places)} did not arrive at a collective{within} while the others waited for "
-        f"{'it' if len(lagging) == 1 else 'them'} {_where(*furthest[2:5])}{where}"
+        f"{'it' if len(lagging) == 1 else 'them'} {_where(*furthest[2:5])}{stacks.folder_note(run_dir)}"
     )
 
 

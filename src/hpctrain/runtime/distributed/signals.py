@@ -329,13 +329,9 @@ def _where_ranks_stood() -> str:
     run_dir = stacks.run_dir()
     if run_dir is None:
         return ""
-    places = []
-    for rank in sorted(stacks.known_ranks(run_dir)):
-        frames = stacks.main_thread_frames(stacks.latest_dump(stacks.rank_file(run_dir, rank)))
-        if frames:
-            places.append(f"rank {rank}: {stacks.where(frames)}")
-    shown = f" ({'; '.join(places)})" if places else ""
-    return f"{shown}; every rank's stacks: {run_dir / stacks.STACKS_DIR}/rank<N>.txt"
+    places = stacks.places(run_dir)
+    shown = f" ({'; '.join(f'rank {rank}: {place}' for rank, place in places.items())})" if places else ""
+    return f"{shown}{stacks.folder_note(run_dir)}"
 
 
 def received() -> int:

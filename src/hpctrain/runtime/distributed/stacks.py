@@ -166,6 +166,21 @@ def latest_dump(path: Path, since: int = 0) -> str:
     return text[text.rfind(HEADER) :] if HEADER in text else text
 
 
+def places(run_dir: Path) -> dict[int, str]:
+    """Where each of the run's ranks stood in its newest dump (`where`); a rank without one is left out."""
+    found = {}
+    for rank in sorted(known_ranks(run_dir)):
+        frames = main_thread_frames(latest_dump(rank_file(run_dir, rank)))
+        if frames:
+            found[rank] = where(frames)
+    return found
+
+
+def folder_note(run_dir: Path | None) -> str:
+    """What a sentence about a hang ends with: where every rank's stacks are (nothing without a folder)."""
+    return f"; every rank's stacks: {run_dir / STACKS_DIR}/rank<N>.txt" if run_dir is not None else ""
+
+
 def ranges(ranks: Iterable[int]) -> str:
     """[0, 1, 2, 4, 5] -> 'ranks 0-2, 4-5'; [3] -> 'rank 3'."""
     ordered = sorted(ranks)

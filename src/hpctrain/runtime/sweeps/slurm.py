@@ -67,6 +67,8 @@ POLL_S = 2.0  # how often a packed sweep's launcher asks SLURM whether its jobs 
 # sbatch flags of hydra-submitit-launcher's keys that a packed job passes through as they are
 PASSED = ("comment", "constraint", "exclude", "cpus_per_gpu", "mem_per_gpu")
 # hydra-submitit-launcher's keys that set a flag of the request (config/slurm_request.py) where not null
+# submitit's own names of its parameters; the others go to sbatch as slurm_<key>
+SUBMITIT_KEYS = ("timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node", "mem_gb", "nodes", "name")
 REQUEST_KEYS = {"timeout_min": "time", "cpus_per_task": "cpus-per-task", "mem_gb": "mem"} | {
     key: key for key in ("partition", "account", "qos")
 }
@@ -165,24 +167,16 @@ class SlurmLauncher(SubmititSlurmLauncher):
         executor = submitit.AutoExecutor(
             cluster="slurm", folder=folder, slurm_max_num_timeout=params.pop("max_num_timeout", 0)
         )
-        shared = {
-            "timeout_min",
-            "cpus_per_task",
-            "gpus_per_node",
-            "tasks_per_node",
-            "mem_gb",
-            "nodes",
-            "name",
-        }
         params["srun_args"] = ["--kill-on-bad-exit=1"]
-        executor.update_parameters(**{k if k in shared else f"slurm_{k}": v for k, v in params.items()})
+        executor.update_parameters(
+            **{k if k in SUBMITIT_KEYS else f"slurm_{k}": v for k, v in params.items()}
+        )
 
         Path(self._sweep_dir).mkdir(parents=True, exist_ok=True)
-        job_params = []
-        for number, overrides in enumerate(job_overrides, start=initial_job_idx):
-            job_params.append(
-                (list(overrides), "hydra.sweep.dir", number, f"job_id_for_{number}", Singleton.get_state())
-            )
+        job_params = [
+            (list(overrides), "hydra.sweep.dir", number, f"job_id_for_{number}", Singleton.get_state())
+            for number, overrides in enumerate(job_overrides, start=initial_job_idx)
+        ]
         jobs = executor.map_array(self, *zip(*job_params, strict=True))
         for (overrides, _, number, _, _), job in zip(job_params, jobs, strict=True):
             log.info(

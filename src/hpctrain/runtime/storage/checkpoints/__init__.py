@@ -78,8 +78,14 @@ class StartPoint:
             warning = self._check_checkpoint(model, model_cfg)
             if init.path:
                 lines.append(f"init_from.path={init.path} skipped: the run continues from {self.checkpoint}")
-        elif init.path:
-            lines.append(_load_init_weights(model, init))
+        elif init.path:  # a fresh run starts from init_from's weights
+            from hpctrain.runtime.storage.checkpoints import init_from
+
+            lines.append(
+                init_from.apply(
+                    model, init.path, strict=init.strict, exclude=init.exclude, prefix=init.prefix
+                )
+            )
         if launched.is_rank_zero():
             if self.run_dir is not None:
                 remove_partial_saves(self.run_dir)
@@ -115,13 +121,6 @@ class StartPoint:
         if self.checkpoint:
             return f"starting from {self.checkpoint} ({self.reason})"
         return f"starting fresh ({self.reason})"
-
-
-def _load_init_weights(model: LightningModule, init: InitFrom) -> str:
-    """A fresh run starts from `init_from.path`'s weights; the line that says what was loaded."""
-    from hpctrain.runtime.storage.checkpoints import init_from
-
-    return init_from.apply(model, init.path, strict=init.strict, exclude=init.exclude, prefix=init.prefix)
 
 
 def is_restart(record: Mapping[str, Any], env: Mapping[str, str] | None = None) -> bool:

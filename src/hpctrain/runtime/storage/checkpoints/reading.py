@@ -96,9 +96,7 @@ def check_matches_model(
     stored: dict[str, Tensor] = content["state_dict"]
     expected = module.state_dict()
     missing = sorted(set(expected) - set(stored))
-    if (
-        trainable_only.stored(content) is not None
-    ):  # its frozen part is the model's own, built from its source
+    if trainable_only.stored(content) is not None:  # its frozen part is the model's own, from its source
         missing = sorted(set(missing) - set(trainable_only.frozen_names(module)))
     unexpected = sorted(set(stored) - set(expected))
     resized = sorted(
