@@ -180,6 +180,7 @@ def test_accumulated_micro_batches_on_any_ranks_give_the_gradient_of_one_batch(
         strategy,
         tmp_path,
         "model/optimizer=sgd",
+        "~model.optimizer.eps",  # run_cell's AdamW setting: SGD takes none
         "model.optimizer.lr=1.0",
         "model.optimizer.momentum=0.0",
         "model.optimizer.nesterov=false",

@@ -422,7 +422,7 @@ def test_a_signal_during_prediction_requeues_the_job_which_predicts_everything_a
         "trainer=ddp_cpu",
         f"ckpt_path={checkpoint}",
         *user_code("PredictingClassifier", data="PredictData"),  # its classes, named as at training
-        "data.batch_size=4",  # 81 samples per rank: 21 batches, checked for a signal every 10
+        "+data.batch_size=4",  # 81 samples per rank: 21 batches, checked for a signal every 10
         f"predict.output={output}",
         f"paths.log_dir={tmp_path}",
         cwd=ROOT,

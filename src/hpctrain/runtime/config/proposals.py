@@ -159,7 +159,7 @@ def composed(
     command_line = relevant(command_line)
     given = {_key(o).replace("/", ".") for o in command_line}
     options = proposal.choices or inferred_choices(proposal.values)
-    overrides = [f"{g}={o}" for g, o in sorted(options.items()) if g.replace("/", ".") not in given]
+    overrides = [f"{g}={o}" for g, o in sorted(options.items()) if not _decided(g, given)]
     try:
         cfg = compose([*overrides, *command_line])
     except Exception as err:  # Hydra's: an option this project does not have
@@ -232,7 +232,15 @@ def chosen(proposal: Proposal, command_line: Sequence[str]) -> dict[str, str]:
     """The options a composition of `proposal` takes: the file's, unless the command line chooses."""
     given = {_key(o): o.split("=", 1)[1] for o in relevant(command_line) if "=" in o and _is_group(_key(o))}
     options = proposal.choices or inferred_choices(proposal.values)
-    return {**{g: o for g, o in options.items() if g not in given}, **given}
+    decided = {g.replace("/", ".") for g in given}
+    return {**{g: o for g, o in options.items() if not _decided(g, decided)}, **given}
+
+
+def _decided(group: str, given: set[str]) -> bool:
+    """Whether the command line chooses `group` (model/net) or a group above it (model=... decides its
+    net, optimizer and scheduler too: the file's choices of a model the command did not pick never mix in)."""
+    parts = group.split("/")
+    return any(".".join(parts[: i + 1]) in given for i in range(len(parts)))
 
 
 def _refuse_what_changes_the_model(source: str, unfit: list[tuple[str, Any]]) -> None:
