@@ -14,6 +14,7 @@ from tests.helpers import EXAMPLES, run_script
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.ondemand  # a maintainer's tool, run before a dated report; the data benchmark stays in CI
 def test_the_benchmark_reports_every_row(tmp_path: Path):
     out = tmp_path / "bench.json"
     result = run_script("scripts/dev/benchmark.py", "--tiny", "--json", str(out))
@@ -50,6 +51,7 @@ def test_the_data_benchmark_reports_every_loader_at_every_size(tmp_path: Path):
     assert "data at scale, 2 MB" in result.stdout
 
 
+@pytest.mark.ondemand  # as above; FSDP2 saves and memory are proven in tests/test_fsdp.py
 def test_the_fsdp_benchmark_reports_memory_throughput_and_saves(tmp_path: Path):
     out = tmp_path / "fsdp.json"
     result = run_script("scripts/dev/fsdp_benchmark.py", "--tiny", "--json", str(out))

@@ -127,6 +127,7 @@ def test_an_exception_in_one_rank_ends_the_job_naming_that_rank(tmp_path: Path):
     assert errors and all("rank 1 on" in line for line in errors), errors  # rank 0 names rank 1, not itself
 
 
+@pytest.mark.ondemand  # tests/test_commit_kills.py kills a save at each of its steps, in CI
 def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_whole(tmp_path: Path):
     """A big model makes each save take long enough to be killed in the middle of it."""
     big = ("model=mlp", "model.net.hidden_sizes=[2048,2048,2048]", "data=digits", "trainer=cpu")

@@ -108,7 +108,7 @@ def test_every_generated_name_as_a_stored_target_is_refused_before_anything_is_l
         proposals.composed(proposals.proposal_of(stored, "ckpt_path=f"), [], lambda _: composed.copy())
 
     for name in names[
-        :: max(1, len(names) // 3000)
+        :: max(1, len(names) // 300)
     ]:  # at the top, nested in the project's own model, in the data
         for values in (
             {"model": {"_target_": name}},

@@ -618,6 +618,7 @@ def test_the_experiments_compose_with_the_names_the_guide_gives(tmp_path: Path):
     assert sbatched.trainer.strategy == "fsdp" and sbatched.trainer.precision == "bf16-mixed"
 
 
+@pytest.mark.ondemand  # CI: a LoRA run resumed mid-epoch (this file), Slurm requeues of DDP and FSDP2 jobs
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_a_lora_job_signalled_mid_epoch_requeues_and_ends_as_the_uninterrupted_one(

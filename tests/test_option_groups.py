@@ -103,8 +103,25 @@ DATA: dict[str, tuple[tuple[str, ...], ...]] = {
 SMALLER = {"char_transformer": ("data.val_fraction=0.0005", "data.test_fraction=0.0005")}
 
 
+# The costly debug options (a profiler, a trace) run in CI with every third experiment, in turn; with the
+# others on demand (pytest --ondemand). The cheap cells, which carry the data options, all run in CI.
+COSTLY = ("profiler", "trace")
+
+
 def _cells() -> list[tuple[str, int]]:
     return [(experiment, index) for experiment in EXPERIMENTS for index in range(len(CELLS))]
+
+
+def _in_ci(experiment: str, index: int) -> bool:
+    debug = CELLS[index].debug
+    return debug not in COSTLY or list(EXPERIMENTS).index(experiment) % 3 == COSTLY.index(debug)
+
+
+def _params() -> list:
+    return [
+        pytest.param(e, i, id=f"{e}-{CELLS[i].debug}", marks=() if _in_ci(e, i) else pytest.mark.ondemand)
+        for e, i in _cells()
+    ]
 
 
 def test_every_option_of_every_group_is_in_a_cell():
@@ -147,9 +164,7 @@ def digits_checkpoint(quickstart_run: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not EXAMPLES, reason="the examples' experiments are not in this project")
-@pytest.mark.parametrize(
-    ("experiment", "index"), _cells(), ids=[f"{e}-{CELLS[i].debug}" for e, i in _cells()]
-)
+@pytest.mark.parametrize(("experiment", "index"), _params())
 def test_an_option_combined_with_a_shipped_experiment_runs(
     experiment: str, index: int, data_dir: Path, digits_checkpoint: Path, tmp_path: Path
 ):

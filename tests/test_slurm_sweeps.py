@@ -119,6 +119,7 @@ def test_the_slurm_launcher_runs_a_sweep_and_collects_results(slurm_cluster, tmp
     assert "job 1 failed" in log
 
 
+@pytest.mark.ondemand  # the pack driver runs in CI through submit.py (packed points, requeued)
 def test_the_slurm_launcher_packs_jobs_two_to_an_allocation(slurm_cluster, tmp_path: Path):
     """hydra.launcher.pack=2: 4 jobs in 2 allocations of 2 (slurm/pack.sbatch, its driver), the results read
     from their outcome.yaml; launched again with skip_completed=true, nothing is submitted."""
@@ -232,6 +233,7 @@ def test_a_preempted_slurm_launcher_job_resumes_and_finishes(slurm_cluster, tmp_
     )
 
 
+@pytest.mark.ondemand  # Optuna through the launcher runs in CI with repeats (one array)
 def test_an_optuna_study_through_the_slurm_launcher(slurm_cluster, tmp_path: Path):
     result = slurm_cluster.run(
         PYTHON,

@@ -119,6 +119,7 @@ def _clone_with_an_option_in_every_group(project: Path) -> Path:
     return project
 
 
+@pytest.mark.ondemand  # the suite checked against a user's conf/: the whole quick tier again (a minute)
 def test_the_quick_tier_passes_in_a_clone_with_a_users_option_in_every_group(tmp_path: Path):
     """The whole quick tier, in a clone whose conf/ has an option of the user's in each group a user
     extends, three of them pairs whose batches are not `(inputs, targets)`: nothing the template
