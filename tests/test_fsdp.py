@@ -505,7 +505,8 @@ def test_clipping_and_a_frozen_fingerprint_under_tensor_parallel_are_one_process
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "clipped.pt"
-    mp.start_processes(_clipped_on_a_2x2_mesh, args=(port, str(out)), nprocs=4, start_method="fork")
+    # forkserver: a fork of this worker, which may have run autograd, cannot run a backward pass
+    mp.start_processes(_clipped_on_a_2x2_mesh, args=(port, str(out)), nprocs=4, start_method="forkserver")
     found = torch.load(out, weights_only=True)
     assert found["meshes"] == {1, 2}  # the case one norm over every gradient fails on
     assert found["expected"] > 0.5 * 4  # it clips

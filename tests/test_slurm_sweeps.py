@@ -87,6 +87,7 @@ def test_a_job_array_sweep_of_four_concurrent_jobs(slurm_cluster, tmp_path: Path
         assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.ondemand  # CI: the launcher collects results with Optuna repeats, and resumes a preempted job
 def test_the_slurm_launcher_runs_a_sweep_and_collects_results(slurm_cluster, tmp_path: Path):
     result = slurm_cluster.run(
         PYTHON,
@@ -289,6 +290,7 @@ def test_an_optuna_trials_repeats_are_slurm_jobs_of_one_array(slurm_cluster, tmp
     assert best["value"] == pytest.approx(sum(values[j] for j in best["jobs"]) / 2)
 
 
+@pytest.mark.ondemand  # CI: a local sweep re-run into its dir skips what completed (tests/test_sweeps.py)
 def test_a_job_array_re_run_submits_only_the_points_that_did_not_complete(slurm_cluster, tmp_path: Path):
     submit = (
         PYTHON,
