@@ -51,6 +51,7 @@ def _line_of(text: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.ondemand  # CI: the same rank and line named through a two-node Slurm job (test_slurm_hangs.py)
 def test_stacks_names_the_rank_that_sleeps_and_its_line(tmp_path: Path):
     mark = tmp_path / "asleep"
     process = _start(
