@@ -2,15 +2,19 @@
 
 pytest-xdist's workers are separate processes, so a session fixture alone would make it once per worker.
 `made_once` makes it once for all of them: the first worker to ask makes it in the session's base temp
-dir, under a file lock; the others wait for the lock and read what it made."""
+dir, under a file lock; the others wait for the lock and read what it made. `kept` keeps what collection
+derives from the code and configs (a parametrization) across sessions, until they change."""
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,3 +39,20 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callabl
                 raise
             done.touch()
     return folder
+
+
+def kept(name: str, sources: Iterable[Path], make: Callable[[], Any], extra: str = "") -> Any:
+    """`make()` (JSON data), kept in .pytest_cache under a digest of the files `sources` and `extra`: each
+    worker's collection reads it instead of making it again (compositions cost 0.1 s each), until one
+    of those changes. Workers that make it at once write the same file."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources))
+    digest.update(extra.encode())
+    path = Path(__file__).resolve().parents[1] / ".pytest_cache" / f"{name}-{digest.hexdigest()[:16]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    found = make()
+    path.parent.mkdir(exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(found))
+    os.replace(partial, path)
+    return found

@@ -280,34 +280,21 @@ def generated() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     schema's and the preflight's code, this module, allpairspy, the GPUs the preflight would see): the
     quick tier collects the matrix without generating it again (2 to 4 s) unless one of those changed."""
     import glob
-    import hashlib
     import importlib.metadata
-    import json
     import os
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    runtime = root / "src" / "hpctrain" / "runtime"
+    from tests.once import kept
+
+    runtime = Path(__file__).resolve().parents[1] / "src" / "hpctrain" / "runtime"
     sources = [
         Path(__file__),
         *sorted((runtime / "config").glob("*.py")),
         *sorted((runtime / "environment").glob("*.py")),
     ]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources))
-    digest.update(
-        f"{importlib.metadata.version('allpairspy')} {os.environ.get('CUDA_VISIBLE_DEVICES')}".encode()
-    )
-    digest.update(" ".join(sorted(glob.glob("/dev/nvidia*"))).encode())
-    path = root / ".pytest_cache" / f"pairwise-{digest.hexdigest()[:16]}.json"
-    if path.is_file():
-        runs, refused = json.loads(path.read_text())
-        return runs, refused
-    found = cells()
-    path.parent.mkdir(exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(found))
-    os.replace(partial, path)  # workers that generate at once write the same cells
-    return found
+    seen = f"{importlib.metadata.version('allpairspy')} {os.environ.get('CUDA_VISIBLE_DEVICES')}"
+    runs, refused = kept("pairwise", sources, cells, seen + " ".join(sorted(glob.glob("/dev/nvidia*"))))
+    return runs, refused
 
 
 def every_value_once(all_cells: list[dict[str, Any]]) -> list[int]:

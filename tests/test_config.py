@@ -39,6 +39,7 @@ from tests.helpers import (
     local_env,
     require_modules,
 )
+from tests.once import kept
 
 GROUPS = (
     "data",
@@ -98,7 +99,17 @@ def compatible_pairs() -> list[tuple[str, str]]:
     return pairs
 
 
-PAIRS = compatible_pairs()
+# at collection, by every worker: kept until a config or the composition's code changes
+PAIRS = [
+    tuple(pair)
+    for pair in kept(
+        "model-data-pairs",
+        sorted((ROOT / "conf").rglob("*.yaml"))
+        + sorted((ROOT / "src" / "hpctrain" / "conf").rglob("*.yaml"))
+        + sorted((ROOT / "src" / "hpctrain" / "runtime" / "config").glob("*.py")),
+        compatible_pairs,
+    )
+]
 
 
 def _net(*overrides: str) -> str | None:

@@ -473,6 +473,7 @@ def test_tied_embeddings_and_mixed_dtypes_under_fsdp2(tmp_path: Path):
 # ------------------------------------------------------------------------------------------ quick
 
 
+@pytest.mark.slow  # waits on timers (the quick tier waits on none)
 def test_a_folder_is_made_once_while_the_others_wait(tmp_path: Path):
     from hpctrain.data.tokens import made_once
 

@@ -216,6 +216,7 @@ def test_an_unreachable_webhook_is_one_warning_naming_an_offline_node(
     assert SECRET not in warning
 
 
+@pytest.mark.slow  # waits on its timeout (the quick tier waits on no timer)
 def test_a_webhook_that_hangs_costs_the_timeout_at_most_and_one_warning(
     fresh: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):

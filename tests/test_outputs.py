@@ -104,6 +104,7 @@ def _killed_between_renames(run: Path) -> Path:
     return aside
 
 
+@pytest.mark.slow  # waits on timers (the quick tier waits on none)
 def test_every_rank_resumes_from_rank_0s_choice_after_a_kill_mid_commit(tmp_path: Path):
     """While rank 0 tidies the folder (the abandoned staging removed), rank 1 waits for its choice and uses
     it, whatever the folder shows rank 1 afterwards (here, a newer file, as a node's stale or newer view
