@@ -96,6 +96,7 @@ def die_as_a_rank_of_a_sweep_job() -> None:
     raise AssertionError("the main thread was not interrupted")
 
 
+@pytest.mark.slow  # runs two jobs of a sweep (the quick tier starts no run)
 def test_the_jobs_of_a_sweep_in_one_process_find_no_state_of_the_previous_one(tmp_path: Path, monkeypatch):
     found: dict[int, dict[str, Any]] = {}
     left: list[Any] = []
