@@ -104,6 +104,14 @@ def test_a_proposals_options_are_names_of_options_and_the_command_line_chooses_f
         "data": "digits",
         "model": "mnist_cnn",
     }
+    # a group the command line chooses decides its subgroups: the file's net never joins another model
+    found = proposals.proposal_of({"choices": {"model": "mlp", "model/net": "mlp", "data": "digits"}}, "f")
+    assert proposals.chosen(found, ["model=mnist_cnn"]) == {"data": "digits", "model": "mnist_cnn"}
+    asked: list[list[str]] = []
+    proposals.composed(
+        found, ["model=mnist_cnn"], lambda overrides: asked.append(overrides) or OmegaConf.create()
+    )
+    assert asked == [["data=digits", "model=mnist_cnn"]]
 
 
 # ------------------------------------------------------------------------------------ 2. plain data, bounded
