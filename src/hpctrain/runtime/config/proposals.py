@@ -295,7 +295,7 @@ def _leaves(node: Any, prefix: str) -> list[tuple[str, Any]]:
 
 
 def _flat_keys(cfg: DictConfig, group: str) -> set[str]:
-    node = OmegaConf.to_container(cfg, resolve=False).get(group) if group in cfg else None
+    node = OmegaConf.to_container(cfg[group], resolve=False) if OmegaConf.is_dict(cfg.get(group)) else None
     return {k for k, _ in _leaves(node, group)} if isinstance(node, dict) else set()
 
 
