@@ -97,12 +97,9 @@ def choose_source(
     batch_size = int(settings.batch_size or getattr(datamodule, "batch_size", None) or 64)
     read = getattr(datamodule, "predict_input", None)
     if settings.input and callable(read):  # a file of the datamodule's own kind
-        given = read(
-            Path(settings.input).expanduser(), batch_size
-        )  # its dataset and collate, shared out here
-        _serve(
-            datamodule, lambda: in_order(given.dataset, batch_size, 0, datamodule.trainer, given.collate_fn)
-        )
+        given = read(Path(settings.input).expanduser(), batch_size)  # its loader, shared out here in order
+        shared = (given.dataset, batch_size, 0, datamodule.trainer, given.collate_fn)
+        _serve(datamodule, lambda: in_order(*shared))
         return f"{len(given.dataset)} samples of predict.input={settings.input}", None
     if settings.input:
         dataset, paths = input_dataset(Path(settings.input).expanduser(), _image_shape(datamodule))
